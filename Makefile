@@ -1,0 +1,31 @@
+# rollsafe: `make test` and `make demo` set everything up on a fresh machine.
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup test lint bench clean
+
+setup: $(STAMP)
+
+# Reinstall whenever the project's dependency list changes.
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+lint: setup
+	$(BIN)/ruff check rollsafe tests bench
+	$(BIN)/ruff format --check rollsafe tests bench
+	$(BIN)/mypy
+
+bench: setup
+	$(BIN)/python bench/snapshot_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

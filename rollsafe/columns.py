@@ -1,0 +1,130 @@
+"""A table of fixed-shape numeric columns keyed by dataset index, kept dense for fast capture.
+
+The ledger and the replay index each hold one row per live group (a million rollouts is a
+hundred thousand groups and more). Keeping them as numpy columns instead of Python objects
+turns a checkpoint's capture into a handful of array copies and its publish into a streamed
+write, which is what lets a snapshot run near the disk's own speed. Rows are removed by moving
+the last row into the hole, so the live rows are always ``[0, len)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from rollsafe.errors import SnapshotCorrupt
+
+KEY_COLUMN = "idx"
+
+
+@dataclass(frozen=True)
+class Column:
+    dtype: np.dtype[np.generic]
+    shape: tuple[int, ...] = ()
+    default: int = 0
+
+
+class ColumnTable:
+    def __init__(self, spec: Mapping[str, Column], capacity: int = 64) -> None:
+        if KEY_COLUMN in spec:
+            raise ValueError(f"column name {KEY_COLUMN!r} is reserved for the key")
+        self.spec = dict(spec)
+        self._slots: dict[int, int] = {}
+        self._keys = np.empty(capacity, dtype=np.int64)
+        self._cols = {
+            name: np.full((capacity, *col.shape), col.default, dtype=col.dtype)
+            for name, col in self.spec.items()
+        }
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._slots
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._slots)
+
+    def slot(self, key: int) -> int:
+        """Row number of ``key``; raises KeyError when absent (callers name the error)."""
+        return self._slots[key]
+
+    def column(self, name: str) -> np.ndarray:
+        """The whole buffer of a column; rows ``[0, len)`` are live. Writes go straight in."""
+        return self._cols[name]
+
+    def live(self, name: str) -> np.ndarray:
+        return self._cols[name][: len(self._slots)]
+
+    def keys_array(self) -> np.ndarray:
+        return self._keys[: len(self._slots)]
+
+    def add(self, key: int) -> int:
+        if key in self._slots:
+            raise KeyError(key)
+        slot = len(self._slots)
+        if slot == len(self._keys):
+            self._grow()
+        self._keys[slot] = key
+        for name, col in self.spec.items():
+            self._cols[name][slot] = col.default
+        self._slots[key] = slot
+        return slot
+
+    def remove(self, key: int) -> None:
+        slot = self._slots.pop(key)
+        last = len(self._slots)
+        if slot != last:
+            moved = int(self._keys[last])
+            self._keys[slot] = moved
+            for array in self._cols.values():
+                array[slot] = array[last]
+            self._slots[moved] = slot
+
+    def _grow(self) -> None:
+        size = max(64, 2 * len(self._keys))
+        self._keys = np.resize(self._keys, size)
+        for name, array in self._cols.items():
+            grown = np.empty((size, *array.shape[1:]), dtype=array.dtype)
+            grown[: len(array)] = array
+            self._cols[name] = grown
+
+    def capture(self) -> dict[str, np.ndarray]:
+        """Copies of the live rows, sorted by key, so equal tables capture to equal bytes."""
+        order = np.argsort(self.keys_array(), kind="stable")
+        out = {KEY_COLUMN: self.keys_array()[order]}
+        for name in self.spec:
+            out[name] = self.live(name)[order]
+        return out
+
+    @classmethod
+    def from_capture(
+        cls, spec: Mapping[str, Column], arrays: Mapping[str, np.ndarray], source: str
+    ) -> ColumnTable:
+        """Rebuild from :meth:`capture` output; any mismatch with ``spec`` is SnapshotCorrupt."""
+        expected = {KEY_COLUMN, *spec}
+        if set(arrays) != expected:
+            unknown = sorted(set(arrays) - expected)
+            missing = sorted(expected - set(arrays))
+            raise SnapshotCorrupt(f"{source}: columns differ: unknown {unknown}, missing {missing}")
+        keys = arrays[KEY_COLUMN]
+        rows = len(keys)
+        if keys.dtype != np.int64 or keys.ndim != 1:
+            raise SnapshotCorrupt(f"{source}: key column must be 1-d int64")
+        for name, col in spec.items():
+            array = arrays[name]
+            if array.dtype != col.dtype or array.shape != (rows, *col.shape):
+                raise SnapshotCorrupt(
+                    f"{source}: column {name!r} is {array.dtype}{list(array.shape)}, "
+                    f"expected {col.dtype}{[rows, *col.shape]}"
+                )
+        if rows and (np.unique(keys).size != rows or int(keys.min()) < 0):
+            raise SnapshotCorrupt(f"{source}: duplicate or negative keys")
+        table = cls(spec, capacity=max(64, rows))
+        table._keys[:rows] = keys
+        for name in spec:
+            table._cols[name][:rows] = arrays[name]
+        table._slots = dict(zip(keys.tolist(), range(rows), strict=True))
+        return table

@@ -1,0 +1,341 @@
+"""The controller: loader position, ledger, replay index, sampler and data plane as one run.
+
+A plain class with no I/O beyond the snapshot directory and the data plane. The Ray actor of
+later issues is a one-line wrapper around it; the scenario runner drives it directly.
+
+``checkpoint`` captures everything needed to restore (after cross-checking that the ledger,
+the index and the data plane agree) and publishes a snapshot. ``Controller.restore`` builds a
+new controller from the newest snapshot that verifies, checks every restored row against the
+digest it was sealed with, releases claims of steps that never committed, applies each
+group's restart rule and returns a :class:`RestorePlan` saying what is owed and how.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from rollsafe.buffer import ReplayIndex, SamplerState, make_sampler
+from rollsafe.config import RunConfig
+from rollsafe.dataplane import DataPlane, Row, row_digest
+from rollsafe.dataplane.protocol import DataPlaneManifest
+from rollsafe.errors import (
+    InvalidInput,
+    LedgerInvariantViolation,
+    RowMismatch,
+    SnapshotCorrupt,
+    TopologyMismatch,
+)
+from rollsafe.ids import EpisodeId
+from rollsafe.ledger import Ledger
+from rollsafe.snapshot import (
+    SnapshotDraft,
+    SnapshotKind,
+    SnapshotManifest,
+    SnapshotReader,
+    SnapshotStore,
+)
+from rollsafe.states import GroupState, RestoreLevel
+from rollsafe.tensorfile import read_tensors, write_tensors
+
+ROLLOUT_PARTITION = "rollouts"
+_VERIFY_BATCH = 1024
+
+
+class LoaderState(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format_version: int = 1
+    position: int
+    weight_version: int
+
+
+class PartialGroup(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    restored: list[int]  # sealed siblings whose rows came back, digest-checked
+    resumed: list[int]  # attempts their environment restored (turn/prefix), as attempt + 1
+    regenerate: list[int]  # siblings to generate again
+
+
+class RestorePlan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    snapshot: str
+    checkpoint_id: str
+    skipped: dict[str, str]  # newer snapshots refused, with the reason
+    loader_position: int
+    weight_version: int
+    ready: list[int]
+    partial: dict[int, PartialGroup]
+    released_claims: list[int]
+    # Partial groups in redispatch order: admitted (generating) groups first, since they
+    # may be the only work that can advance the trainer, then groups never dispatched.
+    redispatch: list[int]
+
+
+class Controller:
+    def __init__(self, config: RunConfig, dataplane: DataPlane) -> None:
+        self.config = config
+        self.dataplane = dataplane
+        self.ledger = Ledger(config.run_id, config.group_size)
+        self.index = ReplayIndex(config.group_size)
+        self.sampler = make_sampler(config.sampler, config.staleness_window)
+        self.level = RestoreLevel.parse(config.restore_level)
+        self.loader_position = 0
+        self.weight_version = 0
+
+    # ---- the run ---------------------------------------------------------------------------
+
+    def handout(self, groups: Sequence[int]) -> None:
+        """The loader hands out these dataset indices, reserved at the current weight version."""
+        if not groups:
+            raise InvalidInput("handout needs at least one dataset index")
+        if len(set(groups)) != len(groups):
+            raise InvalidInput(f"handout repeats an index: {list(groups)}")
+        below = [idx for idx in groups if idx < self.loader_position]
+        if below:
+            raise InvalidInput(
+                f"handout of {below}: below the loader position {self.loader_position}"
+            )
+        for idx in groups:
+            self.index.reserve(idx, self.weight_version)
+            self.ledger.reserve_group(idx, self.level)
+        self.loader_position = max(groups) + 1
+
+    def row_key(self, idx: int, i: int) -> str:
+        return self.ledger.rollout_id(idx, i).key
+
+    def dispatch(self, idx: int, i: int, owner: str | None = None) -> EpisodeId:
+        episode = self.ledger.dispatch(idx, i, owner)
+        self.index.start(idx, self.weight_version)
+        return episode
+
+    def seal(self, idx: int, i: int, attempt: int, row: Row) -> bool:
+        """Commit a finished rollout's row. False when this exact seal was already applied."""
+        digest = row_digest(row)
+        if not self.ledger.check_seal(idx, i, attempt, digest):
+            return False
+        self.dataplane.put(ROLLOUT_PARTITION, {self.row_key(idx, i): row})
+        self.ledger.seal(idx, i, attempt, digest)
+        self.index.set_sealed(idx, len(self.ledger.sealed(idx)))
+        return True
+
+    def claim(self, groups: Sequence[int], step: int) -> None:
+        self.index.claim(groups, step)
+
+    def commit_step(self, groups: Sequence[int]) -> None:
+        """An optimizer step trained ``groups`` and committed: they leave the run for good,
+        and the policy moves to the next weight version."""
+        if len(set(groups)) != len(groups):
+            raise InvalidInput(f"a step cannot train a group twice: {list(groups)}")
+        keys = {idx: self._sealed_keys(idx) for idx in groups}
+        self.index.train(groups)
+        for idx in groups:
+            self._drop(idx, keys[idx])
+        self.sampler.committed(self.index, groups)
+        self.weight_version += 1
+
+    def evict(self, idx: int) -> None:
+        keys = self._sealed_keys(idx)
+        self.index.evict(idx)
+        self._drop(idx, keys)
+
+    def set_weight_version(self, version: int) -> None:
+        if version < self.weight_version:
+            raise InvalidInput(
+                f"weight version {version} is older than the current {self.weight_version}"
+            )
+        self.weight_version = version
+
+    def select(self) -> list[int]:
+        return self.sampler.select(self.index, self.weight_version, self.config.groups_per_step)
+
+    def _sealed_keys(self, idx: int) -> list[str]:
+        return [self.row_key(idx, i) for i in self.ledger.sealed(idx)]
+
+    def _drop(self, idx: int, keys: list[str]) -> None:
+        self.ledger.drop_group(idx)
+        if keys:
+            self.dataplane.delete(ROLLOUT_PARTITION, keys)
+
+    # ---- checkpoint ------------------------------------------------------------------------
+
+    def verify_inventory(self) -> None:
+        """Ledger, index and data plane must describe the same groups and rows."""
+        sealed = self.ledger.sealed_counts()
+        if set(sealed) != set(self.index.groups()):
+            only_ledger = sorted(set(sealed) - set(self.index.groups()))[:10]
+            only_index = sorted(set(self.index.groups()) - set(sealed))[:10]
+            raise LedgerInvariantViolation(
+                f"ledger and replay index disagree: only in ledger {only_ledger}, "
+                f"only in index {only_index}"
+            )
+        for idx, count in sealed.items():
+            if self.index.sealed(idx) != count:
+                raise LedgerInvariantViolation(
+                    f"group {idx}: ledger has {count} sealed rollouts, "
+                    f"index {self.index.sealed(idx)}"
+                )
+        rows = len(self.dataplane.list(ROLLOUT_PARTITION))
+        if rows != sum(sealed.values()):
+            raise LedgerInvariantViolation(
+                f"data plane holds {rows} rollout rows but {sum(sealed.values())} are sealed"
+            )
+
+    def checkpoint(
+        self,
+        store: SnapshotStore,
+        checkpoint_id: str,
+        kind: SnapshotKind = SnapshotKind.ROLLOUT,
+        anchor_step: int | None = None,
+        seq: int | None = None,
+    ) -> SnapshotManifest:
+        self.verify_inventory()
+        draft = store.begin(kind, checkpoint_id, seq)
+        try:
+            write_columns(draft, "ledger.safetensors", *self.ledger.capture())
+            write_columns(draft, "replay_index.safetensors", *self.index.capture())
+            loader = LoaderState(position=self.loader_position, weight_version=self.weight_version)
+            draft.write_json("loader.json", loader)
+            draft.write_json("sampler.json", self.sampler.state())
+            draft.write_json("run.json", self.config)
+            exported = self.dataplane.export(draft.path / "dataplane")
+            draft.write_json("dataplane.json", exported)
+            draft.record("dataplane")
+            counts = {
+                "groups": len(self.index),
+                "sealed_rollouts": sum(self.ledger.sealed_counts().values()),
+                "claimed_groups": len(self.index.in_states(GroupState.CLAIMED)),
+                "retirements": len(self.ledger.retirements()),
+            }
+            return draft.publish(
+                weight_version=self.weight_version,
+                loader_position=self.loader_position,
+                anchor_step=anchor_step,
+                counts=counts,
+            ).manifest
+        except BaseException:
+            draft.discard()
+            raise
+
+    # ---- restore ---------------------------------------------------------------------------
+
+    @classmethod
+    def restore(
+        cls,
+        config: RunConfig,
+        store: SnapshotStore,
+        dataplane: DataPlane,
+        restored_episodes: Mapping[EpisodeId, str] | None = None,
+        accept: Callable[[SnapshotManifest], str | None] | None = None,
+    ) -> tuple[Controller, RestorePlan]:
+        """Restore from the newest snapshot that verifies into ``dataplane`` (empty).
+
+        ``restored_episodes`` maps each episode an environment restored to its instance.
+        Nothing of the new controller is visible to the caller unless every check passed.
+        """
+        reader = store.select(accept)
+        controller = cls(config, dataplane)
+        controller._load(reader)
+        controller._verify_rows()
+        plan = controller._restart(reader, dict(restored_episodes or {}))
+        return controller, plan
+
+    def _load(self, reader: SnapshotReader) -> None:
+        saved = reader.read_json("run.json", RunConfig)
+        for field in ("run_id", "group_size", "sampler"):
+            if getattr(saved, field) != getattr(self.config, field):
+                raise TopologyMismatch(
+                    f"snapshot {reader.path.name} was taken with {field}="
+                    f"{getattr(saved, field)!r}; this run has {getattr(self.config, field)!r}"
+                )
+        self.ledger = Ledger.restore(*read_columns(reader, "ledger.safetensors"))
+        self.index = ReplayIndex.restore(*read_columns(reader, "replay_index.safetensors"))
+        loader = reader.read_json("loader.json", LoaderState)
+        manifest = reader.manifest
+        if (loader.position, loader.weight_version) != (
+            manifest.loader_position,
+            manifest.weight_version,
+        ):
+            raise SnapshotCorrupt(f"{reader.path.name}: loader.json disagrees with the manifest")
+        self.loader_position = loader.position
+        self.weight_version = loader.weight_version
+        self.sampler.load_state(reader.read_json("sampler.json", SamplerState), self.index)
+        exported = reader.read_json("dataplane.json", DataPlaneManifest)
+        self.dataplane.import_(reader.path / "dataplane", exported)
+        try:
+            self.verify_inventory()
+        except LedgerInvariantViolation as exc:
+            raise SnapshotCorrupt(f"{reader.path.name}: {exc}") from None
+
+    def _verify_rows(self) -> None:
+        """Every sealed rollout's row must come back byte for byte (its sealed digest)."""
+        pending: list[tuple[int, int, str]] = []
+        for idx in self.ledger.groups():
+            pending.extend((idx, i, self.row_key(idx, i)) for i in self.ledger.sealed(idx))
+        for start in range(0, len(pending), _VERIFY_BATCH):
+            batch = pending[start : start + _VERIFY_BATCH]
+            rows = self.dataplane.get(ROLLOUT_PARTITION, [key for _, _, key in batch])
+            for idx, i, key in batch:
+                if row_digest(rows[key]) != self.ledger.digest(idx, i):
+                    raise RowMismatch(idx, i, key, "restored row differs from its sealed digest")
+
+    def _restart(self, reader: SnapshotReader, restored: dict[EpisodeId, str]) -> RestorePlan:
+        released = self.index.release_claims()
+        by_group: dict[int, dict[int, str]] = {}
+        for episode, instance in restored.items():
+            idx, i = episode.rollout.group.idx, episode.rollout.i
+            if idx not in self.ledger or self.ledger.episode(idx, i) != episode:
+                raise LedgerInvariantViolation(
+                    f"restored episode {episode} is not owned by the run"
+                )
+            by_group.setdefault(idx, {})[i] = instance
+        partial: dict[int, PartialGroup] = {}
+        for idx in self.index.in_states(GroupState.RESERVED, GroupState.GENERATING):
+            outcome = self.ledger.restart(idx, by_group.pop(idx, None))
+            if outcome.dropped_rows:
+                self.dataplane.delete(
+                    ROLLOUT_PARTITION, [self.row_key(idx, i) for i in outcome.dropped_rows]
+                )
+            self.index.set_sealed(idx, len(outcome.kept))
+            partial[idx] = PartialGroup(
+                restored=list(outcome.kept),
+                resumed=list(outcome.resumed),
+                regenerate=list(outcome.regenerate),
+            )
+        if by_group:
+            raise LedgerInvariantViolation(
+                "environments restored episodes of groups that are not generating: "
+                f"{sorted(by_group)}"
+            )
+        admitted_first = sorted(
+            partial, key=lambda g: (self.index.state(g) != GroupState.GENERATING, g)
+        )
+        return RestorePlan(
+            snapshot=reader.path.name,
+            checkpoint_id=reader.manifest.checkpoint_id,
+            skipped=dict(reader.skipped),
+            loader_position=self.loader_position,
+            weight_version=self.weight_version,
+            ready=self.index.in_states(GroupState.READY),
+            partial=partial,
+            released_claims=released,
+            redispatch=admitted_first,
+        )
+
+
+def write_columns(
+    draft: SnapshotDraft, relpath: str, arrays: Mapping[str, np.ndarray], meta: Mapping[str, str]
+) -> None:
+    with draft.open(relpath) as out:
+        write_tensors(out, arrays, meta)
+
+
+def read_columns(
+    reader: SnapshotReader, relpath: str
+) -> tuple[dict[str, np.ndarray], dict[str, str], str]:
+    arrays, meta = read_tensors(reader.read_bytes(relpath), f"{reader.path.name}/{relpath}")
+    return arrays, meta, f"{reader.path.name}/{relpath}"

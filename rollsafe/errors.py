@@ -1,0 +1,145 @@
+"""Every error rollsafe raises, under one base.
+
+::
+
+    RollsafeError
+    ├── TransientError                 retry: the same call may succeed later
+    │   ├── EnvUnavailable
+    │   ├── EnvNotReady
+    │   ├── CheckpointTimeout
+    │   └── DataPlaneUnavailable
+    ├── InvariantError                 never retry: state or input is wrong
+    │   ├── OwnershipMismatch
+    │   ├── TopologyMismatch
+    │   ├── SnapshotCorrupt
+    │   │   ├── NoValidSnapshot        no candidate verified; one reason per candidate
+    │   │   └── RowMismatch            a restored row differs from what was sealed
+    │   ├── SchemaMismatch
+    │   ├── LedgerInvariantViolation
+    │   │   ├── IllegalTransition      names the rollout/group and both states
+    │   │   └── SealConflict           a second seal with different content
+    │   ├── UnknownGroup / UnknownRollout
+    │   └── DataPlaneKeyMissing        a read named a key the data plane does not hold
+    └── InvalidInput                   malformed user input (scenario file, CLI argument, id)
+
+At the Temporal boundary each maps to ``ApplicationError(type=<class name>,
+non_retryable=not error.transient)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class RollsafeError(Exception):
+    """Base of every rollsafe error."""
+
+    transient: bool = False
+
+
+class TransientError(RollsafeError):
+    """A failure that may go away: the caller retries."""
+
+    transient = True
+
+
+class EnvUnavailable(TransientError):
+    pass
+
+
+class EnvNotReady(TransientError):
+    pass
+
+
+class CheckpointTimeout(TransientError):
+    pass
+
+
+class DataPlaneUnavailable(TransientError):
+    pass
+
+
+class InvariantError(RollsafeError):
+    """A failure that retrying cannot fix: the state or the input is wrong."""
+
+
+class OwnershipMismatch(InvariantError):
+    pass
+
+
+class TopologyMismatch(InvariantError):
+    pass
+
+
+class SnapshotCorrupt(InvariantError):
+    """A snapshot (or a file in it) failed verification."""
+
+
+class NoValidSnapshot(SnapshotCorrupt):
+    """No snapshot candidate verified. ``reasons`` maps each candidate to why it was refused."""
+
+    def __init__(self, root: str, reasons: dict[str, str]) -> None:
+        self.root = root
+        self.reasons = dict(reasons)
+        if reasons:
+            lines = "".join(f"\n  {name}: {why}" for name, why in sorted(reasons.items()))
+            message = f"no valid snapshot under {root}; candidates refused:{lines}"
+        else:
+            message = f"no snapshot under {root}"
+        super().__init__(message)
+
+
+class RowMismatch(SnapshotCorrupt):
+    """A restored row is not the row that was sealed."""
+
+    def __init__(self, group: int, sibling: int, key: str, detail: str) -> None:
+        self.group = group
+        self.sibling = sibling
+        self.key = key
+        super().__init__(f"group {group} rollout {sibling} ({key}): {detail}")
+
+
+class SchemaMismatch(InvariantError):
+    pass
+
+
+class LedgerInvariantViolation(InvariantError):
+    pass
+
+
+class IllegalTransition(LedgerInvariantViolation):
+    """An operation asked for a transition the state machine does not allow."""
+
+    def __init__(self, subject: str, operation: str, current: str, target: str) -> None:
+        self.subject = subject
+        self.operation = operation
+        self.current = current
+        self.target = target
+        super().__init__(f"{subject}: illegal transition {current} -> {target} ({operation})")
+
+
+class SealConflict(LedgerInvariantViolation):
+    pass
+
+
+class UnknownGroup(InvariantError):
+    pass
+
+
+class UnknownRollout(InvariantError):
+    pass
+
+
+class DataPlaneKeyMissing(InvariantError):
+    """A read asked for keys the data plane does not hold; never a silent short read."""
+
+    def __init__(self, partition: str, missing: Iterable[str]) -> None:
+        self.partition = partition
+        self.missing = sorted(missing)
+        shown = ", ".join(self.missing[:10])
+        more = f" (+{len(self.missing) - 10} more)" if len(self.missing) > 10 else ""
+        super().__init__(f"data plane partition {partition!r} has no row for key(s): {shown}{more}")
+
+
+class InvalidInput(RollsafeError, ValueError):
+    """Malformed input from a user: a file, an argument, an identifier."""

@@ -1,0 +1,111 @@
+"""Identities of a run and their wire keys (DESIGN.md section 2).
+
+- run id: ``[A-Za-z0-9._-]{1,64}``
+- group id: ``f"{run_id}-{idx}"`` for the group handed out at dataset index ``idx``
+- rollout id: ``f"{group_id}_g{i}"``; a rollout's training row key, fixed for its life
+- episode: ``(rollout_id, attempt)``; wire key ``rollout_id`` for attempt 0, else
+  ``f"{rollout_id}-a{attempt}"``. A rollout id always ends in ``_g<i>``, never in ``-a<n>``,
+  so the wire key is injective and parses back unambiguously.
+
+Group ids are derived from the run and the dataset index rather than minted at random: the
+same handout after a restore gets the same id, so every row key is stable across restarts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from rollsafe.errors import InvalidInput
+
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_ROLLOUT_RE = re.compile(
+    r"(?P<run>[A-Za-z0-9._-]{1,64})-(?P<idx>0|[1-9][0-9]*)_g(?P<i>0|[1-9][0-9]*)"
+)
+_EPISODE_RE = re.compile(r"(?P<rollout>.+?_g(?:0|[1-9][0-9]*))(?:-a(?P<attempt>[1-9][0-9]*))?")
+
+
+def validate_run_id(run_id: str) -> str:
+    if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id):
+        raise InvalidInput(f"invalid run id {run_id!r}: expected [A-Za-z0-9._-]{{1,64}}")
+    return run_id
+
+
+def _non_negative(name: str, value: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidInput(f"invalid {name} {value!r}: expected an integer >= 0")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class GroupId:
+    run_id: str
+    idx: int
+
+    def __post_init__(self) -> None:
+        validate_run_id(self.run_id)
+        _non_negative("dataset index", self.idx)
+
+    @property
+    def key(self) -> str:
+        return f"{self.run_id}-{self.idx}"
+
+    def rollout(self, i: int) -> RolloutId:
+        return RolloutId(self, i)
+
+    def __str__(self) -> str:
+        return self.key
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutId:
+    group: GroupId
+    i: int
+
+    def __post_init__(self) -> None:
+        _non_negative("sibling index", self.i)
+
+    @property
+    def key(self) -> str:
+        return f"{self.group.key}_g{self.i}"
+
+    @classmethod
+    def parse(cls, key: str) -> RolloutId:
+        match = _ROLLOUT_RE.fullmatch(key)
+        if match is None:
+            raise InvalidInput(f"invalid rollout id {key!r}: expected <run_id>-<idx>_g<i>")
+        return cls(GroupId(match["run"], int(match["idx"])), int(match["i"]))
+
+    def episode(self, attempt: int) -> EpisodeId:
+        return EpisodeId(self, attempt)
+
+    def __str__(self) -> str:
+        return self.key
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeId:
+    """One attempt's life inside an environment."""
+
+    rollout: RolloutId
+    attempt: int
+
+    def __post_init__(self) -> None:
+        _non_negative("attempt", self.attempt)
+
+    @property
+    def key(self) -> str:
+        if self.attempt == 0:
+            return self.rollout.key
+        return f"{self.rollout.key}-a{self.attempt}"
+
+    @classmethod
+    def parse(cls, key: str) -> EpisodeId:
+        match = _EPISODE_RE.fullmatch(key)
+        if match is None:
+            raise InvalidInput(f"invalid episode key {key!r}: expected <rollout_id>[-a<n>]")
+        attempt = int(match["attempt"]) if match["attempt"] else 0
+        return cls(RolloutId.parse(match["rollout"]), attempt)
+
+    def __str__(self) -> str:
+        return self.key

@@ -1,0 +1,46 @@
+"""The on-disk snapshot format (schema version 1): drafts, atomic publish, select, retention.
+
+See DESIGN.md sections 3 (invariant 7), 5 ("publish"), 6 ("select") and 10.
+"""
+
+from rollsafe.snapshot.draft import SnapshotDraft
+from rollsafe.snapshot.manifest import (
+    MANIFEST_NAME,
+    SCHEMA_VERSION,
+    FileEntry,
+    LatestPointer,
+    SnapshotKind,
+    SnapshotManifest,
+    parse_latest,
+    parse_manifest,
+    validate_relpath,
+)
+from rollsafe.snapshot.select import (
+    Accept,
+    EntryState,
+    SnapshotEntry,
+    SnapshotReader,
+    verify_snapshot,
+)
+from rollsafe.snapshot.store import FAULT_POINTS, PublishedSnapshot, SnapshotStore
+
+__all__ = [
+    "FAULT_POINTS",
+    "MANIFEST_NAME",
+    "SCHEMA_VERSION",
+    "Accept",
+    "EntryState",
+    "FileEntry",
+    "LatestPointer",
+    "PublishedSnapshot",
+    "SnapshotDraft",
+    "SnapshotEntry",
+    "SnapshotKind",
+    "SnapshotManifest",
+    "SnapshotReader",
+    "SnapshotStore",
+    "parse_latest",
+    "parse_manifest",
+    "validate_relpath",
+    "verify_snapshot",
+]

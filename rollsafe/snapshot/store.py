@@ -1,0 +1,333 @@
+"""The snapshot store of one run: drafts, atomic publish, the ``LATEST`` pointer, retention.
+
+Layout (DESIGN.md section 10)::
+
+    <root>/<run_id>/snapshots/<seq:08d>-<kind>/   published, immutable, manifest.json last
+    <root>/<run_id>/snapshots/.tmp-*              drafts (never candidates)
+    <root>/<run_id>/snapshots/.trash-*            being deleted (never candidates)
+    <root>/<run_id>/LATEST                        JSON pointer to the last published snapshot
+
+The rename of a draft to its final name is the commit point: before it the snapshot is
+invisible, after it the snapshot is complete (its manifest and every file were fsynced
+first). Publish, ``LATEST`` and retention run under an exclusive ``flock`` on
+``snapshots/``; select and list take it shared, so retention never deletes a snapshot
+that is being verified.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollsafe.errors import InvalidInput, RollsafeError, SchemaMismatch, SnapshotCorrupt
+from rollsafe.ids import validate_run_id
+from rollsafe.snapshot import _fs
+from rollsafe.snapshot.draft import SnapshotDraft
+from rollsafe.snapshot.manifest import LatestPointer, SnapshotKind, SnapshotManifest
+from rollsafe.snapshot.select import (
+    Accept,
+    SnapshotEntry,
+    SnapshotReader,
+    list_entries,
+    load_manifest,
+    read_latest,
+    select_snapshot,
+    verify_snapshot,
+)
+
+FaultHook = Callable[[str], None]
+# Named points inside publish where a test can crash the process (DESIGN.md section 12).
+FAULT_POINTS = ("before_manifest", "before_rename", "before_latest", "before_retention")
+_MAX_CHECKPOINT_ID = 512
+
+
+@dataclass(frozen=True)
+class PublishedSnapshot:
+    path: Path
+    manifest: SnapshotManifest
+    manifest_sha256: str
+    reused: bool  # True when an identical earlier publish (same seq and checkpoint) won
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def reader(self) -> SnapshotReader:
+        return SnapshotReader(self.path, self.manifest, self.manifest_sha256)
+
+
+class SnapshotStore:
+    def __init__(
+        self,
+        root: Path,
+        run_id: str,
+        keep_latest_k: int = 2,
+        *,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        if type(keep_latest_k) is not int or keep_latest_k < 1:
+            raise InvalidInput(f"keep_latest_k must be an integer >= 1, got {keep_latest_k!r}")
+        self.root = Path(root)
+        self.run_id = validate_run_id(run_id)
+        self.keep_latest_k = keep_latest_k
+        self._fault = fault_hook
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / self.run_id
+
+    @property
+    def snapshots_dir(self) -> Path:
+        return self.run_dir / _fs.SNAPSHOTS_DIR
+
+    @property
+    def latest_path(self) -> Path:
+        return self.run_dir / _fs.LATEST_NAME
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def select(self, accept: Accept | None = None) -> SnapshotReader:
+        """Newest snapshot that fully verifies and that ``accept`` returns None for; raises
+        NoValidSnapshot with one reason per refused candidate. Never changes the disk."""
+        return select_snapshot(self.run_dir, self.run_id, accept)
+
+    def list(self, *, verify: bool = True) -> list[SnapshotEntry]:
+        return list_entries(self.run_dir, self.run_id, verify=verify)
+
+    def latest_pointer(self) -> LatestPointer | None:
+        return read_latest(self.run_dir)
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def begin(
+        self, kind: SnapshotKind | str, checkpoint_id: str, seq: int | None = None
+    ) -> SnapshotDraft:
+        """Open a draft. Sweeps drafts left by crashed writers first; ``seq=None`` takes the
+        next number after the highest published one."""
+        kind = _kind(kind)
+        _check_checkpoint_id(checkpoint_id)
+        if seq is not None and (type(seq) is not int or seq < 0):
+            raise InvalidInput(f"seq must be an integer >= 0, got {seq!r}")
+        _fs.make_dirs_durable(self.snapshots_dir)
+        self.sweep()
+        if seq is None:
+            seq = max(self._published_seqs(), default=0) + 1
+        path, fd = self._make_draft_dir(_fs.snapshot_dir_name(seq, kind))
+        return SnapshotDraft(self, path, fd, kind, checkpoint_id, seq)
+
+    def sweep(self) -> builtins.list[str]:
+        """Remove trash and every draft directory whose writer is gone (its flock is free).
+        A live draft, e.g. of a concurrent activity attempt, is left alone."""
+        removed = []
+        for child in sorted(self.snapshots_dir.iterdir()):
+            if child.name.startswith(_fs.TRASH_PREFIX):
+                _fs.remove_tree(child)
+                removed.append(child.name)
+            elif child.name.startswith(_fs.TEMP_PREFIX) and self._sweep_draft(child):
+                removed.append(child.name)
+        return removed
+
+    def _sweep_draft(self, path: Path) -> bool:
+        try:
+            fd = _fs.open_dir(path)
+        except FileNotFoundError:
+            return False  # published or discarded meanwhile
+        try:
+            if not _fs.try_lock(fd):
+                return False
+            self._to_trash([path])
+        finally:
+            os.close(fd)
+        return True
+
+    def _make_draft_dir(self, final_name: str) -> tuple[Path, int]:
+        for _ in range(8):
+            path = self.snapshots_dir / f"{_fs.TEMP_PREFIX}{final_name}-{_fs.token()}"
+            path.mkdir()
+            try:
+                fd = _fs.open_dir(path)
+            except FileNotFoundError:
+                continue  # a concurrent sweep took it before we could lock it
+            # Locked and still at our path: otherwise a concurrent sweep got there first.
+            if _fs.try_lock(fd) and _same_file(fd, path):
+                _fs.fsync_dir(self.snapshots_dir)
+                return path, fd
+            os.close(fd)
+        raise RollsafeError(f"could not create a draft under {self.snapshots_dir}")
+
+    def remove_draft_dir(self, path: Path) -> None:
+        self._to_trash([path])
+
+    def publish_draft(self, draft: SnapshotDraft, manifest: SnapshotManifest) -> PublishedSnapshot:
+        """Steps, under the exclusive lock: refuse or reuse an existing snapshot with this
+        seq; write manifest.json last and fsync it; rename the draft to its final name (the
+        commit point) and fsync ``snapshots/``; point ``LATEST`` at it; apply retention."""
+        with _fs.locked_dir(self.snapshots_dir, exclusive=True):
+            existing = self._published_with_seq(manifest.seq)
+            if existing is not None:
+                return self._reuse(existing, draft, manifest)
+            newest = max(self._published_seqs(), default=None)
+            if newest is not None and manifest.seq < newest:
+                raise InvalidInput(
+                    f"seq {manifest.seq} is older than the newest published seq {newest}"
+                )
+            final = self.snapshots_dir / _fs.snapshot_dir_name(manifest.seq, manifest.kind)
+            digest = self._commit(draft, manifest, final)
+            self._hit("before_latest")
+            self._point_latest(final.name, manifest, digest)
+            self._hit("before_retention")
+            self._retain()
+        return PublishedSnapshot(final, manifest, digest, reused=False)
+
+    def _commit(self, draft: SnapshotDraft, manifest: SnapshotManifest, final: Path) -> str:
+        try:
+            self._hit("before_manifest")
+            digest = draft.write_manifest(manifest)
+            self._hit("before_rename")
+            os.rename(draft.path, final)
+        except BaseException:
+            draft.unwrite_manifest()
+            raise
+        draft.mark_published()
+        _fs.fsync_dir(self.snapshots_dir)
+        return digest
+
+    def _reuse(
+        self, existing: Path, draft: SnapshotDraft, manifest: SnapshotManifest
+    ) -> PublishedSnapshot:
+        """A published snapshot already has this seq. Same checkpoint: the earlier attempt
+        of this publish won (activities run at least once), so return it and finish its
+        remaining steps. Anything else is refused and the existing snapshot left as is."""
+        try:
+            found, digest = verify_snapshot(existing, self.run_id)
+        except (SnapshotCorrupt, SchemaMismatch) as exc:
+            raise SnapshotCorrupt(
+                f"seq {manifest.seq} is already published and does not verify: {exc}"
+            ) from None
+        if (found.checkpoint_id, found.kind) != (manifest.checkpoint_id, manifest.kind):
+            raise InvalidInput(
+                f"seq {manifest.seq} is already published as {existing.name} by checkpoint "
+                f"{found.checkpoint_id!r}; refusing to publish checkpoint "
+                f"{manifest.checkpoint_id!r} ({manifest.kind.value}) over it"
+            )
+        draft.discard()
+        if found.seq == max(self._published_seqs()):
+            pointer = _latest_or_none(self.run_dir)
+            if pointer is None or (pointer.snapshot, pointer.manifest_sha256) != (
+                existing.name,
+                digest,
+            ):
+                self._point_latest(existing.name, found, digest)
+            self._retain()
+        return PublishedSnapshot(existing, found, digest, reused=True)
+
+    def _point_latest(self, name: str, manifest: SnapshotManifest, digest: str) -> None:
+        for stray in self.run_dir.glob(f"{_fs.LATEST_TMP_PREFIX}*"):
+            stray.unlink(missing_ok=True)  # left by a crash mid-update; we hold the lock
+        pointer = LatestPointer(
+            run_id=self.run_id,
+            snapshot=name,
+            seq=manifest.seq,
+            kind=manifest.kind,
+            checkpoint_id=manifest.checkpoint_id,
+            manifest_sha256=digest,
+        )
+        _fs.write_atomic(self.latest_path, (pointer.model_dump_json(indent=2) + "\n").encode())
+
+    def _retain(self) -> None:
+        """Keep the newest ``keep_latest_k`` snapshots whose manifest reads back; delete the
+        published snapshots older than the last one kept. Only manifests are read (not every
+        file hashed); an unreadable snapshot newer than the cut is left for an operator and
+        is not counted, so damage never costs the older good snapshots."""
+        kept = 0
+        doomed = []
+        for seq, name in sorted(self._published(), reverse=True):
+            path = self.snapshots_dir / name
+            if kept >= self.keep_latest_k:
+                if path.is_dir() and not path.is_symlink():
+                    doomed.append(path)
+            elif self._manifest_matches(path, seq):
+                kept += 1
+        self._to_trash(doomed)
+
+    def _manifest_matches(self, path: Path, seq: int) -> bool:
+        try:
+            manifest, _digest = load_manifest(path, self.run_id)
+        except (SnapshotCorrupt, SchemaMismatch, OSError):
+            return False
+        return _fs.snapshot_dir_name(seq, manifest.kind) == path.name and manifest.seq == seq
+
+    def _to_trash(self, paths: builtins.list[Path]) -> None:
+        """Rename each directory to a trash name (one atomic step out of view), fsync, then
+        delete. A crash mid-delete leaves only trash, swept by the next begin."""
+        trashed = []
+        for path in paths:
+            trash = path.with_name(f"{_fs.TRASH_PREFIX}{path.name}-{_fs.token()}")
+            try:
+                os.rename(path, trash)
+            except FileNotFoundError:
+                continue
+            trashed.append(trash)
+        if trashed:
+            _fs.fsync_dir(self.snapshots_dir)
+        for trash in trashed:
+            _fs.remove_tree(trash)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _published(self) -> builtins.list[tuple[int, str]]:
+        if not self.snapshots_dir.is_dir():
+            return []
+        found = []
+        for child in self.snapshots_dir.iterdir():
+            parsed = _fs.parse_dir_name(child.name)
+            if parsed is not None:
+                found.append((parsed[0], child.name))
+        return found
+
+    def _published_seqs(self) -> builtins.list[int]:
+        return [seq for seq, _name in self._published()]
+
+    def _published_with_seq(self, seq: int) -> Path | None:
+        names = sorted(name for found, name in self._published() if found == seq)
+        return self.snapshots_dir / names[0] if names else None
+
+    def _hit(self, point: str) -> None:
+        if self._fault is not None:
+            self._fault(point)
+
+
+def _latest_or_none(run_dir: Path) -> LatestPointer | None:
+    try:
+        return read_latest(run_dir)
+    except (SnapshotCorrupt, SchemaMismatch):
+        return None
+
+
+def _kind(kind: SnapshotKind | str) -> SnapshotKind:
+    try:
+        return SnapshotKind(kind)
+    except ValueError:
+        choices = ", ".join(k.value for k in SnapshotKind)
+        raise InvalidInput(f"invalid snapshot kind {kind!r}: expected one of {choices}") from None
+
+
+def _check_checkpoint_id(checkpoint_id: str) -> None:
+    if (
+        not isinstance(checkpoint_id, str)
+        or not 0 < len(checkpoint_id) <= _MAX_CHECKPOINT_ID
+        or not checkpoint_id.isprintable()
+    ):
+        raise InvalidInput(f"invalid checkpoint id {checkpoint_id!r}")
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        on_disk = path.lstat()
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (on_disk.st_dev, on_disk.st_ino)
