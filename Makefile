@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint bench clean
+.PHONY: setup test lint bench demo clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,11 @@ lint: setup
 	$(BIN)/ruff check rollsafe tests bench
 	$(BIN)/ruff format --check rollsafe tests bench
 	$(BIN)/mypy
+
+# Until the demo issue lands, the main job is the checkpoint / crash / restore scenario below:
+# a real snapshot on disk, every in-memory object dropped, restored and verified row by row.
+demo: setup
+	$(BIN)/rollsafe scenario run tests/scenarios/s4_two_batches_in_flight.json
 
 bench: setup
 	$(BIN)/python bench/snapshot_bench.py

@@ -31,6 +31,7 @@ from rollsafe.errors import (
 from rollsafe.ids import EpisodeId
 from rollsafe.ledger import Ledger
 from rollsafe.snapshot import (
+    FileEntry,
     SnapshotDraft,
     SnapshotKind,
     SnapshotManifest,
@@ -204,7 +205,12 @@ class Controller:
             draft.write_json("run.json", self.config)
             exported = self.dataplane.export(draft.path / "dataplane")
             draft.write_json("dataplane.json", exported)
-            draft.record("dataplane")
+            draft.record_hashed(
+                {
+                    f"dataplane/{f.path}": FileEntry(sha256=f.sha256, bytes=f.bytes)
+                    for f in exported.files
+                }
+            )
             counts = {
                 "groups": len(self.index),
                 "sealed_rollouts": sum(self.ledger.sealed_counts().values()),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Literal
@@ -164,14 +165,12 @@ class ScenarioRunner:
     ) -> None:
         self.scenario = scenario
         self.config = scenario.run_config()
+        # Snapshots already in the directory are the run's history: a scenario may start
+        # with "restore" to continue a run an earlier process checkpointed (a real crash).
         self.store = SnapshotStore(snapshot_dir, SCENARIO_RUN_ID)
-        if self.store.list():
-            raise ScenarioError(
-                f"{snapshot_dir} already holds snapshots of run {SCENARIO_RUN_ID!r}; "
-                f"use an empty directory"
-            )
         self.make_dataplane = make_dataplane
         self.controller: Controller | None = Controller(self.config, make_dataplane())
+        self.checkpoint_nonce = uuid.uuid4().hex[:8]
         self.checkpoints = 0
         self.crashed_at: int | None = None
 
@@ -219,7 +218,8 @@ class ScenarioRunner:
             run.set_weight_version(event.version)
         elif isinstance(event, Checkpoint):
             self.checkpoints += 1
-            run.checkpoint(self.store, checkpoint_id=f"scenario-checkpoint-{self.checkpoints}")
+            checkpoint_id = f"scenario-{self.checkpoint_nonce}-{self.checkpoints}"
+            run.checkpoint(self.store, checkpoint_id=checkpoint_id)
 
     def _commit(self, run: Controller, event: Commit) -> None:
         for i in event.rollouts:

@@ -130,6 +130,20 @@ class SnapshotDraft:
             self._files[name] = hash_file(self.path / name, sync=True)
         return names
 
+    def record_hashed(self, entries: Mapping[str, FileEntry]) -> None:
+        """Record files another component wrote, hashed and fsynced itself (a data-plane
+        export): trusting its digests saves reading every byte a second time. Sizes are
+        checked here and every digest again by ``select`` before anything is restored."""
+        self._check_open()
+        for relpath, entry in entries.items():
+            validate_relpath(relpath)
+            if relpath in self._files:
+                raise InvalidInput(f"{relpath!r} is already recorded")
+            target = self.path / relpath
+            if not target.is_file() or target.lstat().st_size != entry.bytes:
+                raise InvalidInput(f"{relpath!r}: missing, or not {entry.bytes} bytes")
+            self._files[relpath] = entry
+
     def _unrecorded_under(self, relpath: str, directory: Path) -> list[str]:
         files, _dirs, oddities = scan_tree(directory)
         if oddities:

@@ -1,0 +1,3 @@
+from rollsafe.cli import app
+
+app(prog_name="rollsafe")

@@ -1,0 +1,203 @@
+"""The Controller end to end on the memory data plane: checkpoint to disk, restore from it."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from rollsafe.config import RunConfig
+from rollsafe.controller import ROLLOUT_PARTITION, Controller
+from rollsafe.dataplane import make_dataplane
+from rollsafe.errors import (
+    DataPlaneKeyMissing,
+    InvalidInput,
+    LedgerInvariantViolation,
+    NoValidSnapshot,
+    RowMismatch,
+    SealConflict,
+    TopologyMismatch,
+    UnknownGroup,
+)
+from rollsafe.scenario import row_content
+from rollsafe.snapshot import SnapshotStore
+from rollsafe.states import AttemptState, GroupState
+
+RUN = "ctl"
+
+
+def config(**overrides) -> RunConfig:
+    return RunConfig(**{"run_id": RUN, "group_size": 2, "groups_per_step": 2, **overrides})
+
+
+def commit(run: Controller, idx: int, i: int, owner: str | None = None) -> None:
+    if run.ledger.state(idx, i) == AttemptState.RESERVED:
+        run.dispatch(idx, i, owner)
+    attempt = run.ledger.attempt(idx, i)
+    run.seal(idx, i, attempt, row_content(idx, i, attempt))
+
+
+def busy_run(**overrides) -> Controller:
+    """Groups 0-1 ready, 2 half done, 3 never dispatched; one step committed."""
+    run = Controller(config(**overrides), make_dataplane("memory"))
+    run.handout([0, 1, 2, 3, 4])
+    for idx in (0, 1, 4):
+        commit(run, idx, 0)
+        commit(run, idx, 1)
+    commit(run, 2, 0)
+    run.dispatch(2, 1)
+    run.commit_step([4])
+    return run
+
+
+def restore(store, **overrides):
+    return Controller.restore(config(**overrides), store, make_dataplane("memory"))
+
+
+def test_checkpoint_and_restore_round_trip(tmp_path):
+    store = SnapshotStore(tmp_path, RUN)
+    manifest = busy_run().checkpoint(store, "ck-1")
+    assert manifest.counts == {
+        "groups": 4,
+        "sealed_rollouts": 5,
+        "claimed_groups": 0,
+        "retirements": 0,
+    }
+    run, plan = restore(store)
+    assert (plan.loader_position, plan.weight_version) == (5, 1)
+    assert plan.ready == [0, 1]
+    assert {g: p.model_dump() for g, p in plan.partial.items()} == {
+        2: {"restored": [0], "resumed": [], "regenerate": [1]},
+        3: {"restored": [], "resumed": [], "regenerate": [0, 1]},
+    }
+    assert plan.redispatch == [2, 3]  # the admitted (generating) group first
+    assert run.ledger.episode(2, 1).key == "ctl-2_g1-a1"  # the in-flight attempt was retired
+    assert [r.episode.key for r in run.ledger.retirements()] == ["ctl-2_g1"]
+    row = run.dataplane.get(ROLLOUT_PARTITION, ["ctl-2_g0"])["ctl-2_g0"]
+    assert row["tokens"].tobytes() == row_content(2, 0, 0)["tokens"].tobytes()
+
+
+def test_restore_falls_back_to_the_newest_snapshot_that_verifies(tmp_path):
+    store = SnapshotStore(tmp_path, RUN)
+    run = busy_run()
+    run.checkpoint(store, "ck-1")
+    commit(run, 2, 1)
+    newest = run.checkpoint(store, "ck-2")
+    shard = next((store.snapshots_dir / f"{newest.seq:08d}-rollout").rglob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-1])  # truncated
+    _, plan = restore(store)
+    assert plan.checkpoint_id == "ck-1"
+    assert any("ck-2" in name or f"{newest.seq:08d}" in name for name in plan.skipped)
+    assert 2 in plan.partial  # the state of ck-1, where group 2 was still half done
+
+
+def test_restore_with_no_snapshot_names_the_directory(tmp_path):
+    with pytest.raises(NoValidSnapshot, match="no snapshot"):
+        restore(SnapshotStore(tmp_path, RUN))
+
+
+@pytest.mark.parametrize(("field", "value"), [("group_size", 4), ("sampler", "in_order")])
+def test_restore_refuses_a_different_topology(tmp_path, field, value):
+    store = SnapshotStore(tmp_path, RUN)
+    busy_run().checkpoint(store, "ck-1")
+    with pytest.raises((TopologyMismatch, InvalidInput), match=field):
+        restore(store, **{field: value})
+
+
+def test_a_row_that_verifies_but_differs_is_named(tmp_path, resign, snapshot_tree):
+    store = SnapshotStore(tmp_path, RUN)
+    manifest = busy_run().checkpoint(store, "ck-1")
+    snapshot = store.snapshots_dir / f"{manifest.seq:08d}-rollout"
+    shard = next(p for p in snapshot.rglob("*.safetensors") if "dataplane" in str(p))
+    relpath = str(shard.relative_to(snapshot))
+
+    def flip_a_token(data: bytes) -> bytes:
+        (header_len,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + header_len])
+        name = next(n for n, s in header.items() if n.endswith(".data") and s["dtype"] == "I32")
+        at = 8 + header_len + header[name]["data_offsets"][0]
+        return data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1 :]
+
+    resign(snapshot, relpath, flip_a_token)
+    before = snapshot_tree(tmp_path)
+    with pytest.raises(RowMismatch, match=r"group \d+ rollout \d+ \(ctl-\d+_g\d\)"):
+        restore(store)
+    assert snapshot_tree(tmp_path) == before
+
+
+def test_checkpoint_refuses_an_inconsistent_run_and_publishes_nothing(tmp_path):
+    store = SnapshotStore(tmp_path, RUN)
+    run = busy_run()
+    run.dataplane.delete(ROLLOUT_PARTITION, ["ctl-0_g0"])  # a row lost behind our back
+    with pytest.raises(LedgerInvariantViolation, match="holds 4 rollout rows but 5 are sealed"):
+        run.checkpoint(store, "ck-1")
+    assert store.list() == []
+    assert not store.snapshots_dir.exists() or not any(store.snapshots_dir.iterdir())
+
+
+def test_seal_is_idempotent_and_never_overwrites_a_row():
+    run = busy_run()
+    again = row_content(0, 0, 0)
+    assert run.seal(0, 0, 0, again) is False
+    with pytest.raises(SealConflict):
+        run.seal(0, 0, 0, {"tokens": np.zeros(3, dtype=np.int32)})
+    stored = run.dataplane.get(ROLLOUT_PARTITION, ["ctl-0_g0"])["ctl-0_g0"]
+    assert stored["tokens"].tobytes() == again["tokens"].tobytes()
+
+
+def test_train_and_evict_drop_rows_and_ownership():
+    run = busy_run()
+    run.claim([0], step=1)
+    run.commit_step([0])
+    run.evict(1)
+    assert set(run.dataplane.list(ROLLOUT_PARTITION)) == {"ctl-2_g0"}
+    assert run.index.groups() == [2, 3] and run.ledger.groups() == [2, 3]
+    assert run.weight_version == 2
+    with pytest.raises(UnknownGroup, match="group 0"):
+        run.commit_step([0])
+
+
+def test_handout_rules():
+    run = busy_run()
+    with pytest.raises(InvalidInput, match="below the loader position 5"):
+        run.handout([4])
+    with pytest.raises(InvalidInput, match="repeats"):
+        run.handout([7, 7])
+    run.handout([9])
+    assert run.loader_position == 10 and run.index.state(9) == GroupState.RESERVED
+
+
+def test_weight_version_never_goes_back():
+    run = busy_run()
+    with pytest.raises(InvalidInput, match="older than the current 1"):
+        run.set_weight_version(0)
+
+
+def test_turn_level_restore_resumes_on_the_same_instance(tmp_path):
+    store = SnapshotStore(tmp_path, RUN)
+    run = Controller(config(restore_level="turn"), make_dataplane("memory"))
+    run.handout([0])
+    commit(run, 0, 0, owner="env-1")
+    episode = run.dispatch(0, 1, owner="env-2")
+    run.checkpoint(store, "ck-1")
+    restored, plan = Controller.restore(
+        config(restore_level="turn"), store, make_dataplane("memory"), {episode: "env-2"}
+    )
+    assert plan.partial[0].model_dump() == {"restored": [0], "resumed": [1], "regenerate": []}
+    assert restored.dispatch(0, 1, owner="env-2").key == "ctl-0_g1-a1"
+
+
+def test_restored_episode_the_run_does_not_own_is_refused(tmp_path):
+    store = SnapshotStore(tmp_path, RUN)
+    busy_run(restore_level="turn").checkpoint(store, "ck-1")
+    stranger = Controller(config(), make_dataplane("memory")).ledger.rollout_id(9, 0).episode(0)
+    with pytest.raises(LedgerInvariantViolation, match="not owned"):
+        Controller.restore(
+            config(restore_level="turn"), store, make_dataplane("memory"), {stranger: "env-1"}
+        )
+
+
+def test_missing_row_read_is_an_error_not_a_short_read():
+    run = busy_run()
+    with pytest.raises(DataPlaneKeyMissing, match="ctl-3_g0"):
+        run.dataplane.get(ROLLOUT_PARTITION, ["ctl-0_g0", "ctl-3_g0"])
