@@ -93,11 +93,13 @@ class ColumnTable:
 
     def capture(self) -> dict[str, np.ndarray]:
         """Copies of the live rows, sorted by key, so equal tables capture to equal bytes."""
-        order = np.argsort(self.keys_array(), kind="stable")
-        out = {KEY_COLUMN: self.keys_array()[order]}
-        for name in self.spec:
-            out[name] = self.live(name)[order]
-        return out
+        keys = self.keys_array()
+        if bool((keys[1:] > keys[:-1]).all()):
+            # Handouts arrive in increasing order, so this is the usual case: a plain copy
+            # is several times faster than gathering rows through an index.
+            return {KEY_COLUMN: keys.copy(), **{n: self.live(n).copy() for n in self.spec}}
+        order = np.argsort(keys, kind="stable")
+        return {KEY_COLUMN: keys[order], **{n: self.live(n)[order] for n in self.spec}}
 
     @classmethod
     def from_capture(
@@ -120,8 +122,10 @@ class ColumnTable:
                     f"{source}: column {name!r} is {array.dtype}{list(array.shape)}, "
                     f"expected {col.dtype}{[rows, *col.shape]}"
                 )
-        if rows and (np.unique(keys).size != rows or int(keys.min()) < 0):
-            raise SnapshotCorrupt(f"{source}: duplicate or negative keys")
+        # capture() writes keys strictly increasing; checking that is O(n) and also rules out
+        # duplicates, where np.unique would sort.
+        if rows and (int(keys[0]) < 0 or not bool((keys[1:] > keys[:-1]).all())):
+            raise SnapshotCorrupt(f"{source}: keys are negative, repeated or out of order")
         table = cls(spec, capacity=max(64, rows))
         table._keys[:rows] = keys
         for name in spec:

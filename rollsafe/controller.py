@@ -14,10 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from rollsafe.buffer import ReplayIndex, SamplerState, make_sampler
+from rollsafe.buffer import ReplayIndex, make_sampler
+from rollsafe.capture import (
+    INDEX_FILE,
+    LEDGER_FILE,
+    CapturedState,
+    LoaderState,
+    check_agreement,
+)
 from rollsafe.config import RunConfig
 from rollsafe.dataplane import DataPlane, Row, row_digest
 from rollsafe.dataplane.protocol import DataPlaneManifest
@@ -32,25 +38,15 @@ from rollsafe.ids import EpisodeId
 from rollsafe.ledger import Ledger
 from rollsafe.snapshot import (
     FileEntry,
-    SnapshotDraft,
     SnapshotKind,
     SnapshotManifest,
     SnapshotReader,
     SnapshotStore,
 )
 from rollsafe.states import GroupState, RestoreLevel
-from rollsafe.tensorfile import read_tensors, write_tensors
 
 ROLLOUT_PARTITION = "rollouts"
 _VERIFY_BATCH = 1024
-
-
-class LoaderState(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    format_version: int = 1
-    position: int
-    weight_version: int
 
 
 class PartialGroup(BaseModel):
@@ -164,27 +160,10 @@ class Controller:
 
     # ---- checkpoint ------------------------------------------------------------------------
 
-    def verify_inventory(self) -> None:
-        """Ledger, index and data plane must describe the same groups and rows."""
-        sealed = self.ledger.sealed_counts()
-        if set(sealed) != set(self.index.groups()):
-            only_ledger = sorted(set(sealed) - set(self.index.groups()))[:10]
-            only_index = sorted(set(self.index.groups()) - set(sealed))[:10]
-            raise LedgerInvariantViolation(
-                f"ledger and replay index disagree: only in ledger {only_ledger}, "
-                f"only in index {only_index}"
-            )
-        for idx, count in sealed.items():
-            if self.index.sealed(idx) != count:
-                raise LedgerInvariantViolation(
-                    f"group {idx}: ledger has {count} sealed rollouts, "
-                    f"index {self.index.sealed(idx)}"
-                )
-        rows = len(self.dataplane.list(ROLLOUT_PARTITION))
-        if rows != sum(sealed.values()):
-            raise LedgerInvariantViolation(
-                f"data plane holds {rows} rollout rows but {sum(sealed.values())} are sealed"
-            )
+    def verify_inventory(self) -> int:
+        """Ledger, index and data plane must describe the same groups and rows. Returns the
+        number of sealed rollouts."""
+        return check_agreement(self.capture(), self.dataplane.count(ROLLOUT_PARTITION))
 
     def checkpoint(
         self,
@@ -194,15 +173,11 @@ class Controller:
         anchor_step: int | None = None,
         seq: int | None = None,
     ) -> SnapshotManifest:
-        self.verify_inventory()
+        state = self.capture()
+        sealed = check_agreement(state, self.dataplane.count(ROLLOUT_PARTITION))
         draft = store.begin(kind, checkpoint_id, seq)
         try:
-            write_columns(draft, "ledger.safetensors", *self.ledger.capture())
-            write_columns(draft, "replay_index.safetensors", *self.index.capture())
-            loader = LoaderState(position=self.loader_position, weight_version=self.weight_version)
-            draft.write_json("loader.json", loader)
-            draft.write_json("sampler.json", self.sampler.state())
-            draft.write_json("run.json", self.config)
+            state.write(draft)
             exported = self.dataplane.export(draft.path / "dataplane")
             draft.write_json("dataplane.json", exported)
             draft.record_hashed(
@@ -211,21 +186,25 @@ class Controller:
                     for f in exported.files
                 }
             )
-            counts = {
-                "groups": len(self.index),
-                "sealed_rollouts": sum(self.ledger.sealed_counts().values()),
-                "claimed_groups": len(self.index.in_states(GroupState.CLAIMED)),
-                "retirements": len(self.ledger.retirements()),
-            }
             return draft.publish(
                 weight_version=self.weight_version,
                 loader_position=self.loader_position,
                 anchor_step=anchor_step,
-                counts=counts,
+                counts={**state.counts(), "sealed_rollouts": sealed},
             ).manifest
         except BaseException:
             draft.discard()
             raise
+
+    def capture(self) -> CapturedState:
+        """Copies of everything but the data plane's rows; no I/O."""
+        return CapturedState(
+            ledger=self.ledger.capture(),
+            index=self.index.capture(),
+            loader=LoaderState(position=self.loader_position, weight_version=self.weight_version),
+            sampler=self.sampler.state(),
+            config=self.config,
+        )
 
     # ---- restore ---------------------------------------------------------------------------
 
@@ -251,31 +230,25 @@ class Controller:
         return controller, plan
 
     def _load(self, reader: SnapshotReader) -> None:
-        saved = reader.read_json("run.json", RunConfig)
+        state = CapturedState.read(reader)
         for field in ("run_id", "group_size", "sampler"):
-            if getattr(saved, field) != getattr(self.config, field):
+            saved, configured = getattr(state.config, field), getattr(self.config, field)
+            if saved != configured:
                 raise TopologyMismatch(
-                    f"snapshot {reader.path.name} was taken with {field}="
-                    f"{getattr(saved, field)!r}; this run has {getattr(self.config, field)!r}"
+                    f"snapshot {reader.name} was taken with {field}={saved!r}; "
+                    f"this run has {configured!r}"
                 )
-        self.ledger = Ledger.restore(*read_columns(reader, "ledger.safetensors"))
-        self.index = ReplayIndex.restore(*read_columns(reader, "replay_index.safetensors"))
-        loader = reader.read_json("loader.json", LoaderState)
-        manifest = reader.manifest
-        if (loader.position, loader.weight_version) != (
-            manifest.loader_position,
-            manifest.weight_version,
-        ):
-            raise SnapshotCorrupt(f"{reader.path.name}: loader.json disagrees with the manifest")
-        self.loader_position = loader.position
-        self.weight_version = loader.weight_version
-        self.sampler.load_state(reader.read_json("sampler.json", SamplerState), self.index)
+        self.ledger = Ledger.restore(*state.ledger, f"{reader.name}/{LEDGER_FILE}")
+        self.index = ReplayIndex.restore(*state.index, f"{reader.name}/{INDEX_FILE}")
+        self.loader_position = state.loader.position
+        self.weight_version = state.loader.weight_version
+        self.sampler.load_state(state.sampler, self.index)
         exported = reader.read_json("dataplane.json", DataPlaneManifest)
         self.dataplane.import_(reader.path / "dataplane", exported)
         try:
-            self.verify_inventory()
+            check_agreement(state, self.dataplane.count(ROLLOUT_PARTITION))
         except LedgerInvariantViolation as exc:
-            raise SnapshotCorrupt(f"{reader.path.name}: {exc}") from None
+            raise SnapshotCorrupt(f"{reader.name}: {exc}") from None
 
     def _verify_rows(self) -> None:
         """Every sealed rollout's row must come back byte for byte (its sealed digest)."""
@@ -331,17 +304,3 @@ class Controller:
             released_claims=released,
             redispatch=admitted_first,
         )
-
-
-def write_columns(
-    draft: SnapshotDraft, relpath: str, arrays: Mapping[str, np.ndarray], meta: Mapping[str, str]
-) -> None:
-    with draft.open(relpath) as out:
-        write_tensors(out, arrays, meta)
-
-
-def read_columns(
-    reader: SnapshotReader, relpath: str
-) -> tuple[dict[str, np.ndarray], dict[str, str], str]:
-    arrays, meta = read_tensors(reader.read_bytes(relpath), f"{reader.path.name}/{relpath}")
-    return arrays, meta, f"{reader.path.name}/{relpath}"

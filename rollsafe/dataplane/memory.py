@@ -105,6 +105,11 @@ class MemoryDataPlane:
         with self._lock:
             return sorted(self._data.get(partition, ()))
 
+    def count(self, partition: str) -> int:
+        _check_partition(partition)
+        with self._lock:
+            return len(self._data.get(partition, ()))
+
     def delete(self, partition: str, keys: Iterable[str]) -> None:
         _check_partition(partition)
         wanted = set(_key_list(keys))

@@ -6,6 +6,7 @@ Contract:
 
 - ``put`` copies the rows it is given: later changes to the caller's arrays never reach the
   data plane (TransferQueue keeps views into the put batch; rollsafe never relies on that).
+- ``count`` is the number of rows in a partition, without listing them.
 - ``get`` returns exactly the requested keys or raises :class:`DataPlaneKeyMissing` naming the
   missing ones; it never returns a short result.
 - ``export(directory)`` writes every partition into ``directory`` (no pickle; each file listed
@@ -69,6 +70,8 @@ class DataPlane(Protocol):
 
     # builtins.list: in this class body a bare ``list`` would name the method, not the type.
     def list(self, partition: str) -> builtins.list[str]: ...
+
+    def count(self, partition: str) -> int: ...
 
     def delete(self, partition: str, keys: Iterable[str]) -> None: ...
 

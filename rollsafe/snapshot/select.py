@@ -201,7 +201,8 @@ def select_snapshot(run_dir: Path, run_id: str, accept: Accept | None = None) ->
     # snapshot while it is being verified.
     with locked_dir(snapshots, exclusive=False):
         candidates, others = classify(snapshots)
-        reasons = {name: why for name, (_state, why) in others.items()}
+        # Trash is retention's normal leftover until the next sweep: not worth reporting.
+        reasons = {name: why for name, (state, why) in others.items() if state != EntryState.TRASH}
         for _seq, name in candidates:
             try:
                 manifest, digest = _verify(snapshots / name, run_id)

@@ -562,3 +562,11 @@ def test_any_rows_round_trip(rows, shard_bytes):
         other = MemoryDataPlane()
         other.import_(Path(scratch) / "x", manifest)
     assert_same_rows(other.get("p", rows), rows)
+
+
+def test_count_follows_puts_and_deletes() -> None:
+    plane = MemoryDataPlane()
+    assert plane.count("p") == 0
+    plane.put("p", {"a": {"x": np.arange(2)}, "b": {"x": np.arange(3)}})
+    plane.delete("p", ["a"])
+    assert plane.count("p") == 1 == len(plane.list("p"))

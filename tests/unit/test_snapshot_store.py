@@ -57,7 +57,13 @@ def publish(
 
 
 def entries(store: SnapshotStore) -> list[str]:
-    return sorted(p.name for p in store.snapshots_dir.iterdir())
+    """Everything in snapshots/ except retired snapshots waiting in trash for the next
+    begin's sweep (retention only renames them, to keep deletion off the publish path)."""
+    return sorted(p.name for p in store.snapshots_dir.iterdir() if not is_retired(p.name))
+
+
+def is_retired(name: str) -> bool:
+    return name.startswith(".trash-") and not name.startswith(".trash-.tmp-")
 
 
 def test_publish_lists_every_file_and_points_latest(tmp_path: Path) -> None:
@@ -302,8 +308,13 @@ def test_retention_keeps_the_newest_k(tmp_path: Path, keep: int) -> None:
     for n in range(1, 6):
         publish(store, f"ck-{n}")
     kept = [f"{n:08d}-rollout" for n in range(6 - keep, 6)]
-    assert entries(store) == kept  # no trash left behind either
+    assert entries(store) == kept
     assert store.select().name == "00000005-rollout"
+    # Only the snapshot retired by the last publish waits in trash; the next begin sweeps it.
+    trash = [p.name for p in store.snapshots_dir.iterdir() if is_retired(p.name)]
+    assert [name.rsplit("-", 1)[0] for name in trash] == [f".trash-{5 - keep:08d}-rollout"]
+    store.begin(SnapshotKind.ROLLOUT, "ck-6").discard()
+    assert sorted(p.name for p in store.snapshots_dir.iterdir()) == kept
 
 
 @pytest.mark.parametrize("keep", [0, -1, 1.5, True])
