@@ -42,6 +42,7 @@ from rollsafe.controller import Controller
 from rollsafe.dataplane.memory import MemoryDataPlane
 from rollsafe.ledger import Ledger
 from rollsafe.snapshot import PublishedSnapshot, SnapshotKind, SnapshotStore
+from rollsafe.snapshot._fs import fsync_dir
 from rollsafe.states import RestoreLevel
 
 GROUP_SIZE = 8
@@ -100,14 +101,6 @@ def restore(store: SnapshotStore) -> tuple[Ledger, ReplayIndex]:
 def snapshot_bytes(published: PublishedSnapshot) -> int:
     """Every file of the snapshot directory, manifest included (LATEST is not counted)."""
     return sum(f.stat().st_size for f in published.path.iterdir())
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def baseline_write(path: Path, data: memoryview) -> float:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rollsafe.columns import Column, ColumnTable
+from rollsafe.columns import Column, ColumnTable, check_metadata, format_metadata
 from rollsafe.errors import (
     InvalidInput,
     LedgerInvariantViolation,
@@ -39,6 +39,7 @@ from rollsafe.states import AttemptState, RestoreLevel, check_attempt
 
 __all__ = ["AttemptState", "Ledger", "RestartOutcome", "RestoreLevel", "Retirement"]
 
+FORMAT = "rollsafe.ledger"
 DIGEST_BYTES = 32
 NO_OWNER = -1
 _SEALED = int(AttemptState.SEALED)
@@ -317,8 +318,7 @@ class Ledger:
         """Arrays and string metadata for a snapshot (no I/O here)."""
         arrays = self._table.capture()
         metadata = {
-            "format": "rollsafe.ledger",
-            "format_version": "1",
+            **format_metadata(FORMAT),
             "run_id": self.run_id,
             "group_size": str(self.group_size),
             "owners": json.dumps(self._owners),
@@ -330,13 +330,7 @@ class Ledger:
     def restore(
         cls, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str], source: str
     ) -> Ledger:
-        fields = {"format", "format_version", "run_id", "group_size", "owners", "retire"}
-        if set(metadata) != fields or metadata.get("format") != "rollsafe.ledger":
-            raise SnapshotCorrupt(f"{source}: not a rollsafe ledger (metadata {sorted(metadata)})")
-        if metadata["format_version"] != "1":
-            raise SnapshotCorrupt(
-                f"{source}: unknown ledger format_version {metadata['format_version']!r}"
-            )
+        check_metadata(metadata, FORMAT, {"run_id", "group_size", "owners", "retire"}, source)
         try:
             ledger = cls(metadata["run_id"], int(metadata["group_size"]))
             owners = [str(o) for o in json.loads(metadata["owners"])]

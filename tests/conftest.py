@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +34,15 @@ def resign_snapshot(snapshot: Path, relpath: str, mutate: Callable[[bytes], byte
     (snapshot / "manifest.json").write_text(json.dumps(manifest))
 
 
+def flip_first_int32(data: bytes) -> bytes:
+    """Flip one bit in the first int32 data tensor of a safetensors file (a token of a row)."""
+    (header_len,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + header_len])
+    name = next(n for n, s in header.items() if n.endswith(".data") and s["dtype"] == "I32")
+    at = 8 + header_len + header[name]["data_offsets"][0]
+    return data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1 :]
+
+
 def tree_digest(root: Path) -> dict[str, str]:
     """Every file under root with its sha256: compare before/after to prove nothing changed."""
     return {
@@ -45,6 +55,11 @@ def tree_digest(root: Path) -> dict[str, str]:
 @pytest.fixture
 def resign() -> Callable[[Path, str, Callable[[bytes], bytes]], None]:
     return resign_snapshot
+
+
+@pytest.fixture
+def flip_a_token() -> Callable[[bytes], bytes]:
+    return flip_first_int32
 
 
 @pytest.fixture

@@ -14,10 +14,11 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from rollsafe.columns import Column, ColumnTable
+from rollsafe.columns import Column, ColumnTable, check_metadata, format_metadata
 from rollsafe.errors import InvalidInput, SnapshotCorrupt, UnknownGroup
 from rollsafe.states import GroupState, check_group
 
+FORMAT = "rollsafe.replay_index"
 NO_STEP = -1
 _READY = int(GroupState.READY)
 _CLAIMED = int(GroupState.CLAIMED)
@@ -151,8 +152,7 @@ class ReplayIndex:
 
     def capture(self) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         metadata = {
-            "format": "rollsafe.replay_index",
-            "format_version": "1",
+            **format_metadata(FORMAT),
             "group_size": str(self.group_size),
             "trained_total": str(self.trained_total),
             "evicted_total": str(self.evicted_total),
@@ -163,13 +163,7 @@ class ReplayIndex:
     def restore(
         cls, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str], source: str
     ) -> ReplayIndex:
-        fields = {"format", "format_version", "group_size", "trained_total", "evicted_total"}
-        if set(metadata) != fields or metadata.get("format") != "rollsafe.replay_index":
-            raise SnapshotCorrupt(f"{source}: not a replay index (metadata {sorted(metadata)})")
-        if metadata["format_version"] != "1":
-            raise SnapshotCorrupt(
-                f"{source}: unknown format_version {metadata['format_version']!r}"
-            )
+        check_metadata(metadata, FORMAT, {"group_size", "trained_total", "evicted_total"}, source)
         try:
             index = cls(int(metadata["group_size"]))
             index.trained_total = int(metadata["trained_total"])

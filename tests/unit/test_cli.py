@@ -1,7 +1,6 @@
 """`rollsafe scenario run` as a user runs it: a separate process, exit codes, stdout/stderr."""
 
 import json
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -112,15 +111,9 @@ def test_unknown_dataplane_and_missing_file_exit_2(tmp_path):
     assert result.returncode == 2 and "no such file" in result.stderr
 
 
-def _flip_a_token(data: bytes) -> bytes:
-    (header_len,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + header_len])
-    name = next(n for n, s in header.items() if n.endswith(".data") and s["dtype"] == "I32")
-    at = 8 + header_len + header[name]["data_offsets"][0]
-    return data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1 :]
-
-
-def test_a_restored_row_that_differs_exits_1_naming_group_and_rollout(tmp_path, resign):
+def test_a_restored_row_that_differs_exits_1_naming_group_and_rollout(
+    tmp_path, resign, flip_a_token
+):
     """First process checkpoints and exits (a real crash); the snapshot is altered with every
     digest fixed up; the second process restores and must notice the row."""
     first = scenario(
@@ -137,7 +130,7 @@ def test_a_restored_row_that_differs_exits_1_naming_group_and_rollout(tmp_path, 
     )
     (snapshot,) = (snapshots / "scenario" / "snapshots").iterdir()
     shard = next((snapshot / "dataplane").rglob("*.safetensors"))
-    resign(snapshot, str(shard.relative_to(snapshot)), _flip_a_token)
+    resign(snapshot, str(shard.relative_to(snapshot)), flip_a_token)
     second = write(tmp_path / "b.json", scenario({"op": "restore"}))
     result = rollsafe("scenario", "run", second, "--snapshot-dir", snapshots)
     assert result.returncode == 1, result.stderr

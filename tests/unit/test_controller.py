@@ -1,8 +1,5 @@
 """The Controller end to end on the memory data plane: checkpoint to disk, restore from it."""
 
-import json
-import struct
-
 import numpy as np
 import pytest
 
@@ -104,19 +101,12 @@ def test_restore_refuses_a_different_topology(tmp_path, field, value):
         restore(store, **{field: value})
 
 
-def test_a_row_that_verifies_but_differs_is_named(tmp_path, resign, snapshot_tree):
+def test_a_row_that_verifies_but_differs_is_named(tmp_path, resign, flip_a_token, snapshot_tree):
     store = SnapshotStore(tmp_path, RUN)
     manifest = busy_run().checkpoint(store, "ck-1")
     snapshot = store.snapshots_dir / f"{manifest.seq:08d}-rollout"
     shard = next(p for p in snapshot.rglob("*.safetensors") if "dataplane" in str(p))
     relpath = str(shard.relative_to(snapshot))
-
-    def flip_a_token(data: bytes) -> bytes:
-        (header_len,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8 : 8 + header_len])
-        name = next(n for n, s in header.items() if n.endswith(".data") and s["dtype"] == "I32")
-        at = 8 + header_len + header[name]["data_offsets"][0]
-        return data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1 :]
 
     resign(snapshot, relpath, flip_a_token)
     before = snapshot_tree(tmp_path)

@@ -203,8 +203,10 @@ def test_restore_refuses_bad_metadata_and_states():
     arrays, meta = led.capture()
     with pytest.raises(SnapshotCorrupt, match="format_version"):
         Ledger.restore(arrays, {**meta, "format_version": "2"}, "f")
-    with pytest.raises(SnapshotCorrupt, match="not a rollsafe ledger"):
+    with pytest.raises(SnapshotCorrupt, match=r"metadata unknown \['extra'\]"):
         Ledger.restore(arrays, {**meta, "extra": "1"}, "f")
+    with pytest.raises(SnapshotCorrupt, match=r"not a rollsafe\.ledger file"):
+        Ledger.restore(arrays, {**meta, "format": "rollsafe.replay_index"}, "f")
     bad = dict(arrays)
     bad["state"] = arrays["state"].copy()
     bad["state"][0, 0] = 9
