@@ -19,6 +19,8 @@ scenario_app = typer.Typer(
     no_args_is_help=True, help="Replay scenario files against the real controller."
 )
 app.add_typer(scenario_app, name="scenario")
+snapshot_app = typer.Typer(no_args_is_help=True, help="Inspect a run's snapshots on disk.")
+app.add_typer(snapshot_app, name="snapshots")
 
 
 @scenario_app.command("run")
@@ -51,6 +53,43 @@ def scenario_run(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     sys.stdout.write(report.model_dump_json() + "\n")
+
+
+@snapshot_app.command("list")
+def snapshots_list(
+    root: Annotated[Path, typer.Argument(help="snapshot root (holds <run_id>/snapshots/)")],
+    run: Annotated[str, typer.Option("--run", help="run id")],
+    verify: Annotated[bool, typer.Option(help="hash every file of every snapshot")] = True,
+) -> None:
+    """Every snapshot directory of RUN, newest first, with its state and why it would not
+    be restored. Exit 0 when at least one snapshot verifies, 1 when none does."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from rollsafe.snapshot import EntryState, SnapshotStore
+
+    try:
+        store = SnapshotStore(root, run)
+        entries = store.list(verify=verify)
+    except RollsafeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    table = Table("snapshot", "state", "checkpoint", "weight", "loader", "files", "reason")
+    for entry in entries:
+        manifest = entry.manifest
+        table.add_row(
+            entry.name,
+            entry.state.value,
+            manifest.checkpoint_id if manifest else "",
+            str(manifest.weight_version) if manifest else "",
+            str(manifest.loader_position) if manifest else "",
+            str(len(manifest.files)) if manifest else "",
+            entry.reason or "",
+        )
+    Console(width=160).print(table)
+    if verify and not any(entry.state == EntryState.VALID for entry in entries):
+        typer.echo(f"no snapshot of run {run!r} under {root} verifies", err=True)
+        raise typer.Exit(1)
 
 
 def main() -> None:  # pragma: no cover - console entry point

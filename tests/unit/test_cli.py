@@ -159,3 +159,26 @@ def test_a_later_process_continues_from_the_snapshot(tmp_path):
     report = json.loads(result.stdout)
     assert report["groups"]["5"]["state"] == "ready"
     assert report["next_selection"] == [5]
+
+
+def test_snapshots_list_shows_each_snapshot_and_why_it_is_refused(tmp_path):
+    snapshots = tmp_path / "snaps"
+    run = scenario({"op": "handout", "groups": [1]}, {"op": "checkpoint"}, {"op": "checkpoint"})
+    assert (
+        rollsafe(
+            "scenario", "run", write(tmp_path / "a.json", run), "--snapshot-dir", snapshots
+        ).returncode
+        == 0
+    )
+    listing = rollsafe("snapshots", "list", snapshots, "--run", "scenario")
+    assert listing.returncode == 0, listing.stderr
+    assert "00000001-rollout" in listing.stdout and "00000002-rollout" in listing.stdout
+    newest = snapshots / "scenario" / "snapshots" / "00000002-rollout" / "ledger.safetensors"
+    newest.write_bytes(newest.read_bytes()[:-1])
+    listing = rollsafe("snapshots", "list", snapshots, "--run", "scenario")
+    assert listing.returncode == 0  # the older one still verifies
+    assert "invalid" in listing.stdout and "ledger.safetensors" in listing.stdout
+    older = snapshots / "scenario" / "snapshots" / "00000001-rollout" / "run.json"
+    older.unlink()
+    listing = rollsafe("snapshots", "list", snapshots, "--run", "scenario")
+    assert listing.returncode == 1 and "verifies" in listing.stderr
