@@ -242,7 +242,7 @@ class ScenarioRunner:
             for i in sealed:
                 key = run.row_key(idx, i)
                 expected = row_content(idx, i, run.ledger.attempt(idx, i))
-                if not _same_row(rows[key], expected):
+                if not same_row(rows[key], expected):
                     raise RowMismatch(idx, i, key, "restored row differs from the committed row")
 
     def report(self) -> ScenarioReport:
@@ -263,7 +263,7 @@ class ScenarioRunner:
         )
 
 
-def _same_row(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> bool:
+def same_row(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> bool:
     return set(actual) == set(expected) and all(
         actual[name].dtype == expected[name].dtype
         and actual[name].shape == expected[name].shape

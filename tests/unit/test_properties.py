@@ -24,7 +24,6 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -41,7 +40,7 @@ from rollsafe.config import RunConfig
 from rollsafe.controller import Controller, RestorePlan
 from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import SealConflict, UnknownGroup
-from rollsafe.scenario import row_content
+from rollsafe.scenario import row_content, same_row
 from rollsafe.snapshot import SnapshotStore
 from rollsafe.states import AttemptState, GroupState
 
@@ -191,15 +190,6 @@ def expected_selection(model: RunModel, config: RunConfig) -> list[int]:
     if len(head) < count or any(g.state != GroupState.READY for _, g in head):
         return []  # a gated sampler waits rather than skip the head of its order
     return [idx for idx, _ in head]
-
-
-def same_row(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> bool:
-    return set(actual) == set(expected) and all(
-        actual[name].dtype == expected[name].dtype
-        and actual[name].shape == expected[name].shape
-        and actual[name].tobytes() == expected[name].tobytes()
-        for name in expected
-    )
 
 
 def assert_gone(run: Controller, idx: int) -> None:
