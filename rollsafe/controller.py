@@ -160,11 +160,6 @@ class Controller:
 
     # ---- checkpoint ------------------------------------------------------------------------
 
-    def verify_inventory(self) -> int:
-        """Ledger, index and data plane must describe the same groups and rows. Returns the
-        number of sealed rollouts."""
-        return check_agreement(self.capture(), self.dataplane.count(ROLLOUT_PARTITION))
-
     def checkpoint(
         self,
         store: SnapshotStore,
@@ -175,8 +170,8 @@ class Controller:
     ) -> SnapshotManifest:
         state = self.capture()
         sealed = check_agreement(state, self.dataplane.count(ROLLOUT_PARTITION))
-        draft = store.begin(kind, checkpoint_id, seq)
-        try:
+        # Leaving the block without publishing (any error) discards the draft.
+        with store.begin(kind, checkpoint_id, seq) as draft:
             state.write(draft)
             exported = self.dataplane.export(draft.path / "dataplane")
             draft.write_json("dataplane.json", exported)
@@ -192,9 +187,6 @@ class Controller:
                 anchor_step=anchor_step,
                 counts={**state.counts(), "sealed_rollouts": sealed},
             ).manifest
-        except BaseException:
-            draft.discard()
-            raise
 
     def capture(self) -> CapturedState:
         """Copies of everything but the data plane's rows; no I/O."""
@@ -220,7 +212,9 @@ class Controller:
         """Restore from the newest snapshot that verifies into ``dataplane`` (empty).
 
         ``restored_episodes`` maps each episode an environment restored to its instance.
-        Nothing of the new controller is visible to the caller unless every check passed.
+        The new controller is returned only if every check passed; on any error the snapshot
+        directory is unchanged and ``dataplane`` (which may hold imported rows) is discarded
+        by the caller.
         """
         reader = store.select(accept)
         controller = cls(config, dataplane)
