@@ -11,6 +11,7 @@ import typer
 
 from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import InvalidInput, RollsafeError, RowMismatch
+from rollsafe.temporal.cli import server_command
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="rollsafe: lossless RL rollout checkpoints"
@@ -90,6 +91,9 @@ def snapshots_list(
     if verify and not any(entry.state == EntryState.VALID for entry in entries):
         typer.echo(f"no snapshot of run {run!r} under {root} verifies", err=True)
         raise typer.Exit(1)
+
+
+app.command("server")(server_command)
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -7,7 +7,8 @@
     │   ├── EnvUnavailable
     │   ├── EnvNotReady
     │   ├── CheckpointTimeout
-    │   └── DataPlaneUnavailable
+    │   ├── DataPlaneUnavailable
+    │   └── TemporalUnavailable
     ├── InvariantError                 never retry: state or input is wrong
     │   ├── OwnershipMismatch
     │   ├── TopologyMismatch
@@ -36,6 +37,17 @@ class RollsafeError(Exception):
 
     transient: bool = False
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Subclasses take structured arguments but pass one message up; rebuilding from the
+        # message keeps class and text intact across pickling (Ray carries errors that way).
+        return _rebuild, (type(self), str(self))
+
+
+def _rebuild(cls: type[RollsafeError], message: str) -> RollsafeError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    return error
+
 
 class TransientError(RollsafeError):
     """A failure that may go away: the caller retries."""
@@ -57,6 +69,10 @@ class CheckpointTimeout(TransientError):
 
 class DataPlaneUnavailable(TransientError):
     pass
+
+
+class TemporalUnavailable(TransientError):
+    """The Temporal server did not answer (or a local one failed to start)."""
 
 
 class InvariantError(RollsafeError):

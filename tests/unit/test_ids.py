@@ -52,3 +52,16 @@ def test_negative_numbers_are_refused():
         GroupId("r", -1)
     with pytest.raises(InvalidInput, match="attempt"):
         GroupId("r", 1).rollout(0).episode(-1)
+
+
+def test_errors_survive_pickling_with_class_and_message():
+    """Ray carries errors between processes by pickling them."""
+    import pickle
+
+    from rollsafe.errors import IllegalTransition, RollsafeError, RowMismatch
+
+    for error in (IllegalTransition("rollout r", "seal", "RESERVED", "SEALED"),
+                  RowMismatch(3, 1, "k", "differs")):
+        again = pickle.loads(pickle.dumps(error))
+        assert type(again) is type(error) and str(again) == str(error)
+        assert isinstance(again, RollsafeError) and again.transient == error.transient

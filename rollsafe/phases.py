@@ -1,0 +1,92 @@
+"""What the checkpoint workflows and the controller say to each other: the ten phases of a
+rollout snapshot (DESIGN.md section 5) and one typed model in, one out.
+
+Workflow code imports this module (pydantic only, no numpy/torch/ray), so it must stay free
+of heavy imports and side effects.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Phase(StrEnum):
+    OPEN = "open"
+    CLOSE_ADMISSION = "close_admission"
+    RETIRE_DROPPED = "retire_dropped"
+    PREPARE_ENVS = "prepare_envs"
+    DRAIN = "drain"
+    CUT_GENERATION = "cut_generation"
+    COMMIT_ENVS = "commit_envs"
+    CAPTURE = "capture"
+    RESUME = "resume"
+    PUBLISH = "publish"
+
+
+PHASES: tuple[Phase, ...] = tuple(Phase)
+# From capture on, the snapshot owns the run's state: a trainer step can no longer abort it.
+NO_ABORT_FROM = Phase.CAPTURE
+
+
+def abortable(phase: Phase | None) -> bool:
+    """Whether a snapshot in ``phase`` (None: not started) can still be aborted. Phases are
+    compared by position, never as strings."""
+    return phase is None or PHASES.index(phase) < PHASES.index(NO_ABORT_FROM)
+
+
+def checkpoint_id_for(run_id: str, seq: int, kind: str) -> str:
+    """Minted from the workflow's input, never at random: a retried activity or a replayed
+    workflow names the same checkpoint."""
+    return f"{run_id}.{kind}.{seq:08d}"
+
+
+class SnapshotSpec(BaseModel):
+    """Which snapshot: everything a phase needs to find its checkpoint."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str
+    seq: int = Field(ge=1)
+    kind: Literal["rollout", "trainer"] = "rollout"
+    anchor_step: int | None = Field(default=None, ge=0)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return checkpoint_id_for(self.run_id, self.seq, self.kind)
+
+
+class PhaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    spec: SnapshotSpec
+    phase: Phase
+
+
+class PublishedSnapshotInfo(BaseModel):
+    """A published snapshot, small enough for a workflow payload."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    path: str
+    checkpoint_id: str
+    manifest_sha256: str
+    weight_version: int
+    loader_position: int
+    counts: dict[str, int] = Field(default_factory=dict)
+
+
+class PhaseResult(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    phase: Phase
+    checkpoint_id: str
+    summary: str  # one line for operators: what the phase did, or why it did nothing
+    counts: dict[str, int] = Field(default_factory=dict)
+    published: PublishedSnapshotInfo | None = None
+    # True when this is the stored result of an earlier call with the same
+    # (checkpoint_id, phase): activities run at least once, the effect happens once.
+    replayed: bool = False
