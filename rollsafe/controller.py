@@ -13,6 +13,7 @@ group's restart rule and returns a :class:`RestorePlan` saying what is owed and 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
 
@@ -34,10 +35,12 @@ from rollsafe.errors import (
     SnapshotCorrupt,
     TopologyMismatch,
 )
+from rollsafe.faults import fault_point, register
 from rollsafe.ids import EpisodeId
 from rollsafe.ledger import Ledger
 from rollsafe.snapshot import (
     FileEntry,
+    SnapshotDraft,
     SnapshotKind,
     SnapshotManifest,
     SnapshotReader,
@@ -46,7 +49,18 @@ from rollsafe.snapshot import (
 from rollsafe.states import GroupState, RestoreLevel
 
 ROLLOUT_PARTITION = "rollouts"
+# Inside a capture, after the state files and before the data-plane export.
+CAPTURE_MID = register("phase.capture.state_written")[0]
 _VERIFY_BATCH = 1024
+
+
+@dataclass(frozen=True)
+class Captured:
+    """What a capture wrote, with the values its manifest must carry."""
+
+    weight_version: int
+    loader_position: int
+    counts: dict[str, int]
 
 
 class PartialGroup(BaseModel):
@@ -168,25 +182,36 @@ class Controller:
         anchor_step: int | None = None,
         seq: int | None = None,
     ) -> SnapshotManifest:
-        state = self.capture()
-        sealed = check_agreement(state, self.dataplane.count(ROLLOUT_PARTITION))
         # Leaving the block without publishing (any error) discards the draft.
         with store.begin(kind, checkpoint_id, seq) as draft:
-            state.write(draft)
-            exported = self.dataplane.export(draft.path / "dataplane")
-            draft.write_json("dataplane.json", exported)
-            draft.record_hashed(
-                {
-                    f"dataplane/{f.path}": FileEntry(sha256=f.sha256, bytes=f.bytes)
-                    for f in exported.files
-                }
-            )
+            captured = self.write_snapshot(draft)
             return draft.publish(
-                weight_version=self.weight_version,
-                loader_position=self.loader_position,
+                weight_version=captured.weight_version,
+                loader_position=captured.loader_position,
                 anchor_step=anchor_step,
-                counts={**state.counts(), "sealed_rollouts": sealed},
+                counts=captured.counts,
             ).manifest
+
+    def write_snapshot(self, draft: SnapshotDraft) -> Captured:
+        """Write the state and the data plane's rows into ``draft`` after checking that they
+        agree. The caller keeps writers out meanwhile (the coordinator's barrier)."""
+        state = self.capture()
+        sealed = check_agreement(state, self.dataplane.count(ROLLOUT_PARTITION))
+        state.write(draft)
+        fault_point(CAPTURE_MID)
+        exported = self.dataplane.export(draft.path / "dataplane")
+        draft.write_json("dataplane.json", exported)
+        draft.record_hashed(
+            {
+                f"dataplane/{f.path}": FileEntry(sha256=f.sha256, bytes=f.bytes)
+                for f in exported.files
+            }
+        )
+        return Captured(
+            weight_version=state.loader.weight_version,
+            loader_position=state.loader.position,
+            counts={**state.counts(), "sealed_rollouts": sealed},
+        )
 
     def capture(self) -> CapturedState:
         """Copies of everything but the data plane's rows; no I/O."""

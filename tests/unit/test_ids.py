@@ -60,8 +60,10 @@ def test_errors_survive_pickling_with_class_and_message():
 
     from rollsafe.errors import IllegalTransition, RollsafeError, RowMismatch
 
-    for error in (IllegalTransition("rollout r", "seal", "RESERVED", "SEALED"),
-                  RowMismatch(3, 1, "k", "differs")):
+    for error in (
+        IllegalTransition("rollout r", "seal", "RESERVED", "SEALED"),
+        RowMismatch(3, 1, "k", "differs"),
+    ):
         again = pickle.loads(pickle.dumps(error))
         assert type(again) is type(error) and str(again) == str(error)
         assert isinstance(again, RollsafeError) and again.transient == error.transient

@@ -1,0 +1,1 @@
+"""Temporal activities: thin I/O against the controller, environments and engines."""

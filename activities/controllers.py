@@ -1,0 +1,76 @@
+"""How activities reach a run's controller: the Ray actor (a cluster), or the same
+:class:`CheckpointOps` in this process (the embedded default and unit tests)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from rollsafe.coordinator import CheckpointOps
+from rollsafe.errors import TransientError
+from rollsafe.phases import PhaseRequest, PhaseResult, SnapshotSpec
+
+
+class ControllerUnavailable(TransientError):
+    """The controller actor could not be reached (dead, restarting, not started yet)."""
+
+
+class ControllerHandle(Protocol):
+    async def run_phase(self, request: PhaseRequest) -> PhaseResult: ...
+
+    async def abort(self, spec: SnapshotSpec) -> PhaseResult: ...
+
+    async def next_seq(self) -> int: ...
+
+
+ControllerResolver = Callable[[str], ControllerHandle]  # run id -> its controller
+
+
+class LocalController:
+    """Calls the operations in a thread, so the worker's event loop keeps heartbeating."""
+
+    def __init__(self, ops: CheckpointOps) -> None:
+        self.ops = ops
+
+    async def run_phase(self, request: PhaseRequest) -> PhaseResult:
+        return await asyncio.to_thread(self.ops.run_phase, request)
+
+    async def abort(self, spec: SnapshotSpec) -> PhaseResult:
+        return await asyncio.to_thread(self.ops.abort, spec)
+
+    async def next_seq(self) -> int:
+        return await asyncio.to_thread(self.ops.next_seq)
+
+
+class RayController:
+    """The run's named controller actor, looked up on every call: a restarted actor is
+    found again, and a missing one is a transient error the activity retries."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+
+    async def _call(self, method: str, *args: object) -> Any:
+        import ray
+
+        from rollsafe.actor import get_controller_actor
+
+        try:
+            actor = get_controller_actor(self.run_id)
+            return await getattr(actor, method).remote(*args)
+        except (ray.exceptions.RayActorError, ValueError) as exc:
+            raise ControllerUnavailable(
+                f"controller actor of run {self.run_id!r} unavailable: {exc}"
+            ) from exc
+
+    async def run_phase(self, request: PhaseRequest) -> PhaseResult:
+        result: PhaseResult = await self._call("run_phase", request)
+        return result
+
+    async def abort(self, spec: SnapshotSpec) -> PhaseResult:
+        result: PhaseResult = await self._call("abort", spec)
+        return result
+
+    async def next_seq(self) -> int:
+        seq: int = await self._call("next_seq")
+        return seq

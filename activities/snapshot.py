@@ -1,0 +1,69 @@
+"""One activity per snapshot phase, each a thin call to the run's controller.
+
+Activities are registered under the phase's name, so an operator sees the phase of a stuck
+snapshot as its pending activity. Long calls heartbeat every second (DESIGN.md section 5:
+heartbeat timeout ~5 s) so a killed worker's phase is retried within seconds, and a
+cancelled phase (abort) is noticed at the next beat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from temporalio import activity
+
+from activities.controllers import ControllerResolver
+from activities.errors import to_application_error
+from rollsafe.errors import RollsafeError
+from rollsafe.phases import PHASES, Phase, PhaseRequest, PhaseResult, SnapshotSpec
+from workflows.snapshot import ABORT_ACTIVITY
+from workflows.supervisor import NEXT_SEQ_ACTIVITY
+
+HEARTBEAT_EVERY_S = 1.0
+T = TypeVar("T")
+
+
+async def _heartbeating(call: Awaitable[T], detail: str) -> T:
+    task = asyncio.ensure_future(call)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=HEARTBEAT_EVERY_S)
+            if done:
+                return task.result()
+            activity.heartbeat(detail)
+    except RollsafeError as exc:
+        raise to_application_error(exc) from exc
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+
+
+class SnapshotActivities:
+    def __init__(self, resolve: ControllerResolver) -> None:
+        self._resolve = resolve
+
+    def _phase_activity(self, phase: Phase) -> Callable[[PhaseRequest], Awaitable[PhaseResult]]:
+        async def run(request: PhaseRequest) -> PhaseResult:
+            if request.phase != phase:
+                raise ValueError(f"activity {phase.value} got a request for {request.phase}")
+            controller = self._resolve(request.spec.run_id)
+            return await _heartbeating(controller.run_phase(request), phase.value)
+
+        run.__name__ = f"phase_{phase.value}"
+        return activity.defn(name=phase.value)(run)
+
+    def all(self) -> list[Callable[..., Any]]:
+        resolve = self._resolve
+
+        @activity.defn(name=ABORT_ACTIVITY)
+        async def abort_snapshot(spec: SnapshotSpec) -> PhaseResult:
+            return await _heartbeating(resolve(spec.run_id).abort(spec), ABORT_ACTIVITY)
+
+        @activity.defn(name=NEXT_SEQ_ACTIVITY)
+        async def next_snapshot_seq(run_id: str) -> int:
+            return await _heartbeating(resolve(run_id).next_seq(), NEXT_SEQ_ACTIVITY)
+
+        phases = [self._phase_activity(phase) for phase in PHASES]
+        return [*phases, abort_snapshot, next_snapshot_seq]

@@ -1,0 +1,144 @@
+"""The controller as a Ray actor, named per run (DESIGN.md section 4): the checkpoint phases of
+:class:`~rollsafe.coordinator.CheckpointOps` plus the run's own operations, each of which
+takes the capture barrier.
+
+Ray is imported only when an actor is started or looked up, so the run's pure code and the
+unit tests never pay for it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rollsafe.config import RunConfig
+from rollsafe.controller import Controller
+from rollsafe.coordinator import CheckpointOps
+from rollsafe.dataplane import Row, make_dataplane
+from rollsafe.errors import InvalidInput, TransientError
+from rollsafe.faults import fault_point, register
+from rollsafe.ids import EpisodeId, validate_run_id
+from rollsafe.snapshot import FAULT_POINTS, SnapshotStore
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+NAMESPACE = "rollsafe"
+# Calls run on this many threads: a resume must not queue behind a long phase. The locks in
+# CheckpointOps and the barrier make that safe.
+MAX_CONCURRENCY = 8
+
+
+class ControllerNotFound(TransientError):
+    """No controller actor for the run (yet): it may be starting or restarting."""
+
+
+def actor_name(run_id: str) -> str:
+    return f"rollsafe-controller-{validate_run_id(run_id)}"
+
+
+class ControllerService(CheckpointOps):
+    """One run's controller, built from plain arguments so Ray can construct it remotely."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        snapshot_root: Path | str,
+        dataplane: str = "memory",
+        keep_latest_k: int = 2,
+    ) -> None:
+        store = SnapshotStore(
+            Path(snapshot_root), config.run_id, keep_latest_k, fault_hook=_store_fault
+        )
+        super().__init__(Controller(config, make_dataplane(dataplane)), store)
+
+    def handout(self, groups: Sequence[int]) -> None:
+        with self.barrier:
+            self.controller.handout(groups)
+
+    def dispatch(self, idx: int, i: int, owner: str | None = None) -> EpisodeId | None:
+        """Dispatch one attempt through the admission gate, in the same step that marks it
+        DISPATCHED; None when the gate is closed (the attempt stays RESERVED, spends nothing)."""
+        with self.barrier, self.gate.admission() as admitted:
+            return self.controller.dispatch(idx, i, owner) if admitted else None
+
+    def seal(self, idx: int, i: int, attempt: int, row: Row) -> bool:
+        with self.barrier:
+            return self.controller.seal(idx, i, attempt, row)
+
+    def claim(self, groups: Sequence[int], step: int) -> None:
+        with self.barrier:
+            self.controller.claim(groups, step)
+
+    def commit_step(self, groups: Sequence[int]) -> None:
+        with self.barrier:
+            self.controller.commit_step(groups)
+
+    def select(self) -> list[int]:
+        with self.barrier:
+            return self.controller.select()
+
+    def attempt(self, idx: int, i: int) -> int:
+        with self.barrier:
+            return self.controller.ledger.attempt(idx, i)
+
+
+# Inside publish (SnapshotStore's own points), e.g. ROLLSAFE_FAULT=store.before_rename.
+STORE_POINTS = register(*(f"store.{point}" for point in FAULT_POINTS))
+
+
+def _store_fault(point: str) -> None:
+    fault_point(f"store.{point}")
+
+
+@functools.cache
+def controller_actor_class() -> Any:
+    import ray
+
+    return ray.remote(ControllerService)
+
+
+def start_controller_actor(
+    run_id: str,
+    config: RunConfig,
+    snapshot_root: Path | str,
+    namespace: str = NAMESPACE,
+    *,
+    dataplane: str = "memory",
+    keep_latest_k: int = 2,
+    runtime_env: dict[str, Any] | None = None,
+) -> ActorHandle[ControllerService]:
+    """The run's named controller actor, started if it is not running (get-if-exists: a
+    second call gets the same actor and ignores its arguments). Not detached: it lives as
+    long as the Ray job that started it."""
+    if config.run_id != run_id:
+        raise InvalidInput(f"config is for run {config.run_id!r}, not {run_id!r}")
+    options: dict[str, Any] = {
+        "name": actor_name(run_id),
+        "namespace": namespace,
+        "get_if_exists": True,
+        "max_concurrency": MAX_CONCURRENCY,
+        # Bookkeeping, not compute: it must schedule even when data-plane actors hold
+        # every logical CPU (PLATFORM.md).
+        "num_cpus": 0,
+    }
+    if runtime_env is not None:
+        options["runtime_env"] = runtime_env
+    cls = controller_actor_class()
+    handle: ActorHandle[ControllerService] = cls.options(**options).remote(
+        config, str(snapshot_root), dataplane, keep_latest_k
+    )
+    return handle
+
+
+def get_controller_actor(run_id: str, namespace: str = NAMESPACE) -> ActorHandle[ControllerService]:
+    import ray
+
+    name = actor_name(run_id)
+    try:
+        handle: ActorHandle[ControllerService] = ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        raise ControllerNotFound(f"no actor {name!r} in Ray namespace {namespace!r}") from None
+    return handle

@@ -1,0 +1,353 @@
+"""The controller's side of a rollout snapshot: the ten phases of DESIGN.md section 5, each
+idempotent per ``(checkpoint_id, phase)``, behind one entry point.
+
+Temporal runs an activity at least once, and a timed-out attempt can still be running beside
+its retry. So every phase stores its first result and a repeated call returns it with
+``replayed=True`` without touching anything; and each phase is itself safe to re-run after
+a crash between its effect and its stored result (the ``phase.<name>.after`` fault point):
+re-opening finds the open draft, re-closing finds the gate closed, re-capturing finds the
+capture done. ``effects`` counts real side effects per phase so tests can prove "once".
+
+The draft lives only in this process (the Ray actor outlives checkpoint workers). A publish
+that finds no draft looks the snapshot up on disk: an earlier attempt may have published it.
+
+Plain Python, no Ray: :mod:`rollsafe.actor` wraps this class in a one-line actor.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict
+
+from rollsafe.controller import Captured, Controller
+from rollsafe.errors import InvalidInput, TransientError
+from rollsafe.faults import fault_point
+from rollsafe.gate import AdmissionGate, GateCounters
+from rollsafe.phases import (
+    PHASES,
+    Phase,
+    PhaseRequest,
+    PhaseResult,
+    PublishedSnapshotInfo,
+    SnapshotSpec,
+)
+from rollsafe.snapshot import (
+    PublishedSnapshot,
+    SnapshotDraft,
+    SnapshotStore,
+    verify_snapshot,
+)
+
+ABORT = "abort"  # the key of abort's lock and effect counter, beside the phases
+_KEEP_CHECKPOINTS = 16  # stored results kept for this many recent checkpoint ids
+_NOTHING = {
+    Phase.RETIRE_DROPPED: "no environment instances configured: nothing to retire",
+    Phase.PREPARE_ENVS: "no environment instances configured: nothing to park",
+    Phase.DRAIN: "no environment instances configured: no replies on the wire to wait for",
+    Phase.CUT_GENERATION: "no generation engines configured: nothing to cut",
+    Phase.COMMIT_ENVS: "no environment instances configured: nothing to commit",
+}
+
+
+class SnapshotLost(TransientError):
+    """This checkpoint's draft is gone or unusable here: the snapshot must start again from
+    ``open`` under a new seq. Transient, so the supervisor counts it as such."""
+
+
+class CheckpointRefused(InvalidInput):
+    """A phase the checkpoint may not run: another checkpoint is open, or this one was
+    already aborted or resumed. Retrying cannot help."""
+
+
+class OpsStatus(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str
+    open_checkpoint: str | None
+    gate_open: bool
+    gate_holder: str | None
+    gate: GateCounters
+    effects: dict[str, int]  # phase (or "abort") -> side effects performed
+    done: dict[str, list[str]]  # recent checkpoint id -> phases with a stored result
+
+
+@dataclass
+class _Open:
+    spec: SnapshotSpec
+    draft: SnapshotDraft
+    lock: threading.Lock = field(default_factory=threading.Lock)  # who may touch the draft
+    captured: Captured | None = None
+    broken: str | None = None  # why the draft can no longer be published
+
+
+@dataclass
+class _Record:
+    seq: int
+    results: dict[Phase, PhaseResult] = field(default_factory=dict)
+    # One lock per phase, not per checkpoint: a duplicate attempt waits for the first, but
+    # resume never waits behind a long phase of its own checkpoint.
+    locks: dict[str, threading.Lock] = field(
+        default_factory=lambda: {key: threading.Lock() for key in (*PHASES, ABORT)}
+    )
+    # Resumed or aborted: it may never open or close the gate again (checked and set under
+    # _meta, so a late duplicate attempt cannot slip in between).
+    resumed: bool = False
+    aborted: PhaseResult | None = None
+
+
+class CheckpointOps:
+    def __init__(
+        self, controller: Controller, store: SnapshotStore, gate: AdmissionGate | None = None
+    ) -> None:
+        if store.run_id != controller.config.run_id:
+            raise InvalidInput(
+                f"store of run {store.run_id!r}, controller of {controller.config.run_id!r}"
+            )
+        self.controller = controller
+        self.store = store
+        self.gate = gate or AdmissionGate()
+        # Held by capture and by every call that changes the controller's state
+        # (rollsafe.actor.ControllerService), so a capture sees the run standing still.
+        self.barrier = threading.Lock()
+        self._meta = threading.RLock()  # held briefly: guards the fields below
+        self._open: _Open | None = None
+        self._records: OrderedDict[str, _Record] = OrderedDict()
+        self.effects: dict[str, int] = {str(key): 0 for key in (*PHASES, ABORT)}
+
+    # ---- checkpoint phases -----------------------------------------------------------------
+
+    def run_phase(self, request: PhaseRequest) -> PhaseResult:
+        spec, phase = request.spec, request.phase
+        record = self._record(spec)
+        with record.locks[phase]:
+            if (stored := record.results.get(phase)) is not None:
+                return stored.model_copy(update={"replayed": True})
+            if record.aborted is not None and phase is not Phase.RESUME:
+                raise CheckpointRefused(
+                    f"checkpoint {spec.checkpoint_id} was aborted: {phase} refused"
+                )
+            fault_point(f"phase.{phase}.before")
+            result = self._run(spec, phase, record)
+            fault_point(f"phase.{phase}.after")
+            record.results[phase] = result
+            return result
+
+    def abort(self, spec: SnapshotSpec) -> PhaseResult:
+        """Discard the draft, if any, and reopen the gate; stored results are kept."""
+        record = self._record(spec)
+        with record.locks[ABORT]:
+            if record.aborted is not None:
+                return record.aborted.model_copy(update={"replayed": True})
+            with self._meta:
+                record.resumed = True
+                change = self.gate.open(spec.checkpoint_id)
+            entry = self._entry(spec.checkpoint_id)
+            if entry is not None:
+                with entry.lock:
+                    entry.broken = "aborted"  # for a phase that found the entry before abort
+                    entry.draft.discard()
+                with self._meta:
+                    self._open = None
+            discarded = "draft discarded" if entry else "no draft to discard"
+            self._effect(ABORT, entry is not None or change.changed)
+            record.aborted = self._result(
+                spec, Phase.RESUME, f"aborted: {discarded}; admission {change.detail}"
+            )
+            return record.aborted
+
+    def _run(self, spec: SnapshotSpec, phase: Phase, record: _Record) -> PhaseResult:
+        cid = spec.checkpoint_id
+        if phase is Phase.OPEN:
+            return self._open_draft(spec, record)
+        if phase is Phase.RESUME:
+            with self._meta:
+                record.resumed = True
+                change = self.gate.open(cid)
+            self._effect(phase, change.changed)
+            return self._result(spec, phase, f"admission {change.detail}")
+        if phase is Phase.PUBLISH:
+            return self._publish(spec, self._entry(cid))
+        if phase is Phase.CLOSE_ADMISSION:
+            with self._meta:  # resume takes it too: it cannot slip between check and close
+                if record.resumed:
+                    raise CheckpointRefused(
+                        f"checkpoint {cid} already resumed: it may not close admission again"
+                    )
+                self._require_open(spec)
+                change = self.gate.close(cid)
+            self._effect(phase, change.changed)
+            return self._result(spec, phase, f"admission {change.detail}")
+        entry = self._require_open(spec)
+        if phase is Phase.CAPTURE:
+            return self._capture(spec, entry)
+        return self._result(spec, phase, _NOTHING[phase])
+
+    def _open_draft(self, spec: SnapshotSpec, record: _Record) -> PhaseResult:
+        cid = spec.checkpoint_id
+        with self._meta:
+            if record.resumed:  # a stray late attempt would hold a draft nobody finishes
+                raise CheckpointRefused(f"checkpoint {cid} already ended: it may not open again")
+            current = self._open
+            if current is not None and current.spec.checkpoint_id != cid:
+                raise CheckpointRefused(
+                    f"checkpoint {cid} cannot open: checkpoint {current.spec.checkpoint_id} "
+                    "is still open (publish or abort it first)"
+                )
+            if current is None:
+                current = self._open = _Open(spec, self.store.begin(spec.kind, cid, spec.seq))
+                self._effect(Phase.OPEN, True)
+        return self._result(spec, Phase.OPEN, f"draft {current.draft.path.name} open")
+
+    def _capture(self, spec: SnapshotSpec, entry: _Open) -> PhaseResult:
+        with entry.lock, self.barrier:
+            self._check_usable(entry)
+            if entry.captured is None:
+                before = len(entry.draft.files)
+                try:
+                    entry.captured = self.controller.write_snapshot(entry.draft)
+                except BaseException as exc:
+                    # A check that failed wrote nothing and may be retried; a failed write
+                    # leaves files a retry would collide with.
+                    if len(entry.draft.files) != before:
+                        entry.broken = f"capture failed part-way ({type(exc).__name__}: {exc})"
+                    raise
+                self._effect(Phase.CAPTURE, True)
+        counts = entry.captured.counts
+        summary = f"captured {counts['groups']} groups, {counts['sealed_rollouts']} sealed rollouts"
+        return self._result(spec, Phase.CAPTURE, summary, counts)
+
+    def _publish(self, spec: SnapshotSpec, entry: _Open | None) -> PhaseResult:
+        published: PublishedSnapshot | None = None
+        if entry is not None:
+            with entry.lock:
+                self._check_usable(entry)
+                if entry.captured is None:
+                    raise CheckpointRefused(
+                        f"checkpoint {spec.checkpoint_id}: publish before capture"
+                    )
+                if entry.draft.path.exists():  # else an earlier attempt renamed it, then failed
+                    done = entry.captured
+                    published = entry.draft.publish(
+                        weight_version=done.weight_version,
+                        loader_position=done.loader_position,
+                        anchor_step=spec.anchor_step,
+                        counts=done.counts,
+                    )
+                    self._effect(Phase.PUBLISH, not published.reused)
+                with self._meta:
+                    self._open = None
+        if published is None:
+            published = self._find_published(spec)
+        info = _info(published)
+        how = "reused the earlier publish of" if published.reused else "published"
+        return self._result(spec, Phase.PUBLISH, f"{how} {info.name}", info.counts, info)
+
+    def _find_published(self, spec: SnapshotSpec) -> PublishedSnapshot:
+        """The snapshot an earlier attempt published for this checkpoint, read-only."""
+        for candidate in self.store.list(verify=False):
+            if candidate.seq != spec.seq:
+                continue
+            manifest, digest = verify_snapshot(candidate.path, self.store.run_id)
+            if manifest.checkpoint_id != spec.checkpoint_id:
+                raise CheckpointRefused(
+                    f"seq {spec.seq} is published as {candidate.name} by checkpoint "
+                    f"{manifest.checkpoint_id}, not {spec.checkpoint_id}"
+                )
+            return PublishedSnapshot(candidate.path, manifest, digest, reused=True)
+        raise SnapshotLost(
+            f"checkpoint {spec.checkpoint_id}: no draft here (the controller restarted?) and "
+            f"seq {spec.seq} is not published: take the snapshot again"
+        )
+
+    def next_seq(self) -> int:
+        """A seq no snapshot of this run has used: above every published one and every
+        checkpoint this controller has seen (an aborted seq's id is never accepted again)."""
+        on_disk = [e.seq for e in self.store.list(verify=False) if e.seq is not None]
+        with self._meta:
+            seen = [record.seq for record in self._records.values()]
+        return max([*on_disk, *seen], default=0) + 1
+
+    def status(self) -> OpsStatus:
+        with self._meta:
+            return OpsStatus(
+                run_id=self.store.run_id,
+                open_checkpoint=self._open.spec.checkpoint_id if self._open else None,
+                gate_open=self.gate.is_open,
+                gate_holder=self.gate.holder,
+                gate=self.gate.counters(),
+                effects=dict(self.effects),
+                done={cid: [p.value for p in r.results] for cid, r in self._records.items()},
+            )
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _record(self, spec: SnapshotSpec) -> _Record:
+        if spec.run_id != self.store.run_id:
+            raise InvalidInput(f"checkpoint {spec.checkpoint_id} is not of run {self.store.run_id}")
+        cid = spec.checkpoint_id
+        with self._meta:
+            record = self._records.setdefault(cid, _Record(spec.seq))
+            self._records.move_to_end(cid)
+            open_cid = self._open.spec.checkpoint_id if self._open else None
+            for old in [c for c in self._records if c not in (cid, open_cid)]:
+                if len(self._records) <= _KEEP_CHECKPOINTS:
+                    break
+                del self._records[old]
+            return record
+
+    def _entry(self, cid: str) -> _Open | None:
+        with self._meta:
+            return self._open if self._open and self._open.spec.checkpoint_id == cid else None
+
+    def _require_open(self, spec: SnapshotSpec) -> _Open:
+        entry = self._entry(spec.checkpoint_id)
+        if entry is None:
+            raise SnapshotLost(
+                f"checkpoint {spec.checkpoint_id} is not open here (not opened, already "
+                "published, or the controller restarted): take the snapshot again"
+            )
+        return entry
+
+    def _check_usable(self, entry: _Open) -> None:
+        if entry.broken is not None:
+            raise SnapshotLost(
+                f"checkpoint {entry.spec.checkpoint_id}: {entry.broken}: take the snapshot again"
+            )
+
+    def _effect(self, key: str, happened: bool) -> None:
+        if happened:
+            with self._meta:
+                self.effects[key] += 1
+
+    def _result(
+        self,
+        spec: SnapshotSpec,
+        phase: Phase,
+        summary: str,
+        counts: dict[str, int] | None = None,
+        published: PublishedSnapshotInfo | None = None,
+    ) -> PhaseResult:
+        cid = spec.checkpoint_id
+        return PhaseResult(
+            phase=phase,
+            checkpoint_id=cid,
+            summary=summary,
+            counts=counts or {},
+            published=published,
+        )
+
+
+def _info(published: PublishedSnapshot) -> PublishedSnapshotInfo:
+    manifest = published.manifest
+    return PublishedSnapshotInfo(
+        name=published.name,
+        path=str(published.path),
+        checkpoint_id=manifest.checkpoint_id,
+        manifest_sha256=published.manifest_sha256,
+        weight_version=manifest.weight_version,
+        loader_position=manifest.loader_position,
+        counts=dict(manifest.counts),
+    )

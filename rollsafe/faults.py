@@ -1,0 +1,142 @@
+"""Named fault points (DESIGN.md section 12): places where a test can crash the process, or
+raise, exactly between "done" and "recorded".
+
+Arm points with the environment variable ``ROLLSAFE_FAULT`` (read at every check, so a
+subprocess or a Ray actor started with it is armed), a comma-separated list of ``name`` or
+``name:action``, where action is ``exit`` (``os._exit(137)``, as a kill -9 would look; the
+default), ``raise`` (:class:`InjectedFault`, a transient error) or ``sleep:<seconds>`` (a
+slow step). In-process tests use :func:`arm` (optionally firing only ``times`` times) and
+:func:`disarm_all` instead.
+
+Every point is declared with :func:`register` when its module is imported, so an armed name
+that no code declares (a typo) fails loudly at the first check, listing the known names,
+instead of silently never firing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from rollsafe.errors import InvalidInput, TransientError
+from rollsafe.phases import PHASES
+
+ENV_VAR = "ROLLSAFE_FAULT"
+EXIT_CODE = 137
+_ACTIONS = "exit, raise or sleep:<seconds>"
+
+
+class InjectedFault(TransientError):
+    """Raised by an armed fault point with action ``raise``."""
+
+    def __init__(self, name: str) -> None:
+        self.point = name
+        super().__init__(f"injected fault at {name}")
+
+
+@dataclass
+class _Armed:
+    kind: str  # exit | raise | sleep
+    seconds: float = 0.0
+    left: int | None = None  # fires this many more times; None: until disarmed
+
+
+_lock = threading.Lock()
+_known: set[str] = set()
+_armed: dict[str, _Armed] = {}
+_parsed: tuple[str, dict[str, _Armed]] = ("", {})  # the last ROLLSAFE_FAULT value seen
+
+
+def register(*names: str) -> tuple[str, ...]:
+    """Declare fault points; returns them, so a module can keep them as constants."""
+    with _lock:
+        _known.update(names)
+    return names
+
+
+def known() -> list[str]:
+    with _lock:
+        return sorted(_known)
+
+
+def arm(name: str, action: str, times: int | None = None) -> None:
+    """Arm ``name`` in this process; ``times`` limits how often it fires (a fault that
+    clears after N attempts, as a transient one would)."""
+    _check_known([name])
+    if times is not None and (type(times) is not int or times < 1):
+        raise InvalidInput(f"times must be an integer >= 1, got {times!r}")
+    armed = _parse_action(action, "")
+    armed.left = times
+    with _lock:
+        _armed[name] = armed
+
+
+def disarm_all() -> None:
+    with _lock:
+        _armed.clear()
+
+
+def fault_point(name: str) -> None:
+    """Fire if ``name`` is armed here or in ``ROLLSAFE_FAULT``; otherwise do nothing."""
+    if name not in _known:
+        raise InvalidInput(f"fault point {name!r} was never registered")
+    with _lock:
+        armed = _armed.get(name)
+        if armed is not None and armed.left is not None:
+            armed.left -= 1
+            if armed.left == 0:
+                del _armed[name]
+    armed = armed or _from_env().get(name)
+    if armed is None:
+        return
+    if armed.kind == "exit":
+        os._exit(EXIT_CODE)
+    if armed.kind == "raise":
+        raise InjectedFault(name)
+    time.sleep(armed.seconds)  # a phase that takes long: heartbeats, timeouts, aborts
+
+
+def _parse_action(action: str, where: str) -> _Armed:
+    kind, _, arg = action.partition(":")
+    if kind in ("exit", "raise") and not arg:
+        return _Armed(kind)
+    if kind == "sleep":
+        try:
+            seconds = float(arg)
+        except ValueError:
+            seconds = -1.0
+        if 0 <= seconds < math.inf:
+            return _Armed(kind, seconds)
+    raise InvalidInput(f"{where}fault action {action!r}: expected {_ACTIONS}")
+
+
+def _from_env() -> dict[str, _Armed]:
+    global _parsed
+    raw = os.environ.get(ENV_VAR, "")
+    if raw == _parsed[0]:
+        return _parsed[1]
+    points: dict[str, _Armed] = {}
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        name, _, action = item.partition(":")
+        points[name] = _parse_action(action or "exit", f"{ENV_VAR}={raw!r}: {name}: ")
+    _check_known(points, f"{ENV_VAR}={raw!r}: ")
+    _parsed = (raw, points)
+    return points
+
+
+def _check_known(names: Iterable[str], prefix: str = "") -> None:
+    unknown = sorted(set(names) - _known)
+    if unknown:
+        raise InvalidInput(
+            f"{prefix}unknown fault point(s) {', '.join(unknown)}; known: {', '.join(known())}"
+        )
+
+
+# Every phase of a rollout snapshot, around the point where its side effect is recorded.
+PHASE_POINTS = register(
+    *(f"phase.{phase.value}.{when}" for phase in PHASES for when in ("before", "after"))
+)

@@ -1,0 +1,99 @@
+"""The controller as a named Ray actor: the ten phases through it, idempotent across handles,
+typed errors across the process boundary, a fault point that kills the actor's process."""
+
+import pytest
+
+from rollsafe.actor import (
+    ControllerNotFound,
+    actor_name,
+    get_controller_actor,
+    start_controller_actor,
+)
+from rollsafe.config import RunConfig
+from rollsafe.controller import Controller
+from rollsafe.coordinator import CheckpointRefused, SnapshotLost
+from rollsafe.dataplane import make_dataplane
+from rollsafe.faults import ENV_VAR
+from rollsafe.phases import PHASES, Phase, PhaseRequest, SnapshotSpec
+from rollsafe.scenario import row_content
+from rollsafe.snapshot import SnapshotStore
+
+
+def config(run_id: str) -> RunConfig:
+    return RunConfig(run_id=run_id, group_size=2, groups_per_step=2)
+
+
+def phases(handle, spec: SnapshotSpec, ray) -> list:
+    return [ray.get(handle.run_phase.remote(PhaseRequest(spec=spec, phase=p))) for p in PHASES]
+
+
+def test_ten_phases_through_the_named_actor(ray_session, tmp_path):
+    ray = ray_session
+    run_id = "ray-a"
+    first = start_controller_actor(run_id, config(run_id), tmp_path)
+    try:
+        ray.get(first.handout.remote([0, 1, 2]))
+        for idx, i in [(0, 0), (0, 1), (1, 0)]:
+            episode = ray.get(first.dispatch.remote(idx, i))
+            ray.get(first.seal.remote(idx, i, episode.attempt, row_content(idx, i, 0)))
+        spec = SnapshotSpec(run_id=run_id, seq=1)
+        results = phases(first, spec, ray)
+        assert not any(r.replayed for r in results)
+        info = results[-1].published
+        assert info is not None and info.counts["sealed_rollouts"] == 3
+
+        # Another process (a retried activity) finds the same actor by name.
+        second = get_controller_actor(run_id)
+        assert second._actor_id == first._actor_id
+        again = phases(second, spec, ray)
+        assert all(r.replayed for r in again) and again[-1].published == info
+        same = start_controller_actor(run_id, config(run_id), tmp_path)  # get-if-exists
+        status = ray.get(same.status.remote())
+        assert status.gate_open and status.open_checkpoint is None
+        assert status.effects["open"] == status.effects["capture"] == 1
+        assert status.effects["publish"] == 1
+
+        # Errors cross the process boundary with their type (the activity layer maps them).
+        open_request = PhaseRequest(spec=SnapshotSpec(run_id=run_id, seq=2), phase=Phase.OPEN)
+        ray.get(first.run_phase.remote(open_request))
+        refused = PhaseRequest(spec=SnapshotSpec(run_id=run_id, seq=3), phase=Phase.OPEN)
+        with pytest.raises(CheckpointRefused, match=r"00000003 cannot open.*00000002"):
+            ray.get(second.run_phase.remote(refused))
+    finally:
+        ray.kill(first)
+
+    _, plan = Controller.restore(
+        config(run_id), SnapshotStore(tmp_path, run_id), make_dataplane("memory")
+    )
+    assert (plan.snapshot, plan.ready, sorted(plan.partial)) == (info.name, [0], [1, 2])
+
+
+def test_an_exit_fault_kills_the_actor_and_a_new_one_cannot_publish(ray_session, tmp_path):
+    """ROLLSAFE_FAULT reaches the actor's process; after the crash between capture and its
+    stored result, a restarted controller has no draft: publish says take it again."""
+    ray = ray_session
+    run_id = "ray-fault"
+    spec = SnapshotSpec(run_id=run_id, seq=1)
+    env = {"env_vars": {ENV_VAR: "phase.capture.after"}}
+    doomed = start_controller_actor(run_id, config(run_id), tmp_path, runtime_env=env)
+    for phase in PHASES[: PHASES.index(Phase.CAPTURE)]:
+        ray.get(doomed.run_phase.remote(PhaseRequest(spec=spec, phase=phase)))
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(doomed.run_phase.remote(PhaseRequest(spec=spec, phase=Phase.CAPTURE)))
+
+    # A dead actor keeps its name while handles to it live; kill releases it.
+    ray.kill(doomed)
+    fresh = start_controller_actor(run_id, config(run_id), tmp_path)
+    try:
+        with pytest.raises(SnapshotLost) as caught:
+            ray.get(fresh.run_phase.remote(PhaseRequest(spec=spec, phase=Phase.PUBLISH)))
+        assert caught.value.transient
+        resumed = ray.get(fresh.run_phase.remote(PhaseRequest(spec=spec, phase=Phase.RESUME)))
+        assert "did not hold it" in resumed.summary
+    finally:
+        ray.kill(fresh)
+
+
+def test_looking_up_a_run_without_an_actor(ray_session):
+    with pytest.raises(ControllerNotFound, match=actor_name("nobody")):
+        get_controller_actor("nobody")

@@ -1,0 +1,312 @@
+"""CheckpointOps: the ten phases, idempotent per (checkpoint, phase), on a real controller,
+memory data plane and snapshot store."""
+
+import threading
+
+import pytest
+
+from rollsafe.actor import ControllerService
+from rollsafe.config import RunConfig
+from rollsafe.controller import ROLLOUT_PARTITION, Controller
+from rollsafe.coordinator import ABORT, CheckpointOps, CheckpointRefused, SnapshotLost
+from rollsafe.dataplane import make_dataplane
+from rollsafe.errors import InvalidInput, LedgerInvariantViolation
+from rollsafe.faults import ENV_VAR, InjectedFault, arm, disarm_all
+from rollsafe.phases import PHASES, Phase, PhaseRequest, SnapshotSpec
+from rollsafe.scenario import row_content
+from rollsafe.snapshot import EntryState, SnapshotStore
+from rollsafe.states import AttemptState
+
+RUN = "ops"
+SPEC = SnapshotSpec(run_id=RUN, seq=1)
+EXPECTED_COUNTS = {"groups": 4, "sealed_rollouts": 5, "claimed_groups": 0, "retirements": 0}
+
+
+@pytest.fixture(autouse=True)
+def _no_faults(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    disarm_all()
+    yield
+    disarm_all()
+
+
+def config() -> RunConfig:
+    return RunConfig(run_id=RUN, group_size=2, groups_per_step=2)
+
+
+def busy(service: ControllerService) -> ControllerService:
+    """Groups 0-1 ready, 2 half done, 3 never dispatched, 4 trained."""
+    service.handout([0, 1, 2, 3, 4])
+    for idx, i in [(0, 0), (0, 1), (1, 0), (1, 1), (4, 0), (4, 1), (2, 0)]:
+        episode = service.dispatch(idx, i)
+        assert episode is not None
+        service.seal(idx, i, episode.attempt, row_content(idx, i, episode.attempt))
+    service.dispatch(2, 1)
+    service.commit_step([4])
+    return service
+
+
+@pytest.fixture
+def ops(tmp_path) -> ControllerService:
+    return busy(ControllerService(config(), tmp_path))
+
+
+def run(ops: CheckpointOps, phase: Phase, spec: SnapshotSpec = SPEC):
+    return ops.run_phase(PhaseRequest(spec=spec, phase=phase))
+
+
+def run_all(ops: CheckpointOps, spec: SnapshotSpec = SPEC):
+    return [run(ops, phase, spec) for phase in PHASES]
+
+
+def published(store: SnapshotStore) -> list[str]:
+    return [e.name for e in store.list() if e.state == EntryState.VALID]
+
+
+def drafts(store: SnapshotStore) -> list[str]:
+    return [e.name for e in store.list() if e.state == EntryState.TEMP]
+
+
+ONCE = {**{p.value: 1 for p in PHASES}, ABORT: 0}
+for _p in (Phase.RETIRE_DROPPED, Phase.PREPARE_ENVS, Phase.DRAIN, Phase.CUT_GENERATION):
+    ONCE[_p.value] = 0
+ONCE[Phase.COMMIT_ENVS.value] = 0
+
+
+def test_ten_phases_publish_a_snapshot_the_controller_restores(ops):
+    results = run_all(ops)
+    assert [r.phase for r in results] == list(PHASES)
+    assert not any(r.replayed for r in results)
+    capture, publish = results[PHASES.index(Phase.CAPTURE)], results[-1]
+    assert capture.counts == EXPECTED_COUNTS
+    info = publish.published
+    assert info is not None and info.checkpoint_id == SPEC.checkpoint_id == "ops.rollout.00000001"
+    assert (info.name, info.weight_version, info.loader_position) == ("00000001-rollout", 1, 5)
+    assert info.counts == EXPECTED_COUNTS
+    status = ops.status()
+    assert (status.open_checkpoint, status.gate_open, status.effects) == (None, True, ONCE)
+
+    restored, plan = Controller.restore(config(), ops.store, make_dataplane("memory"))
+    assert (plan.snapshot, plan.checkpoint_id) == (info.name, info.checkpoint_id)
+    assert (plan.loader_position, plan.weight_version, plan.ready) == (5, 1, [0, 1])
+    assert sorted(plan.partial) == [2, 3]
+    assert restored.dataplane.count(ROLLOUT_PARTITION) == 5
+
+
+def test_every_phase_repeated_replays_and_does_nothing_again(ops):
+    first = []
+    for phase in PHASES:
+        first.append(run(ops, phase))
+        again = run(ops, phase)  # the retry of an attempt that timed out after finishing
+        assert again.replayed
+        assert again.model_copy(update={"replayed": False}) == first[-1]
+    replays = run_all(ops)  # and the whole sequence once more, from a replayed workflow
+    assert all(r.replayed for r in replays)
+    assert [r.model_copy(update={"replayed": False}) for r in replays] == first
+    assert ops.status().effects == ONCE
+    assert published(ops.store) == ["00000001-rollout"]
+    assert ops.gate.counters().closes == ops.gate.counters().opens == 1
+
+
+def test_phases_without_environments_or_engines_say_so(ops):
+    results = {r.phase: r for r in run_all(ops)}
+    for phase in (Phase.RETIRE_DROPPED, Phase.PREPARE_ENVS, Phase.DRAIN, Phase.COMMIT_ENVS):
+        assert results[phase].summary.startswith("no environment instances configured")
+    assert results[Phase.CUT_GENERATION].summary.startswith("no generation engines configured")
+    assert "nothing to park" in results[Phase.PREPARE_ENVS].summary
+
+
+@pytest.mark.parametrize("failing", PHASES)
+def test_resume_after_a_failure_in_any_phase_reopens_the_gate(ops, failing):
+    arm(f"phase.{failing}.before", "raise")
+    for phase in PHASES:
+        if phase is failing:
+            with pytest.raises(InjectedFault):
+                run(ops, phase)
+            break
+        run(ops, phase)
+    disarm_all()
+    resumed = run(ops, Phase.RESUME)  # the compensation, on every exit path
+    assert ops.gate.is_open and ops.dispatch(3, 0) is not None
+    aborted = ops.abort(SPEC)
+    assert aborted.summary.startswith("aborted")
+    assert published(ops.store) == [] and drafts(ops.store) == []
+    assert ops.status().open_checkpoint is None
+    assert resumed.phase is Phase.RESUME
+
+
+@pytest.mark.parametrize("failing", PHASES)
+def test_a_crash_between_done_and_recorded_is_retried_safely(ops, failing):
+    """The effect happened but its result was never stored: the retry runs the phase again
+    and finds the effect already done."""
+    arm(f"phase.{failing}.after", "raise")
+    for phase in PHASES:
+        if phase is failing:
+            with pytest.raises(InjectedFault):
+                run(ops, phase)
+            disarm_all()
+        result = run(ops, phase)
+        assert not result.replayed
+    assert result.published is not None and result.published.counts == EXPECTED_COUNTS
+    assert ops.status().effects == ONCE
+    assert published(ops.store) == ["00000001-rollout"]
+
+
+def test_resume_of_a_checkpoint_never_opened_succeeds(ops):
+    result = run(ops, Phase.RESUME)
+    assert "did not hold it" in result.summary and ops.gate.is_open
+    with pytest.raises(CheckpointRefused, match="already resumed"):
+        run(ops, Phase.CLOSE_ADMISSION)  # would park the run with nobody left to resume
+
+
+def test_a_late_resume_of_another_checkpoint_leaves_the_gate_closed(ops):
+    run(ops, Phase.OPEN)
+    run(ops, Phase.CLOSE_ADMISSION)
+    other = run(ops, Phase.RESUME, SnapshotSpec(run_id=RUN, seq=7))
+    assert "left closed" in other.summary
+    assert ops.gate.holder == SPEC.checkpoint_id
+
+
+def test_dispatch_waits_at_a_closed_gate(ops):
+    run(ops, Phase.OPEN)
+    run(ops, Phase.CLOSE_ADMISSION)
+    assert ops.dispatch(3, 0) is None
+    assert ops.controller.ledger.state(3, 0) == AttemptState.RESERVED
+    run(ops, Phase.CAPTURE)
+    run(ops, Phase.RESUME)
+    episode = ops.dispatch(3, 0)
+    assert episode is not None and episode.attempt == 0  # the refusal spent no attempt
+    # The snapshot holds the state at capture: group 3 not dispatched.
+    assert run(ops, Phase.PUBLISH).published.counts == EXPECTED_COUNTS
+
+
+def test_abort_discards_the_draft_and_refuses_the_checkpoint_afterwards(ops):
+    for phase in (Phase.OPEN, Phase.CLOSE_ADMISSION, Phase.CAPTURE):
+        run(ops, phase)
+    assert len(drafts(ops.store)) == 1
+    first = ops.abort(SPEC)
+    assert "draft discarded" in first.summary and "reopened" in first.summary
+    assert ops.abort(SPEC).replayed
+    assert published(ops.store) == [] and drafts(ops.store) == []
+    assert ops.gate.is_open and ops.status().effects[ABORT] == 1
+    assert run(ops, Phase.CAPTURE).replayed  # what happened stays recorded
+    for phase in (Phase.DRAIN, Phase.PUBLISH):
+        with pytest.raises(CheckpointRefused, match="aborted"):
+            run(ops, phase)
+    assert not run(ops, Phase.RESUME).replayed  # resume is always allowed
+    second = SnapshotSpec(run_id=RUN, seq=2)
+    assert run_all(ops, second)[-1].published.name == "00000002-rollout"
+
+
+def test_abort_of_a_checkpoint_never_opened(ops):
+    result = ops.abort(SPEC)
+    assert "no draft to discard" in result.summary
+    assert ops.status().effects[ABORT] == 0
+
+
+def test_an_ended_checkpoint_never_opens_again(ops):
+    """A stray open (an attempt that timed out, still running) after the compensation must
+    not leave a draft that blocks every later checkpoint."""
+    run(ops, Phase.RESUME)
+    with pytest.raises(CheckpointRefused, match="already ended"):
+        run(ops, Phase.OPEN)
+    assert ops.status().open_checkpoint is None and drafts(ops.store) == []
+
+
+def test_publish_retried_by_a_controller_that_lost_its_draft(ops, tmp_path):
+    info = run_all(ops)[-1].published
+    fresh = ControllerService(config(), tmp_path)  # the actor restarted: no draft, no results
+    again = run(fresh, Phase.PUBLISH)
+    assert not again.replayed and again.published == info
+    assert again.summary.startswith("reused the earlier publish")
+    assert fresh.status().effects[Phase.PUBLISH.value] == 0
+
+
+def test_publish_without_a_draft_or_a_snapshot_is_transient(tmp_path):
+    fresh = ControllerService(config(), tmp_path)
+    with pytest.raises(SnapshotLost, match="not published") as caught:
+        run(fresh, Phase.PUBLISH)
+    assert caught.value.transient
+    with pytest.raises(SnapshotLost, match="not open"):
+        run(fresh, Phase.CAPTURE)
+
+
+def test_publish_retried_after_the_rename(ops):
+    """The store crashed after the snapshot became visible: the retry finds it on disk."""
+    for phase in PHASES[:-1]:
+        run(ops, phase)
+    arm("store.before_latest", "raise")
+    with pytest.raises(InjectedFault):
+        run(ops, Phase.PUBLISH)
+    disarm_all()
+    info = run(ops, Phase.PUBLISH).published
+    assert info is not None and info.name == "00000001-rollout"
+    assert published(ops.store) == [info.name]
+
+
+def test_a_second_checkpoint_cannot_open_while_one_is_open(ops):
+    run(ops, Phase.OPEN)
+    with pytest.raises(CheckpointRefused, match=r"ops.rollout.00000002.*ops.rollout.00000001"):
+        run(ops, Phase.OPEN, SnapshotSpec(run_id=RUN, seq=2))
+    assert ops.status().open_checkpoint == SPEC.checkpoint_id
+
+
+def test_a_failed_agreement_check_writes_nothing_and_can_be_retried(ops):
+    run(ops, Phase.OPEN)
+    row = ops.controller.dataplane.get(ROLLOUT_PARTITION, ["ops-0_g0"])
+    ops.controller.dataplane.delete(ROLLOUT_PARTITION, ["ops-0_g0"])
+    with pytest.raises(LedgerInvariantViolation, match="4 rollout rows but 5"):
+        run(ops, Phase.CAPTURE)
+    ops.controller.dataplane.put(ROLLOUT_PARTITION, row)
+    assert run(ops, Phase.CAPTURE).counts == EXPECTED_COUNTS
+
+
+def test_a_capture_that_failed_part_way_loses_the_snapshot(ops):
+    run(ops, Phase.OPEN)
+    arm("phase.capture.state_written", "raise")
+    with pytest.raises(InjectedFault):
+        run(ops, Phase.CAPTURE)
+    disarm_all()
+    with pytest.raises(SnapshotLost, match="failed part-way"):
+        run(ops, Phase.CAPTURE)
+    with pytest.raises(SnapshotLost):
+        run(ops, Phase.PUBLISH)
+    ops.abort(SPEC)
+    assert drafts(ops.store) == [] and published(ops.store) == []
+
+
+def test_publish_before_capture_is_refused(ops):
+    run(ops, Phase.OPEN)
+    with pytest.raises(CheckpointRefused, match="before capture"):
+        run(ops, Phase.PUBLISH)
+
+
+def test_a_checkpoint_of_another_run_is_refused(ops):
+    with pytest.raises(InvalidInput, match="not of run ops"):
+        run(ops, Phase.OPEN, SnapshotSpec(run_id="other", seq=1))
+
+
+def test_concurrent_duplicates_take_effect_once(ops):
+    """Temporal may run an attempt beside its retry; Ray may run them on two threads."""
+    for phase in PHASES:
+        results: list = []
+
+        def attempt(p: Phase = phase, out: list = results) -> None:
+            out.append(run(ops, p))
+
+        threads = [threading.Thread(target=attempt) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert len(results) == 4 and sum(not r.replayed for r in results) == 1
+    assert ops.status().effects == ONCE
+
+
+def test_next_seq_skips_published_and_seen_checkpoints(ops, tmp_path):
+    assert ops.next_seq() == 1
+    run_all(ops)
+    assert ops.next_seq() == 2
+    ops.abort(SnapshotSpec(run_id=RUN, seq=2))  # ended without a snapshot: its id is spent
+    assert ops.next_seq() == 3
+    assert ControllerService(config(), tmp_path).next_seq() == 2  # a fresh one sees the disk

@@ -1,0 +1,109 @@
+"""Named fault points: ROLLSAFE_FAULT parsing, loud typos, programmatic arming."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rollsafe import faults
+from rollsafe.errors import InvalidInput, TransientError
+from rollsafe.faults import ENV_VAR, InjectedFault, arm, disarm_all, fault_point
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    disarm_all()
+    yield
+    disarm_all()
+
+
+def test_an_unarmed_point_does_nothing():
+    fault_point("phase.open.before")
+
+
+def test_every_phase_has_a_before_and_an_after_point():
+    assert {"phase.open.before", "phase.publish.after"} <= set(faults.known())
+    assert len(faults.PHASE_POINTS) == 20
+
+
+def test_env_var_raise(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, " phase.open.after:raise , phase.capture.before:raise")
+    fault_point("phase.open.before")  # not armed
+    with pytest.raises(InjectedFault, match=r"phase\.open\.after") as caught:
+        fault_point("phase.open.after")
+    assert caught.value.transient and isinstance(caught.value, TransientError)
+    with pytest.raises(InjectedFault):
+        fault_point("phase.capture.before")
+
+
+def test_env_var_is_read_at_every_check(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "phase.drain.before:raise")
+    with pytest.raises(InjectedFault):
+        fault_point("phase.drain.before")
+    monkeypatch.setenv(ENV_VAR, "")
+    fault_point("phase.drain.before")
+
+
+def test_exit_is_the_default_action(tmp_path):
+    env = {**os.environ, ENV_VAR: "phase.open.before"}
+    code = (
+        "from rollsafe.faults import fault_point; fault_point('phase.open.before'); print('alive')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == faults.EXIT_CODE == 137
+    assert "alive" not in done.stdout
+
+
+def test_a_typo_in_the_env_var_fails_loudly_listing_known_points(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "phase.opne.before:raise")
+    with pytest.raises(InvalidInput, match=r"unknown fault point\(s\) phase.opne.before") as caught:
+        fault_point("phase.drain.before")  # any check, not only the misspelt one
+    assert "phase.open.before" in str(caught.value)
+
+
+def test_an_unknown_action_is_refused(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "phase.open.before:explode")
+    with pytest.raises(InvalidInput, match="explode"):
+        fault_point("phase.open.before")
+
+
+def test_a_point_must_be_registered():
+    with pytest.raises(InvalidInput, match="never registered"):
+        fault_point("phase.nowhere.before")
+    (name,) = faults.register("test.faults.custom")
+    fault_point(name)
+
+
+def test_arm_and_disarm():
+    arm("phase.resume.after", "raise")
+    with pytest.raises(InjectedFault):
+        fault_point("phase.resume.after")
+    disarm_all()
+    fault_point("phase.resume.after")
+    with pytest.raises(InvalidInput, match="unknown fault point"):
+        arm("phase.resme.after", "raise")
+    with pytest.raises(InvalidInput, match="action"):
+        arm("phase.resume.after", "boom")
+
+
+def test_arm_a_limited_number_of_times():
+    arm("phase.drain.before", "raise", times=2)
+    for _ in range(2):
+        with pytest.raises(InjectedFault):
+            fault_point("phase.drain.before")
+    fault_point("phase.drain.before")  # cleared, as a transient fault would
+    with pytest.raises(InvalidInput, match="times"):
+        arm("phase.drain.before", "raise", times=0)
+
+
+def test_sleep_slows_a_point_down(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "phase.drain.before:sleep:0.05")
+    started = time.monotonic()
+    fault_point("phase.drain.before")
+    assert time.monotonic() - started >= 0.05
+    for bad in ("sleep", "sleep:-1", "sleep:soon", "raise:2"):
+        with pytest.raises(InvalidInput, match="expected exit, raise or sleep"):
+            arm("phase.drain.before", bad)

@@ -1,0 +1,93 @@
+"""The admission gate: one holder at a time, idempotent per checkpoint id, atomic admission."""
+
+import threading
+
+import pytest
+
+from rollsafe.errors import InvalidInput
+from rollsafe.gate import AdmissionGate, GateHeld
+
+
+def test_close_and_open_are_idempotent_per_checkpoint():
+    gate = AdmissionGate()
+    assert gate.is_open and gate.holder is None
+    assert gate.close("ck-1").changed
+    assert not gate.close("ck-1").changed  # a retried close_admission
+    assert (gate.is_open, gate.holder) == (False, "ck-1")
+    assert gate.open("ck-1").changed
+    again = gate.open("ck-1")
+    assert not again.changed and "already open" in again.detail
+    counters = gate.counters()
+    assert (counters.closes, counters.opens) == (1, 1)
+
+
+def test_a_second_checkpoint_cannot_close_a_held_gate():
+    gate = AdmissionGate()
+    gate.close("ck-1")
+    with pytest.raises(GateHeld, match=r"ck-1.*ck-2") as caught:
+        gate.close("ck-2")
+    assert isinstance(caught.value, InvalidInput) and not caught.value.transient
+    assert gate.holder == "ck-1"
+
+
+def test_open_by_a_checkpoint_that_never_closed_it_is_a_no_op_that_says_so():
+    gate = AdmissionGate()
+    never = gate.open("ck-0")
+    assert not never.changed and "did not hold it" in never.detail
+    gate.close("ck-1")
+    late = gate.open("ck-0")  # a late resume of an old checkpoint
+    assert not late.changed and "held by ck-1" in late.detail
+    assert gate.holder == "ck-1"
+    assert gate.counters().opens == 0
+
+
+def test_admit_counts_admitted_and_refused():
+    gate = AdmissionGate()
+    assert gate.admit()
+    gate.close("ck-1")
+    assert not gate.admit()
+    gate.open("ck-1")
+    assert gate.admit()
+    counters = gate.counters()
+    assert (counters.admitted, counters.refused) == (2, 1)
+
+
+def test_close_waits_for_an_admission_in_progress():
+    """What passes the gate is recorded before close returns: close cannot slip between the
+    check and the caller's DISPATCHED mark."""
+    gate = AdmissionGate()
+    inside, release, closed = threading.Event(), threading.Event(), threading.Event()
+    recorded: list[str] = []
+
+    def dispatcher() -> None:
+        with gate.admission() as admitted:
+            assert admitted
+            inside.set()
+            release.wait(5)
+            recorded.append("dispatched")
+
+    def closer() -> None:
+        gate.close("ck-1")
+        recorded.append("closed")
+        closed.set()
+
+    first = threading.Thread(target=dispatcher)
+    first.start()
+    assert inside.wait(5)
+    second = threading.Thread(target=closer)
+    second.start()
+    assert not closed.wait(0.1)  # blocked behind the admission
+    release.set()
+    first.join(5)
+    second.join(5)
+    assert recorded == ["dispatched", "closed"]
+    assert not gate.admit()
+
+
+@pytest.mark.parametrize("bad", ["", None, 3])
+def test_invalid_checkpoint_ids_are_refused(bad):
+    gate = AdmissionGate()
+    with pytest.raises(InvalidInput):
+        gate.close(bad)
+    with pytest.raises(InvalidInput):
+        gate.open(bad)

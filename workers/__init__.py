@@ -1,0 +1,1 @@
+"""Worker entrypoints: build a client and a worker, register workflows and activities."""

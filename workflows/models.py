@@ -1,0 +1,96 @@
+"""Payloads of the workflows (pydantic, sandbox-safe)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollsafe.phases import Phase, PhaseResult, PublishedSnapshotInfo, SnapshotSpec
+
+
+class PhaseOptions(BaseModel):
+    """How phase activities are scheduled. Defaults suit a local run; DESIGN.md section 5."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    start_to_close_s: float = Field(default=600.0, gt=0)
+    heartbeat_timeout_s: float = Field(default=5.0, gt=0)
+    retry_initial_s: float = Field(default=0.2, gt=0)
+    retry_maximum_s: float = Field(default=5.0, gt=0)
+    # Attempts per phase before the snapshot fails (and the supervisor counts a failure).
+    retry_attempts: int = Field(default=5, ge=1)
+
+
+class SnapshotInput(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    spec: SnapshotSpec
+    options: PhaseOptions = PhaseOptions()
+
+
+class SnapshotOutcome(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    checkpoint_id: str
+    seq: int
+    status: Literal["published", "skipped", "failed"]
+    reason: str = ""  # skipped: why (e.g. trainer_state_changed); failed: the error
+    error_type: str = ""  # failed: the error class (ApplicationError type)
+    transient: bool = False  # failed: would retrying a later snapshot help
+    published: PublishedSnapshotInfo | None = None
+    phases: list[PhaseResult] = Field(default_factory=list)
+
+
+class SnapshotStatus(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint_id: str
+    phase: Phase | None
+    phase_started_at: float | None  # workflow time (seconds since the epoch)
+    abort_reason: str | None
+    completed: list[Phase]
+
+
+class SupervisorConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str
+    # Seconds between periodic snapshots; None takes snapshots only on request.
+    interval_s: float | None = Field(default=None, gt=0)
+    max_consecutive_failures: int = Field(default=3, ge=1)
+    options: PhaseOptions = PhaseOptions()
+
+
+class SupervisorState(BaseModel):
+    """Carried across continue-as-new."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    next_seq: int | None = None  # None: ask the controller (after the newest on disk)
+    consecutive_failures: int = 0
+    published: int = 0
+    skipped: int = 0
+    failed: int = 0
+    last_outcome: SnapshotOutcome | None = None
+    last_committed_step: int | None = None
+    pending_anchors: list[int] = Field(default_factory=list)  # trainer steps to anchor
+
+
+class SupervisorInput(BaseModel):
+    """One model in (DESIGN.md section 12): the config, and the state continue-as-new carries."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: SupervisorConfig
+    state: SupervisorState = Field(default_factory=SupervisorState)
+
+
+class SupervisorStatus(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str
+    state: SupervisorState
+    running_seq: int | None
+    running_workflow_id: str | None
+    queued_requests: int

@@ -1,0 +1,189 @@
+"""RolloutSnapshot: one snapshot, the ten phases of DESIGN.md section 5 in order.
+
+Every phase is an activity named after it (so `temporal workflow describe` shows the phase of
+a stuck snapshot as its pending activity) and keyed by ``(checkpoint_id, phase)`` on the
+controller side, so a retried or re-run activity has its effect once. ``resume`` runs on every
+exit path: success, failure, abort and cancellation. From ``capture`` on, an abort answers
+"too late".
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import TypeVar
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
+
+with workflow.unsafe.imports_passed_through():
+    from rollsafe.phases import PHASES, Phase, PhaseRequest, PhaseResult, abortable
+    from rollsafe.temporal.search_attributes import KIND, PHASE, RUN_ID
+    from workflows.models import PhaseOptions, SnapshotInput, SnapshotOutcome, SnapshotStatus
+
+ABORT_ACTIVITY = "abort_snapshot"
+T = TypeVar("T")
+TRAINER_STATE_CHANGED = "trainer_state_changed"
+_BEFORE_RESUME = PHASES[: PHASES.index(Phase.RESUME)]
+
+
+def failure_type(error: BaseException | None) -> tuple[str, bool]:
+    """The ApplicationError type at the root of an activity or child failure, and whether it
+    may go away on a later try (``non_retryable`` marks invariant errors)."""
+    while error is not None:
+        if isinstance(error, ApplicationError):
+            return error.type or "ApplicationError", not error.non_retryable
+        error = error.cause if hasattr(error, "cause") else error.__cause__
+    return "Unknown", True
+
+
+def start_activity(
+    name: str, arg: object, result_type: type[T], options: PhaseOptions
+) -> workflow.ActivityHandle[T]:
+    """Start a rollsafe activity by name (workflow code never imports activity modules)
+    with the phase timeouts and retry policy; the activity id is its name."""
+    handle: workflow.ActivityHandle[T] = workflow.start_activity(
+        name,
+        arg,
+        result_type=result_type,
+        activity_id=name,
+        start_to_close_timeout=timedelta(seconds=options.start_to_close_s),
+        heartbeat_timeout=timedelta(seconds=options.heartbeat_timeout_s),
+        retry_policy=RetryPolicy(
+            initial_interval=timedelta(seconds=options.retry_initial_s),
+            maximum_interval=timedelta(seconds=options.retry_maximum_s),
+            maximum_attempts=options.retry_attempts,
+        ),
+    )
+    return handle
+
+
+@workflow.defn(name="RolloutSnapshot")
+class RolloutSnapshot:
+    def __init__(self) -> None:
+        self._phase: Phase | None = None
+        self._phase_started_at: float | None = None
+        self._abort_reason: str | None = None
+        self._results: list[PhaseResult] = []
+        self._checkpoint_id = ""
+
+    @workflow.run
+    async def run(self, request: SnapshotInput) -> SnapshotOutcome:
+        spec = request.spec
+        self._checkpoint_id = spec.checkpoint_id
+        workflow.upsert_search_attributes(
+            [RUN_ID.value_set(spec.run_id), KIND.value_set(spec.kind)]
+        )
+        outcome: SnapshotOutcome | None = None
+        try:
+            for phase in _BEFORE_RESUME:
+                if self._abort_reason is not None:  # only ever set while abortable
+                    outcome = self._outcome(request, "skipped", self._abort_reason)
+                    break
+                await self._run_phase(request, phase)
+        except ActivityError as exc:
+            error_type, transient = failure_type(exc)
+            outcome = self._outcome(request, "failed", str(exc.cause or exc), error_type)
+            outcome = outcome.model_copy(update={"transient": transient})
+        except (asyncio.CancelledError, CancelledError):
+            await self._compensate(request, discard=True)
+            raise
+        if outcome is not None:
+            await self._compensate(request, discard=True)
+            return outcome
+        # The park window ends as soon as the state is captured: resume before publish.
+        await self._compensate(request, discard=False)
+        try:
+            published = await self._run_phase(request, Phase.PUBLISH)
+        except ActivityError as exc:
+            error_type, transient = failure_type(exc)
+            failed = self._outcome(request, "failed", str(exc.cause or exc), error_type)
+            return failed.model_copy(update={"transient": transient})
+        return self._outcome(request, "published").model_copy(
+            update={"published": published.published}
+        )
+
+    async def _run_phase(self, request: SnapshotInput, phase: Phase) -> PhaseResult:
+        self._phase, self._phase_started_at = phase, workflow.time()
+        workflow.upsert_search_attributes([PHASE.value_set(phase.value)])
+        workflow.set_current_details(f"snapshot {self._checkpoint_id}: phase **{phase.value}**")
+        handle = start_activity(
+            phase.value,
+            PhaseRequest(spec=request.spec, phase=phase),
+            PhaseResult,
+            request.options,
+        )
+        if abortable(phase):
+            await workflow.wait_condition(lambda: handle.done() or self._abort_reason is not None)
+            if not handle.done():
+                handle.cancel()  # the activity learns of it at its next heartbeat
+        try:
+            result = await handle
+        except ActivityError as exc:
+            if self._abort_reason is not None and isinstance(exc.cause, CancelledError):
+                return PhaseResult(
+                    phase=phase, checkpoint_id=self._checkpoint_id, summary="aborted"
+                )
+            raise
+        self._results.append(result)
+        return result
+
+    async def _compensate(self, request: SnapshotInput, discard: bool) -> None:
+        """Reopen admission and resume environments; on a snapshot that will not publish,
+        also throw its draft away. Retried until done: a lost resume is covered by the
+        environments' lease, but admission must not stay closed."""
+        options = request.options.model_copy(update={"retry_attempts": 1_000_000})
+        self._phase, self._phase_started_at = Phase.RESUME, workflow.time()
+        workflow.upsert_search_attributes([PHASE.value_set(Phase.RESUME.value)])
+        result = await start_activity(
+            Phase.RESUME.value,
+            PhaseRequest(spec=request.spec, phase=Phase.RESUME),
+            PhaseResult,
+            options,
+        )
+        self._results.append(result)
+        if discard:
+            await start_activity(ABORT_ACTIVITY, request.spec, PhaseResult, options)
+
+    def _outcome(
+        self, request: SnapshotInput, status: str, reason: str = "", error_type: str = ""
+    ) -> SnapshotOutcome:
+        return SnapshotOutcome(
+            checkpoint_id=self._checkpoint_id,
+            seq=request.spec.seq,
+            status=status,
+            reason=reason,
+            error_type=error_type,
+            phases=list(self._results),
+        )
+
+    @workflow.update
+    async def abort(self, reason: str) -> str:
+        self._abort_reason = reason
+        return f"abort accepted in phase {self._phase.value if self._phase else 'none'}"
+
+    @abort.validator
+    def _abort_allowed(self, reason: str) -> None:
+        if not abortable(self._phase):
+            assert self._phase is not None
+            raise ApplicationError(
+                f"too late: snapshot {self._checkpoint_id} is in phase {self._phase.value}",
+                type="TooLate",
+            )
+
+    @workflow.signal(name=TRAINER_STATE_CHANGED)
+    def trainer_state_changed(self, step: int) -> None:
+        """A train step committed: abort if the snapshot has not captured yet."""
+        if abortable(self._phase):
+            self._abort_reason = f"trainer_state_changed: step {step} committed"
+
+    @workflow.query
+    def status(self) -> SnapshotStatus:
+        return SnapshotStatus(
+            checkpoint_id=self._checkpoint_id,
+            phase=self._phase,
+            phase_started_at=self._phase_started_at,
+            abort_reason=self._abort_reason,
+            completed=[r.phase for r in self._results],
+        )

@@ -1,0 +1,182 @@
+"""SnapshotSupervisor: one per run (id ``rollsafe/{run_id}``), one snapshot at a time.
+
+Takes periodic snapshots on a timer, anchored snapshots when the trainer saves a checkpoint,
+and snapshots on demand (``snapshot_now``). Transient failures are counted across snapshots;
+after ``max_consecutive_failures`` in a row, or at once on an invariant failure, the
+supervisor fails with a typed error the trainer's next SDK call sees. Continues as new before
+its history grows large.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.exceptions import ApplicationError, ChildWorkflowError
+
+with workflow.unsafe.imports_passed_through():
+    from rollsafe.phases import SnapshotSpec
+    from rollsafe.temporal.search_attributes import KIND, RUN_ID
+    from workflows.models import (
+        SnapshotInput,
+        SnapshotOutcome,
+        SupervisorConfig,
+        SupervisorInput,
+        SupervisorState,
+        SupervisorStatus,
+    )
+    from workflows.snapshot import (
+        TRAINER_STATE_CHANGED,
+        RolloutSnapshot,
+        failure_type,
+        start_activity,
+    )
+
+NEXT_SEQ_ACTIVITY = "next_snapshot_seq"
+TOO_MANY_FAILURES = "TooManyConsecutiveSnapshotFailures"
+
+
+def supervisor_id(run_id: str) -> str:
+    return f"rollsafe/{run_id}"
+
+
+def snapshot_id(run_id: str, seq: int) -> str:
+    return f"rollsafe/{run_id}/snapshot/{seq}"
+
+
+@workflow.defn(name="SnapshotSupervisor")
+class SnapshotSupervisor:
+    def __init__(self) -> None:
+        self._config: SupervisorConfig | None = None
+        self._state = SupervisorState()
+        self._requests: deque[tuple[int, str, int | None]] = deque()  # (ticket, kind, anchor)
+        self._tickets = 0
+        self._outcomes: dict[int, SnapshotOutcome] = {}
+        self._running: int | None = None
+        self._stop = False
+
+    @workflow.run
+    async def run(self, request: SupervisorInput) -> None:
+        config = self._config = request.config
+        self._state = request.state.model_copy(deep=True)
+        for step in self._state.pending_anchors:
+            self._enqueue("trainer", step)
+        workflow.upsert_search_attributes(
+            [RUN_ID.value_set(config.run_id), KIND.value_set("supervisor")]
+        )
+        if self._state.next_seq is None:
+            self._state.next_seq = await start_activity(
+                NEXT_SEQ_ACTIVITY, config.run_id, int, config.options
+            )
+        while not self._stop:
+            timeout = timedelta(seconds=config.interval_s) if config.interval_s else None
+            try:
+                await workflow.wait_condition(
+                    lambda: bool(self._requests) or self._stop, timeout=timeout
+                )
+            except TimeoutError:
+                self._enqueue("rollout", None)  # the periodic snapshot
+            if self._requests:
+                await self._take(*self._requests.popleft())
+            if workflow.info().is_continue_as_new_suggested():
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                self._state.pending_anchors = [a for _, k, a in self._requests if a is not None]
+                workflow.continue_as_new(SupervisorInput(config=config, state=self._state))
+
+    def _enqueue(self, kind: str, anchor: int | None) -> int:
+        self._tickets += 1
+        self._requests.append((self._tickets, kind, anchor))
+        return self._tickets
+
+    async def _take(self, ticket: int, kind: str, anchor: int | None) -> None:
+        config, state = self._config, self._state
+        assert config is not None and state.next_seq is not None
+        seq = state.next_seq
+        state.next_seq += 1
+        spec = SnapshotSpec(run_id=config.run_id, seq=seq, kind=kind, anchor_step=anchor)
+        self._running = seq
+        try:
+            outcome = await workflow.execute_child_workflow(
+                RolloutSnapshot.run,
+                SnapshotInput(spec=spec, options=config.options),
+                id=snapshot_id(config.run_id, seq),
+            )
+        except ChildWorkflowError as exc:
+            error_type, transient = failure_type(exc)
+            outcome = SnapshotOutcome(
+                checkpoint_id=spec.checkpoint_id,
+                seq=seq,
+                status="failed",
+                reason=str(exc.cause or exc),
+                error_type=error_type,
+                transient=transient,
+            )
+        finally:
+            self._running = None
+        self._outcomes[ticket] = outcome
+        self._record(outcome)
+
+    def _record(self, outcome: SnapshotOutcome) -> None:
+        config, state = self._config, self._state
+        assert config is not None
+        state.last_outcome = outcome
+        if outcome.status != "failed":
+            state.consecutive_failures = 0
+            if outcome.status == "published":
+                state.published += 1
+            else:
+                state.skipped += 1
+            return
+        state.failed += 1
+        if not outcome.transient:
+            raise ApplicationError(
+                f"snapshot {outcome.checkpoint_id} failed: {outcome.error_type}: {outcome.reason}",
+                type=outcome.error_type,
+                non_retryable=True,
+            )
+        state.consecutive_failures += 1
+        if state.consecutive_failures >= config.max_consecutive_failures:
+            raise ApplicationError(
+                f"{state.consecutive_failures} snapshots in a row failed; last: "
+                f"{outcome.error_type}: {outcome.reason}",
+                type=TOO_MANY_FAILURES,
+                non_retryable=True,
+            )
+
+    @workflow.signal
+    def trainer_checkpoint_saved(self, step: int) -> None:
+        self._enqueue("trainer", step)
+
+    @workflow.signal
+    async def train_step_committed(self, step: int) -> None:
+        """A committed step changes the trainer state: a snapshot still before capture is
+        stale and aborts (outcome skipped: trainer_state_changed)."""
+        self._state.last_committed_step = step
+        if self._running is not None and self._config is not None:
+            child = workflow.get_external_workflow_handle(
+                snapshot_id(self._config.run_id, self._running)
+            )
+            await child.signal(TRAINER_STATE_CHANGED, step)
+
+    @workflow.update
+    async def snapshot_now(self) -> SnapshotOutcome:
+        ticket = self._enqueue("rollout", None)
+        await workflow.wait_condition(lambda: ticket in self._outcomes)
+        return self._outcomes.pop(ticket)
+
+    @workflow.signal
+    def stop(self) -> None:
+        self._stop = True
+
+    @workflow.query
+    def status(self) -> SupervisorStatus:
+        assert self._config is not None
+        running = self._running
+        return SupervisorStatus(
+            run_id=self._config.run_id,
+            state=self._state,
+            running_seq=running,
+            running_workflow_id=snapshot_id(self._config.run_id, running) if running else None,
+            queued_requests=len(self._requests),
+        )
