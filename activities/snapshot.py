@@ -17,11 +17,17 @@ from temporalio import activity
 from activities.controllers import ControllerResolver
 from activities.errors import to_application_error
 from rollsafe.errors import RollsafeError
+from rollsafe.faults import fault_point, register
 from rollsafe.phases import PHASES, Phase, PhaseRequest, PhaseResult, SnapshotSpec
 from workflows.snapshot import ABORT_ACTIVITY
 from workflows.supervisor import NEXT_SEQ_ACTIVITY
 
 HEARTBEAT_EVERY_S = 1.0
+# In the worker process, around the controller call: "after" is the window where the phase
+# is done but Temporal has not recorded it (kill the worker there: the retry must replay).
+WORKER_POINTS = register(
+    *(f"worker.phase.{phase.value}.{when}" for phase in PHASES for when in ("before", "after"))
+)
 T = TypeVar("T")
 
 
@@ -49,7 +55,10 @@ class SnapshotActivities:
             if request.phase != phase:
                 raise ValueError(f"activity {phase.value} got a request for {request.phase}")
             controller = self._resolve(request.spec.run_id)
-            return await _heartbeating(controller.run_phase(request), phase.value)
+            fault_point(f"worker.phase.{phase.value}.before")
+            result = await _heartbeating(controller.run_phase(request), phase.value)
+            fault_point(f"worker.phase.{phase.value}.after")
+            return result
 
         run.__name__ = f"phase_{phase.value}"
         return activity.defn(name=phase.value)(run)

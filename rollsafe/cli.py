@@ -96,5 +96,28 @@ def snapshots_list(
 app.command("server")(server_command)
 
 
+@app.command("worker")
+def worker_command(
+    run: Annotated[str, typer.Option("--run", help="run id whose snapshots this worker serves")],
+    task_queue: Annotated[
+        str | None, typer.Option(help="Temporal task queue (default: rollsafe.<run>)")
+    ] = None,
+    ray_address: Annotated[
+        str | None, typer.Option(help="Ray cluster address (default: RAY_ADDRESS or local)")
+    ] = None,
+) -> None:
+    """Start a checkpoint worker. Connects to Temporal the standard way (TEMPORAL_ADDRESS,
+    TEMPORAL_NAMESPACE, TLS and API-key variables, or a temporal config profile)."""
+    import asyncio
+
+    from workers.checkpoint import run_worker
+
+    try:
+        asyncio.run(run_worker(run, task_queue, ray_address=ray_address))
+    except RollsafeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
 def main() -> None:  # pragma: no cover - console entry point
     app()
