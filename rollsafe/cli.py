@@ -119,5 +119,40 @@ def worker_command(
         raise typer.Exit(2) from None
 
 
+@app.command("inspect")
+def inspect_command(
+    run: Annotated[str, typer.Argument(help="run id")],
+    as_json: Annotated[bool, typer.Option("--json", help="print the view as JSON")] = False,
+) -> None:
+    """The run's checkpointing at a glance: supervisor state, the running snapshot's phase and
+    for how long, the pending activity's attempt and last failure. Works with no worker alive
+    (built from describe and search attributes)."""
+    import asyncio
+
+    from rollsafe.inspect import inspect_run, render
+    from rollsafe.temporal.connect import connect
+
+    async def view() -> str:
+        result = await inspect_run(await connect(), run)
+        return result.model_dump_json(indent=2) if as_json else render(result)
+
+    try:
+        typer.echo(asyncio.run(view()))
+    except RollsafeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command("ls")
+def ls_command(
+    run: Annotated[str, typer.Argument(help="run id")],
+    root: Annotated[
+        Path, typer.Option(envvar="ROLLSAFE_SNAPSHOT_ROOT", help="snapshot root directory")
+    ],
+) -> None:
+    """The run's snapshots on disk, each verified (same as `rollsafe snapshots list`)."""
+    snapshots_list(root, run)
+
+
 def main() -> None:  # pragma: no cover - console entry point
     app()
