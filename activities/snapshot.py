@@ -19,6 +19,7 @@ from activities.errors import to_application_error
 from rollsafe.errors import RollsafeError
 from rollsafe.faults import fault_point, register
 from rollsafe.phases import PHASES, Phase, PhaseRequest, PhaseResult, SnapshotSpec
+from rollsafe.telemetry import phase_span
 from workflows.snapshot import ABORT_ACTIVITY
 from workflows.supervisor import NEXT_SEQ_ACTIVITY
 
@@ -55,9 +56,11 @@ class SnapshotActivities:
             if request.phase != phase:
                 raise ValueError(f"activity {phase.value} got a request for {request.phase}")
             controller = self._resolve(request.spec.run_id)
-            fault_point(f"worker.phase.{phase.value}.before")
-            result = await _heartbeating(controller.run_phase(request), phase.value)
-            fault_point(f"worker.phase.{phase.value}.after")
+            spec = request.spec
+            with phase_span(spec.run_id, spec.checkpoint_id, spec.seq, phase.value):
+                fault_point(f"worker.phase.{phase.value}.before")
+                result = await _heartbeating(controller.run_phase(request), phase.value)
+                fault_point(f"worker.phase.{phase.value}.after")
             return result
 
         run.__name__ = f"phase_{phase.value}"

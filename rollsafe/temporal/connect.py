@@ -20,6 +20,7 @@ from temporalio.envconfig import ClientConfigProfile, DataSource
 from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 
 from rollsafe.errors import InvalidInput, TemporalUnavailable
+from rollsafe.telemetry import client_plugins
 
 # 127.0.0.1 rather than the CLI's "localhost": localhost may resolve to ::1 first, where the
 # dev server (bound to 127.0.0.1) does not listen.
@@ -178,6 +179,7 @@ async def connect(
                 tls=_tls_config(settings),
                 rpc_metadata=settings.grpc_meta,
                 data_converter=pydantic_data_converter,
+                plugins=client_plugins(),
             ),
             timeout_s,
         )

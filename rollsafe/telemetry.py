@@ -1,0 +1,84 @@
+"""OpenTelemetry tracing: spans per workflow, activity and phase, exported where the standard
+OTel environment says.
+
+``OTEL_TRACES_EXPORTER`` picks the exporter: ``none`` (the default here: tracing costs nothing
+until asked for), ``console``, or ``otlp`` (OTLP over HTTP; endpoint and headers from the
+standard ``OTEL_EXPORTER_OTLP_*`` variables). Workflow and activity spans come from Temporal's
+contrib plugin on the client (workers built from that client inherit it); each phase adds a
+``rollsafe.phase`` span with run, snapshot and phase attributes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace import SpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.util.types import AttributeValue
+
+from rollsafe.errors import InvalidInput
+
+EXPORTER_ENV = "OTEL_TRACES_EXPORTER"
+_lock = threading.Lock()
+_configured = False
+
+
+def _exporter(name: str) -> SpanExporter | None:
+    if name == "none":
+        return None
+    if name == "console":
+        return ConsoleSpanExporter()
+    if name == "otlp":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter()
+    raise InvalidInput(f"{EXPORTER_ENV}={name!r}: expected none, console or otlp")
+
+
+def configure_tracing(processor: SpanProcessor | None = None) -> bool:
+    """Install the tracer provider once per process; True when spans will go somewhere.
+
+    ``processor`` (tests: an in-memory exporter) takes precedence over the environment."""
+    global _configured
+    with _lock:
+        if _configured:
+            return True
+        if processor is None:
+            exporter = _exporter(os.environ.get(EXPORTER_ENV, "none").strip().lower())
+            if exporter is None:
+                return False
+            processor = BatchSpanProcessor(exporter)
+        from temporalio.contrib.opentelemetry import create_tracer_provider
+
+        provider = create_tracer_provider()  # replay-safe: no duplicate spans on replay
+        provider.add_span_processor(processor)
+        trace.set_tracer_provider(provider)
+        _configured = True
+        return True
+
+
+def client_plugins() -> list[Any]:
+    """Temporal client plugins: tracing when it is configured, nothing otherwise."""
+    if not configure_tracing():
+        return []
+    from temporalio.contrib.opentelemetry import OpenTelemetryPlugin
+
+    return [OpenTelemetryPlugin(add_temporal_spans=True)]
+
+
+@contextmanager
+def phase_span(run_id: str, checkpoint_id: str, seq: int, phase: str) -> Iterator[None]:
+    tracer = trace.get_tracer("rollsafe")
+    attributes: dict[str, AttributeValue] = {
+        "rollsafe.run_id": run_id,
+        "rollsafe.checkpoint_id": checkpoint_id,
+        "rollsafe.seq": seq,
+        "rollsafe.phase": phase,
+    }
+    with tracer.start_as_current_span(f"rollsafe.phase.{phase}", attributes=attributes):
+        yield
