@@ -1,0 +1,129 @@
+"""What Temporal adds to a snapshot: the same ten phases called directly vs. through Temporal.
+
+    .venv/bin/python bench/orchestration_bench.py [--rollouts 100000] [--repeats 7]
+
+One controller (group size 8, half the rollouts sealed with rows in the memory data plane) is
+snapshotted alternately (a) by calling ``CheckpointOps.run_phase`` for the ten phases in order
+in this process, and (b) by running the ``RolloutSnapshot`` workflow on the tuned local dev
+server with a worker in this process whose activities call the same ``CheckpointOps``. Both
+publish real snapshots to the same disk. Target (issue 3): Temporal adds at most 10 % or
+150 ms, whichever is larger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from activities.controllers import LocalController
+from rollsafe.config import RunConfig
+from rollsafe.controller import Controller
+from rollsafe.coordinator import CheckpointOps
+from rollsafe.dataplane import make_dataplane
+from rollsafe.phases import PHASES, PhaseRequest, SnapshotSpec
+from rollsafe.scenario import row_content
+from rollsafe.snapshot import SnapshotStore
+from rollsafe.temporal.connect import connect
+from rollsafe.temporal.devserver import DevServer
+from workers.checkpoint import build_worker, task_queue_for
+from workflows.models import SnapshotInput
+from workflows.snapshot import RolloutSnapshot
+
+RUN_ID = "orchestration"
+GROUP_SIZE = 8
+
+
+def build(rollouts: int, root: Path) -> CheckpointOps:
+    config = RunConfig(run_id=RUN_ID, group_size=GROUP_SIZE, groups_per_step=8)
+    run = Controller(config, make_dataplane("memory"))
+    groups = list(range(rollouts // GROUP_SIZE))
+    run.handout(groups)
+    for idx in groups:
+        for i in range(GROUP_SIZE // 2 if idx % 2 else GROUP_SIZE):
+            if idx % 2 == 0 or i < GROUP_SIZE // 2:
+                run.dispatch(idx, i)
+        sealed = GROUP_SIZE if idx % 4 == 0 else GROUP_SIZE // 2 if idx % 4 == 2 else 0
+        for i in range(sealed):
+            run.seal(idx, i, 0, row_content(idx, i, 0))
+    return CheckpointOps(run, SnapshotStore(root, RUN_ID))
+
+
+def direct(ops: CheckpointOps, seq: int) -> float:
+    spec = SnapshotSpec(run_id=RUN_ID, seq=seq)
+    start = time.perf_counter()
+    for phase in PHASES:
+        ops.run_phase(PhaseRequest(spec=spec, phase=phase))
+    return time.perf_counter() - start
+
+
+async def measure(
+    ops: CheckpointOps, repeats: int, root: Path, persistent: bool, first_seq: int
+) -> tuple[list[float], list[float]]:
+    local = LocalController(ops)
+    plain: list[float] = []
+    temporal: list[float] = []
+    server_dir = root / f"temporal-{'file' if persistent else 'memory'}"
+    async with DevServer(server_dir, persistent=persistent) as server:
+        client = await connect(server.settings())
+        async with build_worker(client, task_queue_for(RUN_ID), lambda _: local):
+            seq = first_seq
+            for r in range(repeats + 1):  # the first round warms both paths up, untimed
+                for via_temporal in (r % 2 == 1, r % 2 == 0):
+                    seq += 1
+                    if via_temporal:
+                        start = time.perf_counter()
+                        outcome = await client.execute_workflow(
+                            RolloutSnapshot.run,
+                            SnapshotInput(spec=SnapshotSpec(run_id=RUN_ID, seq=seq)),
+                            id=f"rollsafe/{RUN_ID}/snapshot/{seq}",
+                            task_queue=task_queue_for(RUN_ID),
+                        )
+                        elapsed = time.perf_counter() - start
+                        if outcome.status != "published":
+                            raise RuntimeError(f"snapshot {seq}: {outcome}")
+                    else:
+                        elapsed = await asyncio.to_thread(direct, ops, seq)
+                    ops.store.sweep()  # retention's deletes, outside both timings
+                    if r:
+                        (temporal if via_temporal else plain).append(elapsed)
+        await asyncio.sleep(0.2)  # sdk-python #300
+    return plain, temporal
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollouts", type=int, default=100_000)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dir", type=Path, default=Path.cwd(), help="parent of the temp dir")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix=".orchestration-bench-", dir=args.dir))
+    print(f"rollouts={args.rollouts:,} repeats={args.repeats} (medians)")
+    try:
+        ops = build(args.rollouts, root)
+        for n, persistent in enumerate((True, False)):
+            first_seq = n * 2 * (args.repeats + 1)
+            plain, temporal = asyncio.run(measure(ops, args.repeats, root, persistent, first_seq))
+            report("SQLite file, WAL" if persistent else "in-memory", plain, temporal)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def report(server: str, plain: list[float], temporal: list[float]) -> None:
+    p, t = statistics.median(plain), statistics.median(temporal)
+    allowed = max(0.10 * p, 0.150)
+    verdict = "met" if t - p <= allowed else "NOT met"
+    print(f"dev server persistence: {server}")
+    print(f"  direct (ten phases in-process): {p * 1e3:8.1f} ms")
+    print(f"  through Temporal (one worker):  {t * 1e3:8.1f} ms")
+    print(
+        f"  adds {(t - p) * 1e3:.1f} ms ({t / p:.2f}x); allowed {allowed * 1e3:.0f} ms: {verdict}"
+    )
+
+
+if __name__ == "__main__":
+    main()
