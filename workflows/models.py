@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from temporalio import workflow
 
-from rollsafe.phases import Phase, PhaseResult, PublishedSnapshotInfo, SnapshotSpec
+with workflow.unsafe.imports_passed_through():
+    from rollsafe.phases import Phase, PhaseResult, PublishedSnapshotInfo, SnapshotSpec
 
 
 class PhaseOptions(BaseModel):
