@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from rollsafe.coordinator import CheckpointOps
 from rollsafe.errors import TransientError
-from rollsafe.phases import PhaseRequest, PhaseResult, SnapshotSpec
+from rollsafe.phases import PhaseRequest, PhaseResult, RestorePlan, RestoreRequest, SnapshotSpec
 
 
 class ControllerUnavailable(TransientError):
@@ -22,6 +22,8 @@ class ControllerHandle(Protocol):
     async def abort(self, spec: SnapshotSpec) -> PhaseResult: ...
 
     async def next_seq(self) -> int: ...
+
+    async def restore(self, request: RestoreRequest) -> RestorePlan: ...
 
 
 ControllerResolver = Callable[[str], ControllerHandle]  # run id -> its controller
@@ -41,6 +43,9 @@ class LocalController:
 
     async def next_seq(self) -> int:
         return await asyncio.to_thread(self.ops.next_seq)
+
+    async def restore(self, request: RestoreRequest) -> RestorePlan:
+        return await asyncio.to_thread(self.ops.restore, request)
 
 
 class RayController:
@@ -74,3 +79,7 @@ class RayController:
     async def next_seq(self) -> int:
         seq: int = await self._call("next_seq")
         return seq
+
+    async def restore(self, request: RestoreRequest) -> RestorePlan:
+        plan: RestorePlan = await self._call("restore", request)
+        return plan

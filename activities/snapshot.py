@@ -18,8 +18,17 @@ from activities.controllers import ControllerResolver
 from activities.errors import to_application_error
 from rollsafe.errors import RollsafeError
 from rollsafe.faults import fault_point, register
-from rollsafe.phases import PHASES, Phase, PhaseRequest, PhaseResult, SnapshotSpec
+from rollsafe.phases import (
+    PHASES,
+    Phase,
+    PhaseRequest,
+    PhaseResult,
+    RestorePlan,
+    RestoreRequest,
+    SnapshotSpec,
+)
 from rollsafe.telemetry import phase_span
+from workflows.restore import RESTORE_CONTROLLER_ACTIVITY
 from workflows.snapshot import ABORT_ACTIVITY
 from workflows.supervisor import NEXT_SEQ_ACTIVITY
 
@@ -77,5 +86,10 @@ class SnapshotActivities:
         async def next_snapshot_seq(run_id: str) -> int:
             return await _heartbeating(resolve(run_id).next_seq(), NEXT_SEQ_ACTIVITY)
 
+        @activity.defn(name=RESTORE_CONTROLLER_ACTIVITY)
+        async def restore_controller(request: RestoreRequest) -> RestorePlan:
+            controller = resolve(request.run_id)
+            return await _heartbeating(controller.restore(request), RESTORE_CONTROLLER_ACTIVITY)
+
         phases = [self._phase_activity(phase) for phase in PHASES]
-        return [*phases, abort_snapshot, next_snapshot_seq]
+        return [*phases, abort_snapshot, next_snapshot_seq, restore_controller]

@@ -15,8 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict
-
 from rollsafe.buffer import ReplayIndex, make_sampler
 from rollsafe.capture import (
     INDEX_FILE,
@@ -38,6 +36,7 @@ from rollsafe.errors import (
 from rollsafe.faults import fault_point, register
 from rollsafe.ids import EpisodeId
 from rollsafe.ledger import Ledger
+from rollsafe.phases import PartialGroup, RestorePlan
 from rollsafe.snapshot import (
     FileEntry,
     SnapshotDraft,
@@ -61,30 +60,6 @@ class Captured:
     weight_version: int
     loader_position: int
     counts: dict[str, int]
-
-
-class PartialGroup(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    restored: list[int]  # sealed siblings whose rows came back, digest-checked
-    resumed: list[int]  # attempts their environment restored (turn/prefix), as attempt + 1
-    regenerate: list[int]  # siblings to generate again
-
-
-class RestorePlan(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    snapshot: str
-    checkpoint_id: str
-    skipped: dict[str, str]  # newer snapshots refused, with the reason
-    loader_position: int
-    weight_version: int
-    ready: list[int]
-    partial: dict[int, PartialGroup]
-    released_claims: list[int]
-    # Partial groups in redispatch order: admitted (generating) groups first, since they
-    # may be the only work that can advance the trainer, then groups never dispatched.
-    redispatch: list[int]
 
 
 class Controller:

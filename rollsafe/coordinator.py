@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict
 
 from rollsafe.controller import Captured, Controller
+from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import InvalidInput, TransientError
 from rollsafe.faults import fault_point
 from rollsafe.gate import AdmissionGate, GateCounters
@@ -32,6 +33,8 @@ from rollsafe.phases import (
     PhaseRequest,
     PhaseResult,
     PublishedSnapshotInfo,
+    RestorePlan,
+    RestoreRequest,
     SnapshotSpec,
 )
 from rollsafe.snapshot import (
@@ -116,6 +119,7 @@ class CheckpointOps:
         self._open: _Open | None = None
         self._records: OrderedDict[str, _Record] = OrderedDict()
         self.effects: dict[str, int] = {str(key): 0 for key in (*PHASES, ABORT)}
+        self._restores: dict[str, RestorePlan] = {}
 
     # ---- checkpoint phases -----------------------------------------------------------------
 
@@ -261,6 +265,28 @@ class CheckpointOps:
             f"checkpoint {spec.checkpoint_id}: no draft here (the controller restarted?) and "
             f"seq {spec.seq} is not published: take the snapshot again"
         )
+
+    def restore(self, request: RestoreRequest) -> RestorePlan:
+        """Replace this controller's state with the newest snapshot that verifies (under the
+        barrier, so no dispatch sees a half-restored run). Idempotent per ``restore_id``;
+        refused while a checkpoint is open. On failure the current state is kept."""
+        with self._meta:
+            if (plan := self._restores.get(request.restore_id)) is not None:
+                return plan
+            if self._open is not None:
+                raise CheckpointRefused(
+                    f"restore {request.restore_id}: checkpoint {self._open.spec.checkpoint_id} "
+                    "is open; it must finish or abort first"
+                )
+        with self.barrier:
+            current = self.controller
+            restored, plan = Controller.restore(
+                current.config, self.store, make_dataplane(current.dataplane.name)
+            )
+            self.controller = restored
+        with self._meta:
+            self._restores[request.restore_id] = plan
+        return plan
 
     def next_seq(self) -> int:
         """A seq no snapshot of this run has used: above every published one and every

@@ -90,3 +90,34 @@ class PhaseResult(BaseModel):
     # True when this is the stored result of an earlier call with the same
     # (checkpoint_id, phase): activities run at least once, the effect happens once.
     replayed: bool = False
+
+
+class PartialGroup(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    restored: list[int]  # sealed siblings whose rows came back, digest-checked
+    resumed: list[int]  # attempts their environment restored (turn/prefix), as attempt + 1
+    regenerate: list[int]  # siblings to generate again
+
+
+class RestorePlan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    snapshot: str
+    checkpoint_id: str
+    skipped: dict[str, str]  # newer snapshots refused, with the reason
+    loader_position: int
+    weight_version: int
+    ready: list[int]
+    partial: dict[int, PartialGroup]
+    released_claims: list[int]
+    # Partial groups in redispatch order: admitted (generating) groups first, since they
+    # may be the only work that can advance the trainer, then groups never dispatched.
+    redispatch: list[int]
+
+
+class RestoreRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str
+    restore_id: str  # idempotency key: a retried restore returns the first plan

@@ -11,6 +11,7 @@ from temporalio.worker import Worker
 from activities.controllers import ControllerResolver, RayController
 from activities.snapshot import SnapshotActivities
 from rollsafe.temporal.connect import ConnectionSettings, connect
+from workflows.restore import RestoreRun
 from workflows.snapshot import RolloutSnapshot
 from workflows.supervisor import SnapshotSupervisor
 
@@ -23,7 +24,7 @@ def build_worker(client: Client, task_queue: str, resolve: ControllerResolver) -
     return Worker(
         client,
         task_queue=task_queue,
-        workflows=[SnapshotSupervisor, RolloutSnapshot],
+        workflows=[SnapshotSupervisor, RolloutSnapshot, RestoreRun],
         activities=SnapshotActivities(resolve).all(),
     )
 

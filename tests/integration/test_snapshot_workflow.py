@@ -19,13 +19,14 @@ from rollsafe.controller import Controller
 from rollsafe.coordinator import CheckpointOps
 from rollsafe.dataplane import make_dataplane
 from rollsafe.faults import arm, disarm_all
-from rollsafe.phases import PHASES, Phase, SnapshotSpec
+from rollsafe.phases import PHASES, Phase, RestoreRequest, SnapshotSpec
 from rollsafe.scenario import row_content
 from rollsafe.snapshot import SnapshotStore
 from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
 from workers.checkpoint import build_worker
 from workflows.models import PhaseOptions, SnapshotInput, SupervisorConfig, SupervisorInput
+from workflows.restore import RestoreRun, restore_workflow_id
 from workflows.snapshot import RolloutSnapshot
 from workflows.supervisor import SnapshotSupervisor, supervisor_id
 
@@ -194,3 +195,46 @@ async def test_supervisor_snapshot_now_publishes_and_resets_the_count(harness: H
         assert status.state.consecutive_failures == 0 and status.state.published == 1
         await handle.signal(SnapshotSupervisor.stop)
         await handle.result()
+
+
+async def test_restore_workflow_brings_the_run_back_from_its_newest_snapshot(
+    harness: Harness,
+) -> None:
+    async with harness.worker():
+        assert (await harness.snapshot()).status == "published"
+        # The run moves on after the snapshot: one more seal that the restore must undo.
+        live = harness.ops.controller
+        live.dispatch(2, 0)
+        live.seal(2, 0, 0, row_content(2, 0, 0))
+        request = RestoreRequest(run_id=harness.run_id, restore_id="r1")
+        plan = await harness.client.execute_workflow(
+            RestoreRun.run,
+            request,
+            id=restore_workflow_id(harness.run_id, "r1"),
+            task_queue=harness.task_queue,
+        )
+        again = await harness.client.execute_workflow(
+            RestoreRun.run,
+            request,
+            id=restore_workflow_id(harness.run_id, "r1-retry"),
+            task_queue=harness.task_queue,
+        )
+    assert plan.ready == [0] and sorted(plan.partial) == [1, 2]
+    assert plan.partial[1].restored == [0] and plan.partial[2].restored == []
+    assert again == plan  # idempotent per restore id: the run was not restored twice
+    assert harness.ops.controller is not live
+    assert harness.ops.controller.ledger.sealed(2) == []
+
+
+async def test_restore_without_a_snapshot_fails_naming_it(harness: Harness) -> None:
+    async with harness.worker():
+        with pytest.raises(WorkflowFailureError) as failed:
+            await harness.client.execute_workflow(
+                RestoreRun.run,
+                RestoreRequest(run_id=harness.run_id, restore_id="r0"),
+                id=restore_workflow_id(harness.run_id, "r0"),
+                task_queue=harness.task_queue,
+            )
+    cause = failed.value.cause.cause  # WorkflowFailure -> ActivityError -> ApplicationError
+    assert isinstance(cause, ApplicationError) and cause.type == "NoValidSnapshot"
+    assert cause.non_retryable and "no snapshot" in str(cause)
