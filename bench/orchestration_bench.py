@@ -30,9 +30,10 @@ from rollsafe.scenario import row_content
 from rollsafe.snapshot import SnapshotStore
 from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
-from workers.checkpoint import build_worker, task_queue_for
+from workers.checkpoint import build_worker
 from workflows.models import SnapshotInput
 from workflows.snapshot import RolloutSnapshot
+from workflows.supervisor import task_queue_for
 
 RUN_ID = "orchestration"
 GROUP_SIZE = 8

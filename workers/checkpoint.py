@@ -13,11 +13,7 @@ from activities.snapshot import SnapshotActivities
 from rollsafe.temporal.connect import ConnectionSettings, connect
 from workflows.restore import RestoreRun
 from workflows.snapshot import RolloutSnapshot
-from workflows.supervisor import SnapshotSupervisor
-
-
-def task_queue_for(run_id: str) -> str:
-    return f"rollsafe.{run_id}"
+from workflows.supervisor import SnapshotSupervisor, task_queue_for
 
 
 def build_worker(client: Client, task_queue: str, resolve: ControllerResolver) -> Worker:

@@ -37,6 +37,11 @@ NEXT_SEQ_ACTIVITY = "next_snapshot_seq"
 TOO_MANY_FAILURES = "TooManyConsecutiveSnapshotFailures"
 
 
+def task_queue_for(run_id: str) -> str:
+    """The default task queue of a run's checkpoint workers."""
+    return f"rollsafe.{run_id}"
+
+
 def supervisor_id(run_id: str) -> str:
     return f"rollsafe/{run_id}"
 
@@ -157,7 +162,13 @@ class SnapshotSupervisor:
             child = workflow.get_external_workflow_handle(
                 snapshot_id(self._config.run_id, self._running)
             )
-            await child.signal(TRAINER_STATE_CHANGED, step)
+            try:
+                await child.signal(TRAINER_STATE_CHANGED, step)
+            except ApplicationError as exc:
+                # The snapshot ended meanwhile: nothing left to abort. An error escaping a
+                # signal handler would fail the whole supervisor.
+                if exc.type != "ExternalWorkflowExecutionNotFound":
+                    raise
 
     @workflow.update
     async def snapshot_now(self) -> SnapshotOutcome:

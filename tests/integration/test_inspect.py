@@ -21,9 +21,10 @@ from rollsafe.phases import Phase, SnapshotSpec
 from rollsafe.snapshot import SnapshotStore
 from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
-from workers.checkpoint import build_worker, task_queue_for
+from workers.checkpoint import build_worker
 from workflows.models import PhaseOptions, SnapshotInput
 from workflows.snapshot import RolloutSnapshot
+from workflows.supervisor import task_queue_for
 
 
 @pytest.fixture(scope="module")

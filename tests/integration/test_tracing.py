@@ -31,7 +31,8 @@ SCRIPT = textwrap.dedent(
     from rollsafe.snapshot import SnapshotStore
     from rollsafe.temporal.connect import connect
     from rollsafe.temporal.devserver import DevServer
-    from workers.checkpoint import build_worker, task_queue_for
+    from workers.checkpoint import build_worker
+    from workflows.supervisor import task_queue_for
     from workflows.models import SnapshotInput
     from workflows.snapshot import RolloutSnapshot
 

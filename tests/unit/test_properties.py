@@ -37,9 +37,10 @@ from hypothesis.stateful import (
 )
 
 from rollsafe.config import RunConfig
-from rollsafe.controller import Controller, RestorePlan
+from rollsafe.controller import Controller
 from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import SealConflict, UnknownGroup
+from rollsafe.phases import RestorePlan
 from rollsafe.scenario import row_content, same_row
 from rollsafe.snapshot import SnapshotStore
 from rollsafe.states import AttemptState, GroupState

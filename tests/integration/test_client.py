@@ -1,0 +1,225 @@
+"""The trainer SDK against a real Temporal dev server and a real worker, the controller in
+this process (the harness of test_snapshot_workflow.py, copied: test modules are not
+importable from each other in importlib mode)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client
+from temporalio.worker import Worker
+
+from activities.controllers import LocalController
+from rollsafe.client import (
+    Checkpointer,
+    NoWorker,
+    RestoreFailed,
+    SnapshotsFailed,
+    SupervisorNotRunning,
+)
+from rollsafe.config import RunConfig
+from rollsafe.controller import Controller
+from rollsafe.coordinator import CheckpointOps
+from rollsafe.dataplane import make_dataplane
+from rollsafe.errors import CheckpointTimeout
+from rollsafe.faults import arm, disarm_all
+from rollsafe.phases import Phase
+from rollsafe.scenario import row_content
+from rollsafe.snapshot import SnapshotStore
+from rollsafe.temporal.connect import connect
+from rollsafe.temporal.devserver import DevServer
+from workers.checkpoint import build_worker
+from workflows.models import PhaseOptions
+from workflows.snapshot import RolloutSnapshot
+
+FAST = PhaseOptions(retry_initial_s=0.05, retry_maximum_s=0.2, retry_attempts=3)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
+    dev = DevServer(tmp_path_factory.mktemp("temporal"))
+    try:
+        asyncio.run(dev.start())
+        yield dev
+    finally:
+        dev.stop()
+
+
+def busy_controller(run_id: str) -> Controller:
+    run = Controller(
+        RunConfig(run_id=run_id, group_size=2, groups_per_step=2), make_dataplane("memory")
+    )
+    run.handout([0, 1, 2])
+    for idx, siblings in ((0, (0, 1)), (1, (0,))):
+        for i in siblings:
+            run.dispatch(idx, i)
+            run.seal(idx, i, 0, row_content(idx, i, 0))
+    return run
+
+
+class Harness:
+    def __init__(self, client: Client, tmp_path: Path) -> None:
+        self.client = client
+        self.run_id = f"sdk-{uuid.uuid4().hex[:8]}"
+        self.task_queue = f"rollsafe.{self.run_id}"
+        self.store = SnapshotStore(tmp_path, self.run_id)
+        self.ops = CheckpointOps(busy_controller(self.run_id), self.store)
+        self.local = LocalController(self.ops)
+
+    def worker(self) -> Worker:
+        return build_worker(self.client, self.task_queue, lambda run_id: self.local)
+
+    def checkpointer(self, max_consecutive_failures: int = 3) -> Checkpointer:
+        return Checkpointer(
+            self.run_id,
+            client=self.client,
+            options=FAST,
+            max_consecutive_failures=max_consecutive_failures,
+        )
+
+    async def snapshot_phase(self, seq: int) -> Phase | None:
+        handle = self.client.get_workflow_handle(f"rollsafe/{self.run_id}/snapshot/{seq}")
+        return (await handle.query(RolloutSnapshot.status)).phase
+
+
+@pytest.fixture
+async def harness(server: DevServer, tmp_path: Path) -> AsyncIterator[Harness]:
+    client = await connect(server.settings())
+    yield Harness(client, tmp_path)
+    disarm_all()
+    await asyncio.sleep(0.1)  # sdk-python #300: let worker threads settle
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not await check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_start_twice_attaches_and_snapshot_now_publishes(harness: Harness) -> None:
+    async with harness.worker():
+        ckpt = await harness.checkpointer().start()
+        first = await harness.client.get_workflow_handle(ckpt.workflow_id).describe()
+        restarted = await harness.checkpointer(max_consecutive_failures=5).start()
+        again = await harness.client.get_workflow_handle(ckpt.workflow_id).describe()
+        assert again.run_id == first.run_id  # the restarted trainer attached, no new run
+        assert await restarted.train_step_committed(3) == "no snapshot running"
+        await restarted.trainer_checkpoint_saved(4, "/ckpt/step-4")
+        assert restarted.saved_checkpoints == {4: "/ckpt/step-4"}
+        await eventually(lambda: _published(ckpt, 1))  # the anchored snapshot
+        outcome = await ckpt.snapshot_now()
+        assert outcome.status == "published" and outcome.seq == 2, outcome.reason
+        status = await ckpt.status()
+        assert status.state.published == 2 and status.state.failed == 0
+        assert status.state.last_committed_step == 3 and status.running_seq is None
+        await ckpt.stop()
+        await harness.client.get_workflow_handle(ckpt.workflow_id).result()
+        plan = await ckpt.restore("after-stop")
+    assert plan.checkpoint_id == outcome.checkpoint_id
+    with pytest.raises(SupervisorNotRunning, match=r"COMPLETED.*start\(\)"):
+        await ckpt.status()
+
+
+async def _published(ckpt: Checkpointer, count: int) -> bool:
+    return (await ckpt.status()).state.published >= count
+
+
+async def test_train_step_committed_aborts_before_capture_and_is_too_late_after(
+    harness: Harness,
+) -> None:
+    arm("phase.drain.before", "sleep:2")
+    async with harness.worker():
+        ckpt = await harness.checkpointer().start()
+        pending = asyncio.create_task(ckpt.snapshot_now())
+        await eventually(lambda: _in_phase(harness, 1, Phase.DRAIN))
+        assert await ckpt.train_step_committed(7) == "aborted snapshot 1 in phase drain"
+        outcome = await pending
+        assert outcome.status == "skipped" and "step 7 committed" in outcome.reason
+        assert harness.store.list() == [] and harness.ops.status().gate_open
+
+        disarm_all()
+        arm("phase.publish.before", "sleep:2")
+        pending = asyncio.create_task(ckpt.snapshot_now())
+        await eventually(lambda: _in_phase(harness, 2, Phase.PUBLISH))
+        answer = await ckpt.train_step_committed(8)
+        assert answer.startswith("too late: ") and "publish" in answer, answer
+        assert (await pending).status == "published"
+        status = await ckpt.status()
+        assert (status.state.skipped, status.state.published) == (1, 1)
+        assert status.state.last_committed_step == 8
+
+
+async def _in_phase(harness: Harness, seq: int, phase: Phase) -> bool:
+    try:
+        return await harness.snapshot_phase(seq) == phase
+    except Exception:  # not started yet
+        return False
+
+
+async def test_persistent_failures_surface_as_snapshots_failed(harness: Harness) -> None:
+    arm("phase.capture.before", "raise")
+    async with harness.worker():
+        ckpt = await harness.checkpointer(max_consecutive_failures=2).start()
+        assert (await ckpt.snapshot_now()).status == "failed"
+        assert (await ckpt.status()).state.consecutive_failures == 1
+        assert (await ckpt.snapshot_now()).status == "failed"
+        for call in (ckpt.status, lambda: ckpt.train_step_committed(9)):
+            with pytest.raises(SnapshotsFailed, match="TooManyConsecutiveSnapshotFailures"):
+                await call()
+        with pytest.raises(SnapshotsFailed) as failed:
+            await ckpt.snapshot_now()
+        assert failed.value.failure_type == "TooManyConsecutiveSnapshotFailures"
+        assert "InjectedFault" in str(failed.value)  # the last failure's message
+        # A restarted trainer starts checkpointing again.
+        disarm_all()
+        await ckpt.start()
+        assert (await ckpt.snapshot_now()).status == "published"
+        await ckpt.stop()
+    assert harness.ops.status().gate_open
+
+
+async def test_snapshot_now_timeout_raises_and_the_snapshot_goes_on(harness: Harness) -> None:
+    async with harness.worker():
+        ckpt = await harness.checkpointer().start()
+        with pytest.raises(CheckpointTimeout, match=r"within 0\.001 s"):
+            await ckpt.snapshot_now(timeout=0.001)
+        arm("phase.drain.before", "sleep:1")
+        with pytest.raises(CheckpointTimeout):  # accepted, then timed out while draining
+            await ckpt.snapshot_now(timeout=0.3)
+        await eventually(lambda: _published(ckpt, 1))
+        await ckpt.stop()
+
+
+async def test_a_call_without_a_supervisor_says_to_call_start(harness: Harness) -> None:
+    never_started = Checkpointer(harness.run_id)
+    with pytest.raises(SupervisorNotRunning, match=r"start\(\) first"):
+        await never_started.status()
+    with pytest.raises(SupervisorNotRunning, match=r"no checkpoint supervisor.*start\(\)"):
+        await harness.checkpointer().train_step_committed(1)
+
+
+async def test_without_a_worker_calls_answer_instead_of_hanging(harness: Harness) -> None:
+    ckpt = harness.checkpointer()
+    ckpt.worker_timeout_s = 0.5
+    async with harness.worker():
+        await ckpt.start()
+        await ckpt.status()  # the supervisor has run its first task
+    await asyncio.sleep(0.1)  # sdk-python #300
+    with pytest.raises(NoWorker, match="no checkpoint worker answered"):
+        await ckpt.status()
+    started = time.monotonic()
+    assert await ckpt.train_step_committed(2) == "no snapshot running"
+    assert time.monotonic() - started < 0.5  # describe and signal only: no worker needed
+
+
+async def test_restore_without_a_snapshot_raises_restore_failed(harness: Harness) -> None:
+    ckpt = Checkpointer(harness.run_id, client=harness.client, task_queue=harness.task_queue)
+    async with harness.worker():
+        with pytest.raises(RestoreFailed, match="NoValidSnapshot: no snapshot under"):
+            await ckpt.restore("first")
