@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from datetime import timedelta
 
 from temporalio.client import Client
 from temporalio.worker import Worker
@@ -15,6 +16,8 @@ from workflows.restore import RestoreRun
 from workflows.snapshot import RolloutSnapshot
 from workflows.supervisor import SnapshotSupervisor, task_queue_for
 
+STICKY_TIMEOUT = timedelta(seconds=2)
+
 
 def build_worker(client: Client, task_queue: str, resolve: ControllerResolver) -> Worker:
     return Worker(
@@ -22,6 +25,10 @@ def build_worker(client: Client, task_queue: str, resolve: ControllerResolver) -
         task_queue=task_queue,
         workflows=[SnapshotSupervisor, RolloutSnapshot, RestoreRun],
         activities=SnapshotActivities(resolve).all(),
+        # A killed worker's next workflow task waits on its dead sticky queue this long
+        # before another worker takes it, with admission still closed: keep it short
+        # (the SDK default is 10 s; replaying a snapshot's history costs milliseconds).
+        sticky_queue_schedule_to_start_timeout=STICKY_TIMEOUT,
     )
 
 

@@ -1,0 +1,350 @@
+"""Killed checkpoint workers (issue 3): a real Temporal dev server, a real Ray, the controller as
+the run's named actor, workers as ``rollsafe worker`` subprocesses.
+
+The crash matrix: a worker dies inside a phase (ROLLSAFE_FAULT ``worker.phase.<phase>.after``:
+the controller did the phase and Temporal has not recorded it, the worst moment; ``.before``
+for a subset), a new worker is started, and the snapshot must publish and verify, admission
+must be open again, each phase's side effect must have happened once (counted by the
+controller) and a restore must see the run as it was. Then two workers on one task queue: the
+one running ``capture`` is killed with SIGKILL and the other finishes the snapshot.
+
+Every worker is started in its own session and stopped by its pid when the test ends, even on
+failure; every controller actor is killed through its handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.workflowservice.v1 import ResetStickyTaskQueueRequest
+from temporalio.client import Client, WorkflowHandle
+
+from rollsafe.actor import start_controller_actor
+from rollsafe.config import RunConfig
+from rollsafe.controller import Controller
+from rollsafe.coordinator import OpsStatus
+from rollsafe.dataplane import make_dataplane
+from rollsafe.faults import ENV_VAR, EXIT_CODE
+from rollsafe.phases import PHASES, Phase, SnapshotSpec
+from rollsafe.scenario import row_content
+from rollsafe.snapshot import SnapshotStore
+from rollsafe.temporal.connect import connect
+from rollsafe.temporal.devserver import DevServer
+from rollsafe.temporal.search_attributes import PHASE
+from workflows.models import PhaseOptions, SnapshotInput, SnapshotOutcome
+from workflows.snapshot import RolloutSnapshot
+from workflows.supervisor import task_queue_for
+
+ray = pytest.importorskip("ray")
+
+REPO = Path(__file__).resolve().parents[2]
+# A dead worker's attempt is retried once its heartbeat times out: 2 s keeps each case short
+# (PLATFORM.md: the retry starts ~1.3-1.8 s after the kill).
+OPTIONS = PhaseOptions(heartbeat_timeout_s=2, retry_initial_s=0.1, retry_maximum_s=0.5)
+WAIT_S = 60.0  # any one wait: generous on a loaded 2-core machine, still fails a hang
+BANNER = "rollsafe worker:"  # printed once the worker polls its task queue
+# Phases with a side effect the controller counts; the others have nothing to do in a run
+# without environments or engines, and must count zero.
+COUNTED = {
+    phase.value
+    for phase in (Phase.OPEN, Phase.CLOSE_ADMISSION, Phase.CAPTURE, Phase.RESUME, Phase.PUBLISH)
+}
+# Every phase dies after its controller call; dying before it is the easier case, so a
+# subset: the first phase, the one that writes the state, and the two that follow capture.
+CASES = [(phase, "after") for phase in PHASES] + [
+    (phase, "before") for phase in (Phase.OPEN, Phase.CAPTURE, Phase.RESUME, Phase.PUBLISH)
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
+    dev = DevServer(tmp_path_factory.mktemp("temporal"))
+    try:
+        asyncio.run(dev.start())
+        yield dev
+    finally:
+        dev.stop()
+
+
+@pytest.fixture
+async def client(server: DevServer) -> Client:
+    return await connect(server.settings())
+
+
+# ---- the run: its controller actor, seeded -------------------------------------------------
+
+
+@dataclass
+class Run:
+    run_id: str
+    config: RunConfig
+    actor: Any
+    store: SnapshotStore
+
+    def status(self) -> OpsStatus:
+        status: OpsStatus = ray.get(self.actor.status.remote())
+        return status
+
+
+@contextmanager
+def controller_run(root: Path, runtime_env: dict[str, Any] | None = None) -> Iterator[Run]:
+    """A fresh run id per test: its own actor, snapshot dir and task queue, so one failed
+    case cannot leave a closed gate or an open checkpoint behind for the next."""
+    run_id = f"crash-{uuid.uuid4().hex[:8]}"
+    config = RunConfig(run_id=run_id, group_size=2, groups_per_step=2)
+    actor = start_controller_actor(run_id, config, root, runtime_env=runtime_env)
+    try:
+        # Group 0 sealed in full, group 1 half, group 2 only handed out: a restore owes the
+        # trainer group 0, keeps group 1's row and regenerates the rest.
+        ray.get(actor.handout.remote([0, 1, 2]))
+        for idx, i in ((0, 0), (0, 1), (1, 0)):
+            episode = ray.get(actor.dispatch.remote(idx, i))
+            ray.get(actor.seal.remote(idx, i, episode.attempt, row_content(idx, i, 0)))
+        yield Run(run_id, config, actor, SnapshotStore(root, run_id))
+    finally:
+        ray.kill(actor)
+
+
+# ---- worker processes ----------------------------------------------------------------------
+
+
+class Workers:
+    """``rollsafe worker`` subprocesses, each in its own session (a Ctrl-C meant for pytest
+    does not reach it) and logging to a file (a full pipe would stall it)."""
+
+    def __init__(self, server: DevServer, ray_address: str, logs: Path) -> None:
+        # Only our server: no TEMPORAL_* variable or config profile of this machine leaks in.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TEMPORAL_")}
+        env.pop(ENV_VAR, None)
+        env.update(
+            TEMPORAL_ADDRESS=server.address,
+            TEMPORAL_NAMESPACE=server.namespace,
+            TEMPORAL_CONFIG_FILE=str(logs / "no-temporal-config.toml"),
+            RAY_USAGE_STATS_ENABLED="0",
+        )
+        self.env = env
+        self.ray_address = ray_address
+        self.logs = logs
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, run_id: str, fault: str | None = None) -> subprocess.Popen[bytes]:
+        env = dict(self.env, **({ENV_VAR: fault} if fault else {}))
+        command = [sys.executable, "-m", "rollsafe", "worker", "--run", run_id]
+        with self.log_path(len(self.procs)).open("wb") as log:
+            proc = subprocess.Popen(
+                [*command, "--ray-address", self.ray_address],
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.procs.append(proc)
+        return proc
+
+    def log_path(self, n: int) -> Path:
+        return self.logs / f"worker-{n}.log"
+
+    def log(self, proc: subprocess.Popen[bytes]) -> str:
+        text = self.log_path(self.procs.index(proc)).read_text(errors="replace")
+        return f"worker pid {proc.pid}, exit code {proc.poll()}, log tail:\n{text[-3000:]}"
+
+    async def exited(self, proc: subprocess.Popen[bytes]) -> int:
+        try:
+            return await asyncio.to_thread(proc.wait, WAIT_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {WAIT_S:g} s: {self.log(proc)}") from None
+
+    async def ready(self, proc: subprocess.Popen[bytes]) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while BANNER not in self.log_path(self.procs.index(proc)).read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"worker never became ready: {self.log(proc)}")
+            await asyncio.sleep(0.05)
+
+    async def stop(self, proc: subprocess.Popen[bytes]) -> int:
+        """SIGTERM, as an operator stops a worker; SIGKILL if it does not drain in time."""
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            return await asyncio.to_thread(proc.wait, 10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return await asyncio.to_thread(proc.wait)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(self.stop(proc) for proc in self.procs))
+
+
+@pytest.fixture
+async def workers(server: DevServer, ray_session: Any, tmp_path: Path) -> AsyncIterator[Workers]:
+    pool = Workers(server, ray_session.get_runtime_context().gcs_address, tmp_path)
+    try:
+        yield pool
+    finally:
+        await pool.close()
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+
+async def start_snapshot(client: Client, run: Run) -> WorkflowHandle[Any, SnapshotOutcome]:
+    spec = SnapshotSpec(run_id=run.run_id, seq=1)
+    return await client.start_workflow(
+        RolloutSnapshot.run,
+        SnapshotInput(spec=spec, options=OPTIONS),
+        id=f"rollsafe/{run.run_id}/snapshot/1",
+        task_queue=task_queue_for(run.run_id),
+    )
+
+
+async def release_sticky_task(client: Client, handle: WorkflowHandle[Any, Any]) -> None:
+    """Let any worker take the workflow's next task now. Temporal gives it to the worker that
+    ran the previous one (its sticky queue) and, that worker being dead, moves it to the
+    shared queue only after the SDK's 10 s sticky schedule-to-start timeout: latency, not
+    correctness (the two-worker test waits it out), but 10 s per case here."""
+    execution = WorkflowExecution(workflow_id=handle.id)
+    await client.workflow_service.reset_sticky_task_queue(
+        ResetStickyTaskQueueRequest(namespace=client.namespace, execution=execution)
+    )
+
+
+async def completed_attempts(handle: WorkflowHandle[Any, Any]) -> dict[str, tuple[int, int]]:
+    """Activity name -> (attempt, worker pid) of the attempt that completed it. History keeps
+    only an activity's last attempt, with the identity of its worker (the SDK's default
+    identity is ``pid@host``)."""
+    names: dict[int, str] = {}
+    attempts: dict[str, tuple[int, int]] = {}
+    async for event in handle.fetch_history_events():
+        if event.HasField("activity_task_scheduled_event_attributes"):
+            scheduled = event.activity_task_scheduled_event_attributes
+            names[event.event_id] = scheduled.activity_type.name
+        elif event.HasField("activity_task_started_event_attributes"):
+            started = event.activity_task_started_event_attributes
+            pid = int(started.identity.split("@")[0])
+            attempts[names[started.scheduled_event_id]] = (started.attempt, pid)
+    return attempts
+
+
+def check_published_once(run: Run, outcome: SnapshotOutcome) -> None:
+    """The snapshot published and verifies, admission is open, every phase's effect happened
+    exactly once, and a restore from it owes what the run owed."""
+    assert outcome.status == "published", outcome
+    assert [result.phase for result in outcome.phases] == list(PHASES)
+    reader = run.store.select()  # the newest snapshot that fully verifies
+    assert outcome.published is not None and reader.name == outcome.published.name
+    assert reader.manifest.checkpoint_id == outcome.checkpoint_id
+    assert len(run.store.list()) == 1
+
+    status = run.status()
+    assert status.gate_open and status.open_checkpoint is None, status
+    assert status.effects == {key: int(key in COUNTED) for key in status.effects}, status
+    # Open for real: a new attempt passes the gate.
+    assert ray.get(run.actor.dispatch.remote(2, 0)) is not None
+
+    _, plan = Controller.restore(run.config, run.store, make_dataplane("memory"))
+    assert (plan.snapshot, plan.checkpoint_id) == (reader.name, outcome.checkpoint_id)
+    assert plan.ready == [0] and sorted(plan.partial) == [1, 2]
+    assert (plan.partial[1].restored, plan.partial[1].regenerate) == ([0], [1])
+    assert plan.partial[2].regenerate == [0, 1]
+
+
+# ---- the crash matrix ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("phase", "when"), CASES, ids=[f"{w}-{p.value}" for p, w in CASES])
+async def test_a_worker_killed_in_a_phase_is_replaced_and_the_snapshot_publishes_once(
+    phase: Phase, when: str, client: Client, workers: Workers, tmp_path: Path
+) -> None:
+    with controller_run(tmp_path / "snapshots") as run:
+        doomed = workers.start(run.run_id, fault=f"worker.phase.{phase.value}.{when}")
+        handle = await start_snapshot(client, run)
+        assert await workers.exited(doomed) == EXIT_CODE, workers.log(doomed)
+
+        # The moment of the crash: after the call the controller holds the phase's result
+        # and Temporal does not; before it the controller never heard of the phase.
+        checkpoint_id = SnapshotSpec(run_id=run.run_id, seq=1).checkpoint_id
+        done = run.status().done.get(checkpoint_id, [])
+        assert (phase.value in done) == (when == "after"), done
+
+        await release_sticky_task(client, handle)
+        replacement = workers.start(run.run_id)
+        outcome = await asyncio.wait_for(handle.result(), WAIT_S)
+        check_published_once(run, outcome)
+
+        # The retried phase got the stored result (after) or did the work (before); no other
+        # phase ran twice: those completed before the crash stay completed in history.
+        assert [r.replayed for r in outcome.phases] == [
+            p == phase and when == "after" for p in PHASES
+        ]
+        crashed_at = PHASES.index(phase)
+        assert await completed_attempts(handle) == {
+            p.value: (2 if p == phase else 1, doomed.pid if n < crashed_at else replacement.pid)
+            for n, p in enumerate(PHASES)
+        }
+        assert await workers.stop(replacement) == 0, workers.log(replacement)
+
+
+# ---- two workers on one task queue ---------------------------------------------------------
+
+
+async def capture_holder(handle: WorkflowHandle[Any, Any]) -> int:
+    """The pid of the worker running ``capture``, once it is mid-call: a recorded heartbeat
+    means the activity has been waiting on the controller for a while."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        description = await handle.describe()
+        for pending in description.raw_description.pending_activities:
+            if pending.activity_type.name == Phase.CAPTURE.value and pending.HasField(
+                "last_heartbeat_time"
+            ):
+                # What an operator sees: `temporal workflow list --query "RollsafePhase=..."`.
+                assert description.typed_search_attributes.get(PHASE) == Phase.CAPTURE.value
+                return int(pending.last_worker_identity.split("@")[0])
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"capture never started: {description.raw_description}")
+
+
+async def test_two_workers_on_one_queue_the_survivor_finishes_a_killed_capture(
+    client: Client, workers: Workers, tmp_path: Path
+) -> None:
+    # Capture takes 4 s in the controller: time to find the worker that runs it and kill it
+    # while its call is still in the actor.
+    slow = {"env_vars": {ENV_VAR: "phase.capture.before:sleep:4"}}
+    with controller_run(tmp_path / "snapshots", runtime_env=slow) as run:
+        pair = [workers.start(run.run_id), workers.start(run.run_id)]
+        for proc in pair:  # both polling before the snapshot starts
+            await workers.ready(proc)
+        handle = await start_snapshot(client, run)
+
+        holder_pid = await capture_holder(handle)
+        [holder] = [proc for proc in pair if proc.pid == holder_pid]
+        [survivor] = [proc for proc in pair if proc is not holder]
+        os.kill(holder.pid, signal.SIGKILL)
+        assert await workers.exited(holder) == -signal.SIGKILL
+
+        # No sticky reset here: the survivor gets the workflow on its own, as in production.
+        outcome = await asyncio.wait_for(handle.result(), WAIT_S)
+        check_published_once(run, outcome)
+        # The killed worker's call did the capture; the survivor's retry got its result.
+        [capture] = [r for r in outcome.phases if r.phase == Phase.CAPTURE]
+        assert capture.replayed
+        attempts = await completed_attempts(handle)
+        assert attempts[Phase.CAPTURE.value][0] >= 2
+        for later in (Phase.CAPTURE, Phase.RESUME, Phase.PUBLISH):
+            assert attempts[later.value][1] == survivor.pid
+        assert survivor.poll() is None, workers.log(survivor)
