@@ -1,12 +1,19 @@
-"""A real Ray for the integration tests: one local instance per session (PLATFORM.md, Ray)."""
+"""Integration fixtures: one real Ray and one Temporal dev server per session, and a
+harness that serves a run's workflows with its controller in this process."""
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Iterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+# Fast retries so failure paths finish in a second (workflows.models.PhaseOptions).
+FAST_RETRY = {"retry_initial_s": 0.05, "retry_maximum_s": 0.2, "retry_attempts": 3}
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 
 
@@ -27,3 +34,90 @@ def ray_session() -> Iterator[object]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One Temporal dev server for the session; tests keep apart by run id and task queue.
+    A sync fixture: the server is a process, not a loop resource."""
+    from rollsafe.temporal.devserver import DevServer
+
+    dev = DevServer(tmp_path_factory.mktemp("temporal"))
+    try:
+        asyncio.run(dev.start())
+        yield dev
+    finally:
+        dev.stop()
+
+
+def busy_controller(run_id: str) -> Any:
+    """Group 0 ready, group 1 half sealed, group 2 only handed out."""
+    from rollsafe.config import RunConfig
+    from rollsafe.controller import Controller
+    from rollsafe.dataplane import make_dataplane
+    from rollsafe.scenario import row_content
+
+    run = Controller(
+        RunConfig(run_id=run_id, group_size=2, groups_per_step=2), make_dataplane("memory")
+    )
+    run.handout([0, 1, 2])
+    for idx, siblings in ((0, (0, 1)), (1, (0,))):
+        for i in siblings:
+            run.dispatch(idx, i)
+            run.seal(idx, i, 0, row_content(idx, i, 0))
+    return run
+
+
+class WorkflowHarness:
+    """A run whose controller lives in this process, served by workers built on demand."""
+
+    def __init__(self, client: Any, tmp_path: Path) -> None:
+        from activities.controllers import LocalController
+        from rollsafe.coordinator import CheckpointOps
+        from rollsafe.snapshot import SnapshotStore
+        from workflows.supervisor import task_queue_for
+
+        self.client = client
+        self.run_id = f"wf-{uuid.uuid4().hex[:8]}"
+        self.task_queue = task_queue_for(self.run_id)
+        self.store = SnapshotStore(tmp_path, self.run_id)
+        self.ops = CheckpointOps(busy_controller(self.run_id), self.store)
+        self.local = LocalController(self.ops)
+
+    def worker(self) -> Any:
+        from workers.checkpoint import build_worker
+
+        return build_worker(self.client, self.task_queue, lambda run_id: self.local)
+
+    def snapshot_id(self, seq: int) -> str:
+        return f"rollsafe/{self.run_id}/snapshot/{seq}"
+
+    async def snapshot(self, seq: int = 1, options: Any = None) -> Any:
+        from rollsafe.phases import SnapshotSpec
+        from workflows.models import PhaseOptions, SnapshotInput
+        from workflows.snapshot import RolloutSnapshot
+
+        spec = SnapshotSpec(run_id=self.run_id, seq=seq)
+        return await self.client.execute_workflow(
+            RolloutSnapshot.run,
+            SnapshotInput(spec=spec, options=options or PhaseOptions(**FAST_RETRY)),
+            id=self.snapshot_id(seq),
+            task_queue=self.task_queue,
+        )
+
+    async def snapshot_phase(self, seq: int) -> Any:
+        from workflows.snapshot import RolloutSnapshot
+
+        handle = self.client.get_workflow_handle(self.snapshot_id(seq))
+        return (await handle.query(RolloutSnapshot.status)).phase
+
+
+@pytest.fixture
+async def harness(server: Any, tmp_path: Path) -> AsyncIterator[WorkflowHarness]:
+    from rollsafe.faults import disarm_all
+    from rollsafe.temporal.connect import connect
+
+    client = await connect(server.settings())
+    yield WorkflowHarness(client, tmp_path)
+    disarm_all()
+    await asyncio.sleep(0.1)  # sdk-python #300: let worker threads settle

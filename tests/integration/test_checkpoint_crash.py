@@ -69,16 +69,6 @@ CASES = [(phase, "after") for phase in PHASES] + [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
-    dev = DevServer(tmp_path_factory.mktemp("temporal"))
-    try:
-        asyncio.run(dev.start())
-        yield dev
-    finally:
-        dev.stop()
-
-
 @pytest.fixture
 async def client(server: DevServer) -> Client:
     return await connect(server.settings())

@@ -6,15 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 
 import pytest
-from temporalio.client import Client
-from temporalio.worker import Worker
 
-from activities.controllers import LocalController
 from rollsafe.client import (
     Checkpointer,
     NoWorker,
@@ -22,77 +17,21 @@ from rollsafe.client import (
     SnapshotsFailed,
     SupervisorNotRunning,
 )
-from rollsafe.config import RunConfig
-from rollsafe.controller import Controller
-from rollsafe.coordinator import CheckpointOps
-from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import CheckpointTimeout
 from rollsafe.faults import arm, disarm_all
 from rollsafe.phases import Phase
-from rollsafe.scenario import row_content
-from rollsafe.snapshot import SnapshotStore
-from rollsafe.temporal.connect import connect
-from rollsafe.temporal.devserver import DevServer
-from workers.checkpoint import build_worker
 from workflows.models import PhaseOptions
-from workflows.snapshot import RolloutSnapshot
 
 FAST = PhaseOptions(retry_initial_s=0.05, retry_maximum_s=0.2, retry_attempts=3)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
-    dev = DevServer(tmp_path_factory.mktemp("temporal"))
-    try:
-        asyncio.run(dev.start())
-        yield dev
-    finally:
-        dev.stop()
-
-
-def busy_controller(run_id: str) -> Controller:
-    run = Controller(
-        RunConfig(run_id=run_id, group_size=2, groups_per_step=2), make_dataplane("memory")
+def checkpointer(harness, max_consecutive_failures: int = 3) -> Checkpointer:
+    return Checkpointer(
+        harness.run_id,
+        client=harness.client,
+        options=FAST,
+        max_consecutive_failures=max_consecutive_failures,
     )
-    run.handout([0, 1, 2])
-    for idx, siblings in ((0, (0, 1)), (1, (0,))):
-        for i in siblings:
-            run.dispatch(idx, i)
-            run.seal(idx, i, 0, row_content(idx, i, 0))
-    return run
-
-
-class Harness:
-    def __init__(self, client: Client, tmp_path: Path) -> None:
-        self.client = client
-        self.run_id = f"sdk-{uuid.uuid4().hex[:8]}"
-        self.task_queue = f"rollsafe.{self.run_id}"
-        self.store = SnapshotStore(tmp_path, self.run_id)
-        self.ops = CheckpointOps(busy_controller(self.run_id), self.store)
-        self.local = LocalController(self.ops)
-
-    def worker(self) -> Worker:
-        return build_worker(self.client, self.task_queue, lambda run_id: self.local)
-
-    def checkpointer(self, max_consecutive_failures: int = 3) -> Checkpointer:
-        return Checkpointer(
-            self.run_id,
-            client=self.client,
-            options=FAST,
-            max_consecutive_failures=max_consecutive_failures,
-        )
-
-    async def snapshot_phase(self, seq: int) -> Phase | None:
-        handle = self.client.get_workflow_handle(f"rollsafe/{self.run_id}/snapshot/{seq}")
-        return (await handle.query(RolloutSnapshot.status)).phase
-
-
-@pytest.fixture
-async def harness(server: DevServer, tmp_path: Path) -> AsyncIterator[Harness]:
-    client = await connect(server.settings())
-    yield Harness(client, tmp_path)
-    disarm_all()
-    await asyncio.sleep(0.1)  # sdk-python #300: let worker threads settle
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], within_s: float = 10.0) -> None:
@@ -102,11 +41,11 @@ async def eventually(check: Callable[[], Awaitable[bool]], within_s: float = 10.
         await asyncio.sleep(0.05)
 
 
-async def test_start_twice_attaches_and_snapshot_now_publishes(harness: Harness) -> None:
+async def test_start_twice_attaches_and_snapshot_now_publishes(harness) -> None:
     async with harness.worker():
-        ckpt = await harness.checkpointer().start()
+        ckpt = await checkpointer(harness).start()
         first = await harness.client.get_workflow_handle(ckpt.workflow_id).describe()
-        restarted = await harness.checkpointer(max_consecutive_failures=5).start()
+        restarted = await checkpointer(harness, max_consecutive_failures=5).start()
         again = await harness.client.get_workflow_handle(ckpt.workflow_id).describe()
         assert again.run_id == first.run_id  # the restarted trainer attached, no new run
         assert await restarted.train_step_committed(3) == "no snapshot running"
@@ -131,11 +70,11 @@ async def _published(ckpt: Checkpointer, count: int) -> bool:
 
 
 async def test_train_step_committed_aborts_before_capture_and_is_too_late_after(
-    harness: Harness,
+    harness,
 ) -> None:
     arm("phase.drain.before", "sleep:2")
     async with harness.worker():
-        ckpt = await harness.checkpointer().start()
+        ckpt = await checkpointer(harness).start()
         pending = asyncio.create_task(ckpt.snapshot_now())
         await eventually(lambda: _in_phase(harness, 1, Phase.DRAIN))
         assert await ckpt.train_step_committed(7) == "aborted snapshot 1 in phase drain"
@@ -155,17 +94,17 @@ async def test_train_step_committed_aborts_before_capture_and_is_too_late_after(
         assert status.state.last_committed_step == 8
 
 
-async def _in_phase(harness: Harness, seq: int, phase: Phase) -> bool:
+async def _in_phase(harness, seq: int, phase: Phase) -> bool:
     try:
         return await harness.snapshot_phase(seq) == phase
     except Exception:  # not started yet
         return False
 
 
-async def test_persistent_failures_surface_as_snapshots_failed(harness: Harness) -> None:
+async def test_persistent_failures_surface_as_snapshots_failed(harness) -> None:
     arm("phase.capture.before", "raise")
     async with harness.worker():
-        ckpt = await harness.checkpointer(max_consecutive_failures=2).start()
+        ckpt = await checkpointer(harness, max_consecutive_failures=2).start()
         assert (await ckpt.snapshot_now()).status == "failed"
         assert (await ckpt.status()).state.consecutive_failures == 1
         assert (await ckpt.snapshot_now()).status == "failed"
@@ -184,9 +123,9 @@ async def test_persistent_failures_surface_as_snapshots_failed(harness: Harness)
     assert harness.ops.status().gate_open
 
 
-async def test_snapshot_now_timeout_raises_and_the_snapshot_goes_on(harness: Harness) -> None:
+async def test_snapshot_now_timeout_raises_and_the_snapshot_goes_on(harness) -> None:
     async with harness.worker():
-        ckpt = await harness.checkpointer().start()
+        ckpt = await checkpointer(harness).start()
         with pytest.raises(CheckpointTimeout, match=r"within 0\.001 s"):
             await ckpt.snapshot_now(timeout=0.001)
         arm("phase.drain.before", "sleep:1")
@@ -196,16 +135,16 @@ async def test_snapshot_now_timeout_raises_and_the_snapshot_goes_on(harness: Har
         await ckpt.stop()
 
 
-async def test_a_call_without_a_supervisor_says_to_call_start(harness: Harness) -> None:
+async def test_a_call_without_a_supervisor_says_to_call_start(harness) -> None:
     never_started = Checkpointer(harness.run_id)
     with pytest.raises(SupervisorNotRunning, match=r"start\(\) first"):
         await never_started.status()
     with pytest.raises(SupervisorNotRunning, match=r"no checkpoint supervisor.*start\(\)"):
-        await harness.checkpointer().train_step_committed(1)
+        await checkpointer(harness).train_step_committed(1)
 
 
-async def test_without_a_worker_calls_answer_instead_of_hanging(harness: Harness) -> None:
-    ckpt = harness.checkpointer()
+async def test_without_a_worker_calls_answer_instead_of_hanging(harness) -> None:
+    ckpt = checkpointer(harness)
     ckpt.worker_timeout_s = 0.5
     async with harness.worker():
         await ckpt.start()
@@ -218,7 +157,7 @@ async def test_without_a_worker_calls_answer_instead_of_hanging(harness: Harness
     assert time.monotonic() - started < 0.5  # describe and signal only: no worker needed
 
 
-async def test_restore_without_a_snapshot_raises_restore_failed(harness: Harness) -> None:
+async def test_restore_without_a_snapshot_raises_restore_failed(harness) -> None:
     ckpt = Checkpointer(harness.run_id, client=harness.client, task_queue=harness.task_queue)
     async with harness.worker():
         with pytest.raises(RestoreFailed, match="NoValidSnapshot: no snapshot under"):

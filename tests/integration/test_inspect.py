@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from activities.controllers import LocalController
 from rollsafe.config import RunConfig
@@ -25,16 +22,6 @@ from workers.checkpoint import build_worker
 from workflows.models import PhaseOptions, SnapshotInput
 from workflows.snapshot import RolloutSnapshot
 from workflows.supervisor import task_queue_for
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
-    dev = DevServer(tmp_path_factory.mktemp("temporal"))
-    try:
-        asyncio.run(dev.start())
-        yield dev
-    finally:
-        dev.stop()
 
 
 async def _eventually(check, timeout_s: float = 10.0):

@@ -4,27 +4,16 @@ this process (the Ray actor and killed-worker tests live in test_checkpoint_cras
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import pytest
-from temporalio.client import Client, WorkflowFailureError, WorkflowUpdateFailedError
+from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
-from temporalio.worker import Worker
 
-from activities.controllers import LocalController
-from rollsafe.config import RunConfig
 from rollsafe.controller import Controller
-from rollsafe.coordinator import CheckpointOps
 from rollsafe.dataplane import make_dataplane
 from rollsafe.faults import arm, disarm_all
 from rollsafe.phases import PHASES, Phase, RestoreRequest, SnapshotSpec
 from rollsafe.scenario import row_content
-from rollsafe.snapshot import SnapshotStore
-from rollsafe.temporal.connect import connect
-from rollsafe.temporal.devserver import DevServer
-from workers.checkpoint import build_worker
 from workflows.models import PhaseOptions, SnapshotInput, SupervisorConfig, SupervisorInput
 from workflows.restore import RestoreRun, restore_workflow_id
 from workflows.snapshot import RolloutSnapshot
@@ -33,59 +22,7 @@ from workflows.supervisor import SnapshotSupervisor, supervisor_id
 FAST = PhaseOptions(retry_initial_s=0.05, retry_maximum_s=0.2, retry_attempts=3)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
-    dev = DevServer(tmp_path_factory.mktemp("temporal"))
-    try:
-        asyncio.run(dev.start())
-        yield dev
-    finally:
-        dev.stop()
-
-
-def busy_controller(run_id: str) -> Controller:
-    run = Controller(
-        RunConfig(run_id=run_id, group_size=2, groups_per_step=2), make_dataplane("memory")
-    )
-    run.handout([0, 1, 2])
-    for idx, siblings in ((0, (0, 1)), (1, (0,))):
-        for i in siblings:
-            run.dispatch(idx, i)
-            run.seal(idx, i, 0, row_content(idx, i, 0))
-    return run
-
-
-class Harness:
-    def __init__(self, client: Client, tmp_path: Path) -> None:
-        self.client = client
-        self.run_id = f"wf-{uuid.uuid4().hex[:8]}"
-        self.task_queue = f"rollsafe.{self.run_id}"
-        self.store = SnapshotStore(tmp_path, self.run_id)
-        self.ops = CheckpointOps(busy_controller(self.run_id), self.store)
-        self.local = LocalController(self.ops)
-
-    def worker(self) -> Worker:
-        return build_worker(self.client, self.task_queue, lambda run_id: self.local)
-
-    async def snapshot(self, seq: int = 1, **update: object):
-        spec = SnapshotSpec(run_id=self.run_id, seq=seq)
-        return await self.client.execute_workflow(
-            RolloutSnapshot.run,
-            SnapshotInput(spec=spec, options=FAST),
-            id=f"rollsafe/{self.run_id}/snapshot/{seq}",
-            task_queue=self.task_queue,
-        )
-
-
-@pytest.fixture
-async def harness(server: DevServer, tmp_path: Path) -> AsyncIterator[Harness]:
-    client = await connect(server.settings())
-    yield Harness(client, tmp_path)
-    disarm_all()
-    await asyncio.sleep(0.1)  # sdk-python #300: let worker threads settle
-
-
-async def test_a_snapshot_runs_the_ten_phases_once_and_publishes(harness: Harness) -> None:
+async def test_a_snapshot_runs_the_ten_phases_once_and_publishes(harness) -> None:
     async with harness.worker():
         outcome = await harness.snapshot()
     assert outcome.status == "published", outcome.reason
@@ -100,7 +37,7 @@ async def test_a_snapshot_runs_the_ten_phases_once_and_publishes(harness: Harnes
     assert plan.checkpoint_id == outcome.checkpoint_id and plan.ready == [0]
 
 
-async def test_a_transient_phase_failure_is_retried(harness: Harness) -> None:
+async def test_a_transient_phase_failure_is_retried(harness) -> None:
     arm("phase.capture.before", "raise", times=2)
     async with harness.worker():
         outcome = await harness.snapshot()
@@ -109,7 +46,7 @@ async def test_a_transient_phase_failure_is_retried(harness: Harness) -> None:
 
 
 async def test_a_persistent_failure_fails_the_snapshot_and_reopens_admission(
-    harness: Harness,
+    harness,
 ) -> None:
     arm("phase.capture.before", "raise")
     async with harness.worker():
@@ -121,7 +58,7 @@ async def test_a_persistent_failure_fails_the_snapshot_and_reopens_admission(
     assert harness.store.list() == []
 
 
-async def test_abort_before_capture_skips_and_after_is_too_late(harness: Harness) -> None:
+async def test_abort_before_capture_skips_and_after_is_too_late(harness) -> None:
     arm("phase.drain.before", "sleep:2")
     async with harness.worker():
         handle = await harness.client.start_workflow(
@@ -154,7 +91,7 @@ async def test_abort_before_capture_skips_and_after_is_too_late(harness: Harness
         assert (await handle.result()).status == "published"
 
 
-async def test_supervisor_counts_consecutive_failures_then_fails(harness: Harness) -> None:
+async def test_supervisor_counts_consecutive_failures_then_fails(harness) -> None:
     arm("phase.capture.before", "raise")
     config = SupervisorConfig(run_id=harness.run_id, max_consecutive_failures=2, options=FAST)
     async with harness.worker():
@@ -178,7 +115,7 @@ async def test_supervisor_counts_consecutive_failures_then_fails(harness: Harnes
     assert harness.ops.status().gate_open
 
 
-async def test_supervisor_snapshot_now_publishes_and_resets_the_count(harness: Harness) -> None:
+async def test_supervisor_snapshot_now_publishes_and_resets_the_count(harness) -> None:
     arm("phase.capture.before", "raise", times=3)  # the first snapshot's 3 attempts
     config = SupervisorConfig(run_id=harness.run_id, options=FAST)
     async with harness.worker():
@@ -198,7 +135,7 @@ async def test_supervisor_snapshot_now_publishes_and_resets_the_count(harness: H
 
 
 async def test_restore_workflow_brings_the_run_back_from_its_newest_snapshot(
-    harness: Harness,
+    harness,
 ) -> None:
     async with harness.worker():
         assert (await harness.snapshot()).status == "published"
@@ -226,7 +163,7 @@ async def test_restore_workflow_brings_the_run_back_from_its_newest_snapshot(
     assert harness.ops.controller.ledger.sealed(2) == []
 
 
-async def test_restore_without_a_snapshot_fails_naming_it(harness: Harness) -> None:
+async def test_restore_without_a_snapshot_fails_naming_it(harness) -> None:
     async with harness.worker():
         with pytest.raises(WorkflowFailureError) as failed:
             await harness.client.execute_workflow(

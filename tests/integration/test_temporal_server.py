@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from uuid import uuid4
@@ -119,18 +118,6 @@ async def _shutdown_pause() -> None:
     # sdk-python #300: a process that ran a Worker can abort at interpreter exit unless the
     # worker's threads get a moment after shutdown (PLATFORM.md).
     await asyncio.sleep(0.1)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevServer]:
-    # Sync fixture: the server is a process, not a loop resource, so one server can serve
-    # tests that each run in their own event loop.
-    dev = DevServer(tmp_path_factory.mktemp("temporal"))
-    try:
-        asyncio.run(dev.start())
-        yield dev
-    finally:
-        dev.stop()
 
 
 # ---- the running server ----
