@@ -61,6 +61,9 @@ class SupervisorConfig(BaseModel):
     # Seconds between periodic snapshots; None takes snapshots only on request.
     interval_s: float | None = Field(default=None, gt=0)
     max_consecutive_failures: int = Field(default=3, ge=1)
+    # Continue as new after this many snapshots even if the server has not suggested it yet,
+    # so a long run's history never nears its limits (one snapshot adds ~10 events here).
+    snapshots_per_run: int = Field(default=500, ge=1)
     options: PhaseOptions = PhaseOptions()
 
 

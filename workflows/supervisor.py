@@ -60,6 +60,7 @@ class SnapshotSupervisor:
         self._outcomes: dict[int, SnapshotOutcome] = {}
         self._running: int | None = None
         self._stop = False
+        self._taken = 0  # snapshots taken by this run of the workflow (not carried over)
 
     @workflow.run
     async def run(self, request: SupervisorInput) -> None:
@@ -84,9 +85,17 @@ class SnapshotSupervisor:
                 self._enqueue("rollout", None)  # the periodic snapshot
             if self._requests:
                 await self._take(*self._requests.popleft())
-            if workflow.info().is_continue_as_new_suggested():
-                await workflow.wait_condition(workflow.all_handlers_finished)
-                self._state.pending_anchors = [a for _, k, a in self._requests if a is not None]
+            if self._requests or not (
+                workflow.info().is_continue_as_new_suggested()
+                or self._taken >= config.snapshots_per_run
+            ):
+                continue
+            # Continue as new only with nothing queued: a queued request may have an update
+            # waiting on it, and waiting for that handler would never end.
+            await workflow.wait_condition(
+                lambda: workflow.all_handlers_finished() or bool(self._requests)
+            )
+            if not self._requests:
                 workflow.continue_as_new(SupervisorInput(config=config, state=self._state))
 
     def _enqueue(self, kind: str, anchor: int | None) -> int:
@@ -99,6 +108,7 @@ class SnapshotSupervisor:
         assert config is not None and state.next_seq is not None
         seq = state.next_seq
         state.next_seq += 1
+        self._taken += 1
         spec = SnapshotSpec(run_id=config.run_id, seq=seq, kind=kind, anchor_step=anchor)
         self._running = seq
         try:

@@ -175,3 +175,32 @@ async def test_restore_without_a_snapshot_fails_naming_it(harness) -> None:
     cause = failed.value.cause.cause  # WorkflowFailure -> ActivityError -> ApplicationError
     assert isinstance(cause, ApplicationError) and cause.type == "NoValidSnapshot"
     assert cause.non_retryable and "no snapshot" in str(cause)
+
+
+async def test_periodic_snapshots_continue_as_new_carrying_their_state(harness) -> None:
+    config = SupervisorConfig(
+        run_id=harness.run_id, interval_s=0.2, snapshots_per_run=2, options=FAST
+    )
+    async with harness.worker():
+        handle = await harness.client.start_workflow(
+            SnapshotSupervisor.run,
+            SupervisorInput(config=config),
+            id=supervisor_id(harness.run_id),
+            task_queue=harness.task_queue,
+        )
+        first_run = handle.first_execution_run_id or handle.result_run_id
+        deadline = asyncio.get_running_loop().time() + 30
+        while True:  # periodic snapshots, no requests
+            status = await handle.query(SnapshotSupervisor.status)
+            if status.state.published >= 3:
+                break
+            assert asyncio.get_running_loop().time() < deadline, status
+            await asyncio.sleep(0.1)
+        latest = await harness.client.get_workflow_handle(supervisor_id(harness.run_id)).describe()
+        await handle.signal(SnapshotSupervisor.stop)
+    assert latest.run_id != first_run  # continued as new after 2 snapshots
+    assert status.state.next_seq == status.state.published + 1  # seqs carried on, none reused
+    # Snapshots kept by retention: the newest two, seq 3 or later (more may have been taken
+    # between the status query and the stop).
+    kept = [e.seq for e in harness.store.list() if e.state.value == "valid"]
+    assert len(kept) == 2 and kept[0] is not None and kept[0] >= 3
