@@ -4,7 +4,8 @@ raise, exactly between "done" and "recorded".
 Arm points with the environment variable ``ROLLSAFE_FAULT`` (read at every check, so a
 subprocess or a Ray actor started with it is armed), a comma-separated list of ``name`` or
 ``name:action``, where action is ``exit`` (``os._exit(137)``, as a kill -9 would look; the
-default), ``raise`` (:class:`InjectedFault`, a transient error) or ``sleep:<seconds>`` (a
+default), ``raise`` (:class:`InjectedFault`, a transient error), ``invariant``
+(:class:`InjectedInvariantFault`, one that must not be retried) or ``sleep:<seconds>`` (a
 slow step). In-process tests use :func:`arm` (optionally firing only ``times`` times) and
 :func:`disarm_all` instead.
 
@@ -22,12 +23,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from rollsafe.errors import InvalidInput, TransientError
+from rollsafe.errors import InvalidInput, InvariantError, TransientError
 from rollsafe.phases import PHASES
 
 ENV_VAR = "ROLLSAFE_FAULT"
 EXIT_CODE = 137
-_ACTIONS = "exit, raise or sleep:<seconds>"
+_ACTIONS = "exit, raise, invariant or sleep:<seconds>"
 
 
 class InjectedFault(TransientError):
@@ -38,9 +39,18 @@ class InjectedFault(TransientError):
         super().__init__(f"injected fault at {name}")
 
 
+class InjectedInvariantFault(InvariantError):
+    """Raised by an armed fault point with action ``invariant``: a failure retrying cannot
+    fix, as a corrupt snapshot or an ownership mismatch would be."""
+
+    def __init__(self, name: str) -> None:
+        self.point = name
+        super().__init__(f"injected invariant fault at {name}")
+
+
 @dataclass
 class _Armed:
-    kind: str  # exit | raise | sleep
+    kind: str  # exit | raise | invariant | sleep
     seconds: float = 0.0
     left: int | None = None  # fires this many more times; None: until disarmed
 
@@ -97,12 +107,14 @@ def fault_point(name: str) -> None:
         os._exit(EXIT_CODE)
     if armed.kind == "raise":
         raise InjectedFault(name)
+    if armed.kind == "invariant":
+        raise InjectedInvariantFault(name)
     time.sleep(armed.seconds)  # a phase that takes long: heartbeats, timeouts, aborts
 
 
 def _parse_action(action: str, where: str) -> _Armed:
     kind, _, arg = action.partition(":")
-    if kind in ("exit", "raise") and not arg:
+    if kind in ("exit", "raise", "invariant") and not arg:
         return _Armed(kind)
     if kind == "sleep":
         try:

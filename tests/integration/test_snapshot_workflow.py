@@ -204,3 +204,24 @@ async def test_periodic_snapshots_continue_as_new_carrying_their_state(harness) 
     # between the status query and the stop).
     kept = [e.seq for e in harness.store.list() if e.state.value == "valid"]
     assert len(kept) == 2 and kept[0] is not None and kept[0] >= 3
+
+
+async def test_an_invariant_failure_fails_the_supervisor_at_once(harness) -> None:
+    arm("phase.capture.before", "invariant")
+    config = SupervisorConfig(run_id=harness.run_id, max_consecutive_failures=3, options=FAST)
+    async with harness.worker():
+        handle = await harness.client.start_workflow(
+            SnapshotSupervisor.run,
+            SupervisorInput(config=config),
+            id=supervisor_id(harness.run_id),
+            task_queue=harness.task_queue,
+        )
+        outcome = await handle.execute_update(SnapshotSupervisor.snapshot_now)
+        assert outcome.status == "failed" and not outcome.transient
+        assert [r.phase for r in outcome.phases].count(Phase.CAPTURE) == 0  # never retried
+        with pytest.raises(WorkflowFailureError) as failed:
+            await handle.result()
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError) and cause.non_retryable
+    assert cause.type == "InjectedInvariantFault"
+    assert harness.ops.status().gate_open and harness.store.list() == []
