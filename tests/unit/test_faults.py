@@ -105,5 +105,16 @@ def test_sleep_slows_a_point_down(monkeypatch):
     fault_point("phase.drain.before")
     assert time.monotonic() - started >= 0.05
     for bad in ("sleep", "sleep:-1", "sleep:soon", "raise:2"):
-        with pytest.raises(InvalidInput, match="expected exit, raise or sleep"):
+        with pytest.raises(InvalidInput, match="expected exit, raise, invariant or sleep"):
             arm("phase.drain.before", bad)
+
+
+def test_invariant_action_raises_an_error_that_is_not_retried():
+    from rollsafe.errors import InvariantError
+    from rollsafe.faults import InjectedInvariantFault
+
+    faults.arm("phase.open.before", "invariant", times=1)
+    with pytest.raises(InjectedInvariantFault, match=r"phase\.open\.before") as caught:
+        fault_point("phase.open.before")
+    assert isinstance(caught.value, InvariantError) and not caught.value.transient
+    fault_point("phase.open.before")  # fired once, then disarmed
