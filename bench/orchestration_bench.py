@@ -5,7 +5,8 @@
 One controller (group size 8, half the rollouts sealed with rows in the memory data plane) is
 snapshotted alternately (a) by calling ``CheckpointOps.run_phase`` for the ten phases in order
 in this process, and (b) by running the ``RolloutSnapshot`` workflow on the tuned local dev
-server with a worker in this process whose activities call the same ``CheckpointOps``. Both
+server with a worker in this process whose activities call the same ``CheckpointOps``; the
+run has no environments or engines, so it is started with ``participants=False``. Both
 publish real snapshots to the same disk. Target (issue 3): Temporal adds at most 10 % or
 150 ms, whichever is larger.
 """
@@ -80,7 +81,9 @@ async def measure(
                         start = time.perf_counter()
                         outcome = await client.execute_workflow(
                             RolloutSnapshot.run,
-                            SnapshotInput(spec=SnapshotSpec(run_id=RUN_ID, seq=seq)),
+                            SnapshotInput(
+                                spec=SnapshotSpec(run_id=RUN_ID, seq=seq), participants=False
+                            ),
                             id=f"rollsafe/{RUN_ID}/snapshot/{seq}",
                             task_queue=task_queue_for(RUN_ID),
                         )

@@ -114,6 +114,7 @@ class Checkpointer:
         interval_s: float | None = None,
         max_consecutive_failures: int = 3,
         options: PhaseOptions | None = None,
+        participants: bool = True,
         client: Client | None = None,
     ) -> None:
         self.run_id = validate_run_id(run_id)
@@ -122,6 +123,8 @@ class Checkpointer:
             run_id=run_id,
             interval_s=interval_s,
             max_consecutive_failures=max_consecutive_failures,
+            # False: the run has no environments or engines (see SnapshotInput.participants)
+            participants=participants,
             options=options or PhaseOptions(),
         )
         # Trainer checkpoint paths by step: the supervisor's signal carries only the step.

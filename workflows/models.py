@@ -29,6 +29,11 @@ class SnapshotInput(BaseModel):
 
     spec: SnapshotSpec
     options: PhaseOptions = PhaseOptions()
+    # False for a run with no environment instances and no generation engines: the five
+    # participant phases are then bookkeeping, run as local activities (no task-queue round
+    # trip each, ~12 ms here). Never False for a run that has participants: a local
+    # activity cannot heartbeat.
+    participants: bool = True
 
 
 class SnapshotOutcome(BaseModel):
@@ -61,6 +66,7 @@ class SupervisorConfig(BaseModel):
     # Seconds between periodic snapshots; None takes snapshots only on request.
     interval_s: float | None = Field(default=None, gt=0)
     max_consecutive_failures: int = Field(default=3, ge=1)
+    participants: bool = True  # passed to every snapshot: see SnapshotInput.participants
     # Continue as new after this many snapshots even if the server has not suggested it yet,
     # so a long run's history never nears its limits (one snapshot adds ~10 events here).
     snapshots_per_run: int = Field(default=500, ge=1)

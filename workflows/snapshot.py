@@ -38,6 +38,41 @@ def failure_type(error: BaseException | None) -> tuple[str, bool]:
     return "Unknown", True
 
 
+# The phases that talk to environment instances and generation engines.
+PARTICIPANT_PHASES = frozenset(
+    {
+        Phase.RETIRE_DROPPED,
+        Phase.PREPARE_ENVS,
+        Phase.DRAIN,
+        Phase.CUT_GENERATION,
+        Phase.COMMIT_ENVS,
+    }
+)
+
+
+def _retry(options: PhaseOptions) -> RetryPolicy:
+    return RetryPolicy(
+        initial_interval=timedelta(seconds=options.retry_initial_s),
+        maximum_interval=timedelta(seconds=options.retry_maximum_s),
+        maximum_attempts=options.retry_attempts,
+    )
+
+
+def start_local_activity(
+    name: str, arg: object, result_type: type[T], options: PhaseOptions
+) -> workflow.ActivityHandle[T]:
+    """A short bookkeeping step run in the worker that runs the workflow: no round trip."""
+    handle: workflow.ActivityHandle[T] = workflow.start_local_activity(
+        name,
+        arg,
+        result_type=result_type,
+        activity_id=name,
+        start_to_close_timeout=timedelta(seconds=options.start_to_close_s),
+        retry_policy=_retry(options),
+    )
+    return handle
+
+
 def start_activity(
     name: str, arg: object, result_type: type[T], options: PhaseOptions
 ) -> workflow.ActivityHandle[T]:
@@ -50,11 +85,7 @@ def start_activity(
         activity_id=name,
         start_to_close_timeout=timedelta(seconds=options.start_to_close_s),
         heartbeat_timeout=timedelta(seconds=options.heartbeat_timeout_s),
-        retry_policy=RetryPolicy(
-            initial_interval=timedelta(seconds=options.retry_initial_s),
-            maximum_interval=timedelta(seconds=options.retry_maximum_s),
-            maximum_attempts=options.retry_attempts,
-        ),
+        retry_policy=_retry(options),
     )
     return handle
 
@@ -108,12 +139,11 @@ class RolloutSnapshot:
         self._phase, self._phase_started_at = phase, workflow.time()
         workflow.upsert_search_attributes([PHASE.value_set(phase.value)])
         workflow.set_current_details(f"snapshot {self._checkpoint_id}: phase **{phase.value}**")
-        handle = start_activity(
-            phase.value,
-            PhaseRequest(spec=request.spec, phase=phase),
-            PhaseResult,
-            request.options,
-        )
+        phase_request = PhaseRequest(spec=request.spec, phase=phase)
+        if phase in PARTICIPANT_PHASES and not request.participants:
+            handle = start_local_activity(phase.value, phase_request, PhaseResult, request.options)
+        else:
+            handle = start_activity(phase.value, phase_request, PhaseResult, request.options)
         if abortable(phase):
             await workflow.wait_condition(lambda: handle.done() or self._abort_reason is not None)
             if not handle.done():

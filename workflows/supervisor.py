@@ -114,7 +114,7 @@ class SnapshotSupervisor:
         try:
             outcome = await workflow.execute_child_workflow(
                 RolloutSnapshot.run,
-                SnapshotInput(spec=spec, options=config.options),
+                SnapshotInput(spec=spec, options=config.options, participants=config.participants),
                 id=snapshot_id(config.run_id, seq),
             )
         except ChildWorkflowError as exc:

@@ -76,10 +76,13 @@ class Case:
         assert run_id == self.run_id, run_id
         return self.local
 
-    async def start_snapshot(self, seq: int = 1) -> WorkflowHandle[Any, Any]:
+    async def start_snapshot(
+        self, seq: int = 1, participants: bool = True
+    ) -> WorkflowHandle[Any, Any]:
+        spec = SnapshotSpec(run_id=self.run_id, seq=seq)
         return await self.client.start_workflow(
             RolloutSnapshot.run,
-            SnapshotInput(spec=SnapshotSpec(run_id=self.run_id, seq=seq), options=FAST),
+            SnapshotInput(spec=spec, options=FAST, participants=participants),
             id=snapshot_id(self.run_id, seq),
             task_queue=self.task_queue,
         )
@@ -95,6 +98,12 @@ class Case:
 
 async def snapshot_published(case: Case) -> WorkflowHandle[Any, Any]:
     handle = await case.start_snapshot()
+    assert (await handle.result()).status == "published"
+    return handle
+
+
+async def snapshot_published_without_participants(case: Case) -> WorkflowHandle[Any, Any]:
+    handle = await case.start_snapshot(participants=False)
     assert (await handle.result()).status == "published"
     return handle
 
@@ -159,6 +168,7 @@ CASES: dict[str, Callable[[Case], Awaitable[WorkflowHandle[Any, Any]]]] = {
     fn.__name__: fn
     for fn in (
         snapshot_published,
+        snapshot_published_without_participants,
         snapshot_skipped_before_capture,
         snapshot_failed_after_retries,
         snapshot_retried_then_published,

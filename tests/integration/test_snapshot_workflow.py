@@ -225,3 +225,27 @@ async def test_an_invariant_failure_fails_the_supervisor_at_once(harness) -> Non
     assert isinstance(cause, ApplicationError) and cause.non_retryable
     assert cause.type == "InjectedInvariantFault"
     assert harness.ops.status().gate_open and harness.store.list() == []
+
+
+async def test_without_participants_the_bookkeeping_phases_run_as_local_activities(
+    harness,
+) -> None:
+    async with harness.worker():
+        handle = await harness.client.start_workflow(
+            RolloutSnapshot.run,
+            SnapshotInput(
+                spec=SnapshotSpec(run_id=harness.run_id, seq=1), options=FAST, participants=False
+            ),
+            id=harness.snapshot_id(1),
+            task_queue=harness.task_queue,
+        )
+        outcome = await handle.result()
+    assert outcome.status == "published"
+    assert [r.phase for r in outcome.phases] == list(PHASES)
+    scheduled = [
+        event.activity_task_scheduled_event_attributes.activity_type.name
+        async for event in handle.fetch_history_events()
+        if event.HasField("activity_task_scheduled_event_attributes")
+    ]
+    # Only the phases with work of their own go through the task queue.
+    assert scheduled == ["open", "close_admission", "capture", "resume", "publish"]
