@@ -249,3 +249,25 @@ async def test_without_participants_the_bookkeeping_phases_run_as_local_activiti
     ]
     # Only the phases with work of their own go through the task queue.
     assert scheduled == ["open", "close_admission", "capture", "resume", "publish"]
+
+
+async def test_a_cancelled_snapshot_still_resumes_and_discards_its_draft(harness) -> None:
+    arm("phase.drain.before", "sleep:2")
+    async with harness.worker():
+        handle = await harness.client.start_workflow(
+            RolloutSnapshot.run,
+            SnapshotInput(spec=SnapshotSpec(run_id=harness.run_id, seq=1), options=FAST),
+            id=harness.snapshot_id(1),
+            task_queue=harness.task_queue,
+        )
+        while await harness.snapshot_phase(1) != Phase.DRAIN:
+            await asyncio.sleep(0.05)
+        assert not harness.ops.status().gate_open  # parked: admission closed
+        await handle.cancel()
+        with pytest.raises(WorkflowFailureError) as cancelled:
+            await handle.result()
+    assert "cancel" in repr(cancelled.value.cause).lower()
+    status = harness.ops.status()
+    assert status.gate_open and status.open_checkpoint is None
+    assert status.effects["resume"] == 1 and status.effects["abort"] == 1
+    assert harness.store.list() == []
