@@ -92,16 +92,33 @@ class WorkflowHarness:
     def snapshot_id(self, seq: int) -> str:
         return f"rollsafe/{self.run_id}/snapshot/{seq}"
 
-    async def snapshot(self, seq: int = 1, options: Any = None) -> Any:
+    async def start_snapshot(self, seq: int = 1, **fields: Any) -> Any:
+        """Start RolloutSnapshot ``seq`` directly (fast retries unless ``options`` given)."""
         from rollsafe.phases import SnapshotSpec
         from workflows.models import PhaseOptions, SnapshotInput
         from workflows.snapshot import RolloutSnapshot
 
-        spec = SnapshotSpec(run_id=self.run_id, seq=seq)
-        return await self.client.execute_workflow(
+        fields.setdefault("options", PhaseOptions(**FAST_RETRY))
+        return await self.client.start_workflow(
             RolloutSnapshot.run,
-            SnapshotInput(spec=spec, options=options or PhaseOptions(**FAST_RETRY)),
+            SnapshotInput(spec=SnapshotSpec(run_id=self.run_id, seq=seq), **fields),
             id=self.snapshot_id(seq),
+            task_queue=self.task_queue,
+        )
+
+    async def snapshot(self, seq: int = 1, **fields: Any) -> Any:
+        return await (await self.start_snapshot(seq, **fields)).result()
+
+    async def start_supervisor(self, **config: Any) -> Any:
+        """Start the run's SnapshotSupervisor (fast retries unless ``options`` given)."""
+        from workflows.models import PhaseOptions, SupervisorConfig, SupervisorInput
+        from workflows.supervisor import SnapshotSupervisor, supervisor_id
+
+        config.setdefault("options", PhaseOptions(**FAST_RETRY))
+        return await self.client.start_workflow(
+            SnapshotSupervisor.run,
+            SupervisorInput(config=SupervisorConfig(run_id=self.run_id, **config)),
+            id=supervisor_id(self.run_id),
             task_queue=self.task_queue,
         )
 

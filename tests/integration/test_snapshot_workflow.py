@@ -12,14 +12,11 @@ from temporalio.exceptions import ApplicationError
 from rollsafe.controller import Controller
 from rollsafe.dataplane import make_dataplane
 from rollsafe.faults import arm, disarm_all
-from rollsafe.phases import PHASES, Phase, RestoreRequest, SnapshotSpec
+from rollsafe.phases import PHASES, Phase, RestoreRequest
 from rollsafe.scenario import row_content
-from workflows.models import PhaseOptions, SnapshotInput, SupervisorConfig, SupervisorInput
 from workflows.restore import RestoreRun, restore_workflow_id
 from workflows.snapshot import RolloutSnapshot
 from workflows.supervisor import SnapshotSupervisor, supervisor_id
-
-FAST = PhaseOptions(retry_initial_s=0.05, retry_maximum_s=0.2, retry_attempts=3)
 
 
 async def test_a_snapshot_runs_the_ten_phases_once_and_publishes(harness) -> None:
@@ -61,12 +58,7 @@ async def test_a_persistent_failure_fails_the_snapshot_and_reopens_admission(
 async def test_abort_before_capture_skips_and_after_is_too_late(harness) -> None:
     arm("phase.drain.before", "sleep:2")
     async with harness.worker():
-        handle = await harness.client.start_workflow(
-            RolloutSnapshot.run,
-            SnapshotInput(spec=SnapshotSpec(run_id=harness.run_id, seq=1), options=FAST),
-            id=f"rollsafe/{harness.run_id}/snapshot/1",
-            task_queue=harness.task_queue,
-        )
+        handle = await harness.start_snapshot(1)
         while (await handle.query(RolloutSnapshot.status)).phase != Phase.DRAIN:
             await asyncio.sleep(0.05)
         answer = await handle.execute_update(RolloutSnapshot.abort, "trainer step 7")
@@ -77,12 +69,7 @@ async def test_abort_before_capture_skips_and_after_is_too_late(harness) -> None
 
         disarm_all()
         arm("phase.publish.before", "sleep:2")
-        handle = await harness.client.start_workflow(
-            RolloutSnapshot.run,
-            SnapshotInput(spec=SnapshotSpec(run_id=harness.run_id, seq=2), options=FAST),
-            id=f"rollsafe/{harness.run_id}/snapshot/2",
-            task_queue=harness.task_queue,
-        )
+        handle = await harness.start_snapshot(2)
         while (await handle.query(RolloutSnapshot.status)).phase != Phase.PUBLISH:
             await asyncio.sleep(0.05)
         with pytest.raises(WorkflowUpdateFailedError) as late:
@@ -93,14 +80,8 @@ async def test_abort_before_capture_skips_and_after_is_too_late(harness) -> None
 
 async def test_supervisor_counts_consecutive_failures_then_fails(harness) -> None:
     arm("phase.capture.before", "raise")
-    config = SupervisorConfig(run_id=harness.run_id, max_consecutive_failures=2, options=FAST)
     async with harness.worker():
-        handle = await harness.client.start_workflow(
-            SnapshotSupervisor.run,
-            SupervisorInput(config=config),
-            id=supervisor_id(harness.run_id),
-            task_queue=harness.task_queue,
-        )
+        handle = await harness.start_supervisor(max_consecutive_failures=2)
         first = await handle.execute_update(SnapshotSupervisor.snapshot_now)
         assert first.status == "failed" and first.seq == 1
         status = await handle.query(SnapshotSupervisor.status)
@@ -117,14 +98,8 @@ async def test_supervisor_counts_consecutive_failures_then_fails(harness) -> Non
 
 async def test_supervisor_snapshot_now_publishes_and_resets_the_count(harness) -> None:
     arm("phase.capture.before", "raise", times=3)  # the first snapshot's 3 attempts
-    config = SupervisorConfig(run_id=harness.run_id, options=FAST)
     async with harness.worker():
-        handle = await harness.client.start_workflow(
-            SnapshotSupervisor.run,
-            SupervisorInput(config=config),
-            id=supervisor_id(harness.run_id),
-            task_queue=harness.task_queue,
-        )
+        handle = await harness.start_supervisor()
         assert (await handle.execute_update(SnapshotSupervisor.snapshot_now)).status == "failed"
         second = await handle.execute_update(SnapshotSupervisor.snapshot_now)
         assert second.status == "published" and second.seq == 2
@@ -178,16 +153,8 @@ async def test_restore_without_a_snapshot_fails_naming_it(harness) -> None:
 
 
 async def test_periodic_snapshots_continue_as_new_carrying_their_state(harness) -> None:
-    config = SupervisorConfig(
-        run_id=harness.run_id, interval_s=0.2, snapshots_per_run=2, options=FAST
-    )
     async with harness.worker():
-        handle = await harness.client.start_workflow(
-            SnapshotSupervisor.run,
-            SupervisorInput(config=config),
-            id=supervisor_id(harness.run_id),
-            task_queue=harness.task_queue,
-        )
+        handle = await harness.start_supervisor(interval_s=0.2, snapshots_per_run=2)
         first_run = handle.first_execution_run_id or handle.result_run_id
         deadline = asyncio.get_running_loop().time() + 30
         while True:  # periodic snapshots, no requests
@@ -208,14 +175,8 @@ async def test_periodic_snapshots_continue_as_new_carrying_their_state(harness) 
 
 async def test_an_invariant_failure_fails_the_supervisor_at_once(harness) -> None:
     arm("phase.capture.before", "invariant")
-    config = SupervisorConfig(run_id=harness.run_id, max_consecutive_failures=3, options=FAST)
     async with harness.worker():
-        handle = await harness.client.start_workflow(
-            SnapshotSupervisor.run,
-            SupervisorInput(config=config),
-            id=supervisor_id(harness.run_id),
-            task_queue=harness.task_queue,
-        )
+        handle = await harness.start_supervisor(max_consecutive_failures=3)
         outcome = await handle.execute_update(SnapshotSupervisor.snapshot_now)
         assert outcome.status == "failed" and not outcome.transient
         assert [r.phase for r in outcome.phases].count(Phase.CAPTURE) == 0  # never retried
@@ -231,14 +192,7 @@ async def test_without_participants_the_bookkeeping_phases_run_as_local_activiti
     harness,
 ) -> None:
     async with harness.worker():
-        handle = await harness.client.start_workflow(
-            RolloutSnapshot.run,
-            SnapshotInput(
-                spec=SnapshotSpec(run_id=harness.run_id, seq=1), options=FAST, participants=False
-            ),
-            id=harness.snapshot_id(1),
-            task_queue=harness.task_queue,
-        )
+        handle = await harness.start_snapshot(1, participants=False)
         outcome = await handle.result()
     assert outcome.status == "published"
     assert [r.phase for r in outcome.phases] == list(PHASES)
@@ -254,12 +208,7 @@ async def test_without_participants_the_bookkeeping_phases_run_as_local_activiti
 async def test_a_cancelled_snapshot_still_resumes_and_discards_its_draft(harness) -> None:
     arm("phase.drain.before", "sleep:2")
     async with harness.worker():
-        handle = await harness.client.start_workflow(
-            RolloutSnapshot.run,
-            SnapshotInput(spec=SnapshotSpec(run_id=harness.run_id, seq=1), options=FAST),
-            id=harness.snapshot_id(1),
-            task_queue=harness.task_queue,
-        )
+        handle = await harness.start_snapshot(1)
         while await harness.snapshot_phase(1) != Phase.DRAIN:
             await asyncio.sleep(0.05)
         assert not harness.ops.status().gate_open  # parked: admission closed
