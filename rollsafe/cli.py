@@ -5,13 +5,20 @@ from __future__ import annotations
 import sys
 import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
 from rollsafe.dataplane import make_dataplane
-from rollsafe.errors import InvalidInput, RollsafeError, RowMismatch
+from rollsafe.errors import RollsafeError, RowMismatch
 from rollsafe.temporal.cli import server_command
+
+
+def _fail(error: Exception, code: int) -> NoReturn:
+    """One line on stderr naming the problem, and the command's exit code."""
+    typer.echo(f"error: {error}", err=True)
+    raise typer.Exit(code) from None
+
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="rollsafe: lossless RL rollout checkpoints"
@@ -48,11 +55,9 @@ def scenario_run(
             runner = ScenarioRunner(scenario, root, lambda: make_dataplane(dataplane))
             report = runner.run()
     except RowMismatch as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
-    except (InvalidInput, RollsafeError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        _fail(exc, 1)
+    except RollsafeError as exc:
+        _fail(exc, 2)
     sys.stdout.write(report.model_dump_json() + "\n")
 
 
@@ -73,8 +78,7 @@ def snapshots_list(
         store = SnapshotStore(root, run)
         entries = store.list(verify=verify)
     except RollsafeError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        _fail(exc, 2)
     table = Table("snapshot", "state", "checkpoint", "weight", "loader", "files", "reason")
     for entry in entries:
         manifest = entry.manifest
@@ -115,8 +119,7 @@ def worker_command(
     try:
         asyncio.run(run_worker(run, task_queue, ray_address=ray_address))
     except RollsafeError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        _fail(exc, 2)
 
 
 @app.command("inspect")
@@ -139,8 +142,7 @@ def inspect_command(
     try:
         typer.echo(asyncio.run(view()))
     except RollsafeError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        _fail(exc, 2)
 
 
 @app.command("ls")
