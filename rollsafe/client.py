@@ -19,7 +19,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from datetime import timedelta
-from typing import Any, Self, TypeVar
+from typing import Self, TypeVar
 
 from temporalio.client import (
     Client,
@@ -39,6 +39,7 @@ from rollsafe.errors import CheckpointTimeout, InvariantError, TemporalUnavailab
 from rollsafe.ids import validate_run_id
 from rollsafe.phases import RestorePlan, RestoreRequest
 from rollsafe.temporal.connect import ConnectionSettings, connect
+from rollsafe.temporal.failures import describe_failure
 from workflows.models import (
     PhaseOptions,
     SnapshotOutcome,
@@ -258,9 +259,7 @@ class Checkpointer:
                 task_queue=self.task_queue,
             )
         except WorkflowFailureError as exc:
-            cause = _application_cause(exc)
-            error_type = cause.type if cause is not None else "Unknown"
-            message = cause.message if cause is not None else str(exc)
+            error_type, message = describe_failure(exc)
             raise RestoreFailed(
                 f"restore of run {self.run_id!r} failed: {error_type}: {message}"
             ) from exc
@@ -311,16 +310,5 @@ class Checkpointer:
         try:
             await self._client.get_workflow_handle(self.workflow_id, run_id=run_id).result()
         except WorkflowFailureError as exc:
-            cause: Any = exc.cause
-            error_type = getattr(cause, "type", None) or type(cause).__name__
-            return SnapshotsFailed(self.run_id, error_type, getattr(cause, "message", str(cause)))
+            return SnapshotsFailed(self.run_id, *describe_failure(exc))
         return SnapshotsFailed(self.run_id, "Unknown", "the supervisor failed")
-
-
-def _application_cause(error: BaseException | None) -> ApplicationError | None:
-    """The ApplicationError at the root of a workflow/activity failure chain."""
-    while error is not None:
-        if isinstance(error, ApplicationError):
-            return error
-        error = getattr(error, "cause", None) or error.__cause__
-    return None

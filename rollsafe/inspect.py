@@ -9,9 +9,15 @@ from datetime import UTC, datetime, timedelta
 
 from pydantic import BaseModel, ConfigDict
 from temporalio.api.enums.v1 import PendingActivityState
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowQueryFailedError
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowQueryFailedError,
+)
 from temporalio.service import RPCError
 
+from rollsafe.temporal.failures import describe_failure
 from rollsafe.temporal.search_attributes import KIND, PHASE
 from workflows.models import SupervisorStatus
 from workflows.supervisor import SnapshotSupervisor, supervisor_id
@@ -116,9 +122,9 @@ async def _running_snapshots(client: Client, run_id: str) -> list[SnapshotView]:
 async def _failure_of(client: Client, workflow_id: str) -> str | None:
     try:
         await client.get_workflow_handle(workflow_id).result()
-    except Exception as exc:  # the closed workflow's failure, as the trainer would see it
-        cause = getattr(exc, "cause", None) or exc
-        return f"{getattr(cause, 'type', type(cause).__name__)}: {cause}"
+    except WorkflowFailureError as exc:  # the closed workflow's failure, as the trainer sees it
+        error_type, message = describe_failure(exc)
+        return f"{error_type}: {message}"
     return None
 
 

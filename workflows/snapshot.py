@@ -19,6 +19,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, CancelledErro
 
 with workflow.unsafe.imports_passed_through():
     from rollsafe.phases import PHASES, Phase, PhaseRequest, PhaseResult, abortable
+    from rollsafe.temporal.failures import root_application_error
     from rollsafe.temporal.search_attributes import KIND, PHASE, RUN_ID
     from workflows.models import PhaseOptions, SnapshotInput, SnapshotOutcome, SnapshotStatus
 
@@ -31,11 +32,10 @@ _BEFORE_RESUME = PHASES[: PHASES.index(Phase.RESUME)]
 def failure_type(error: BaseException | None) -> tuple[str, bool]:
     """The ApplicationError type at the root of an activity or child failure, and whether it
     may go away on a later try (``non_retryable`` marks invariant errors)."""
-    while error is not None:
-        if isinstance(error, ApplicationError):
-            return error.type or "ApplicationError", not error.non_retryable
-        error = error.cause if hasattr(error, "cause") else error.__cause__
-    return "Unknown", True
+    root = root_application_error(error)
+    if root is None:
+        return "Unknown", True
+    return root.type or "ApplicationError", not root.non_retryable
 
 
 # The phases that talk to environment instances and generation engines.
