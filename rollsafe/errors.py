@@ -8,7 +8,8 @@
     │   ├── EnvNotReady
     │   ├── CheckpointTimeout
     │   ├── DataPlaneUnavailable
-    │   └── TemporalUnavailable
+    │   ├── TemporalUnavailable
+    │   └── EngineUnavailable          a generation engine did not answer, or went away
     ├── InvariantError                 never retry: state or input is wrong
     │   ├── OwnershipMismatch
     │   ├── TopologyMismatch
@@ -20,7 +21,8 @@
     │   │   ├── IllegalTransition      names the rollout/group and both states
     │   │   └── SealConflict           a second seal with different content
     │   ├── UnknownGroup / UnknownRollout
-    │   └── DataPlaneKeyMissing        a read named a key the data plane does not hold
+    │   ├── DataPlaneKeyMissing        a read named a key the data plane does not hold
+    │   └── PrefixMismatch             a resume's prefix does not belong to the call (names why)
     └── InvalidInput                   malformed user input (scenario file, CLI argument, id)
 
 The trainer SDK (:mod:`rollsafe.client`) adds ``SnapshotsFailed``, ``SupervisorNotRunning``
@@ -78,6 +80,10 @@ class DataPlaneUnavailable(TransientError):
 
 class TemporalUnavailable(TransientError):
     """The Temporal server did not answer (or a local one failed to start)."""
+
+
+class EngineUnavailable(TransientError):
+    """A generation engine did not answer, was closed, or lost the call's stream."""
 
 
 class InvariantError(RollsafeError):
@@ -160,6 +166,17 @@ class DataPlaneKeyMissing(InvariantError):
         shown = ", ".join(self.missing[:10])
         more = f" (+{len(self.missing) - 10} more)" if len(self.missing) > 10 else ""
         super().__init__(f"data plane partition {partition!r} has no row for key(s): {shown}{more}")
+
+
+class PrefixMismatch(InvariantError):
+    """A generation prefix that must not be resumed: tampered, or for another call or prompt.
+
+    Never answered with a silent restart: the caller decides to fall back to the turn."""
+
+    def __init__(self, call_id: str, field: str, detail: str) -> None:
+        self.call_id = call_id
+        self.field = field
+        super().__init__(f"call {call_id}: prefix {field} mismatch: {detail}")
 
 
 class InvalidInput(RollsafeError, ValueError):

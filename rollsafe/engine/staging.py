@@ -1,0 +1,84 @@
+"""Prefix records in the data plane: staged by a cut, read back by a resume.
+
+A record becomes one row of typed arrays (tokens, logprobs, weight versions, MoE routes) plus its
+scalar fields as a small JSON array, so a million-token inventory is bytes, not JSON numbers.
+Reading a row back rebuilds the record and verifies its digest: a row changed in storage is a
+:class:`~rollsafe.errors.PrefixMismatch`, never a resume from the wrong tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from rollsafe.dataplane import DataPlane
+from rollsafe.engine.protocol import CUT_BATCH, PrefixRecord
+from rollsafe.errors import PrefixMismatch
+
+PREFIX_PARTITION = "prefixes"
+_SCALARS = ("format_version", "call_id", "model", "prompt_digest", "sampling", "digest")
+
+
+def prefix_key(call_id: str) -> str:
+    return f"prefix/{call_id}"
+
+
+def record_to_row(record: PrefixRecord) -> dict[str, np.ndarray]:
+    meta = record.model_dump(mode="json", include=set(_SCALARS))
+    row: dict[str, np.ndarray] = {
+        "meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8),
+        "tokens": np.asarray(record.tokens, dtype=np.int64),
+        "logprobs": np.asarray(record.logprobs, dtype=np.float32),
+        "weight_versions": np.asarray(record.weight_versions, dtype=np.int64),
+    }
+    if record.routes is not None:
+        row["routes"] = np.asarray(record.routes, dtype=np.int16)
+    return row
+
+
+def row_to_record(key: str, row: dict[str, np.ndarray]) -> PrefixRecord:
+    """The record a row holds, digest verified."""
+    try:
+        meta = json.loads(bytes(row["meta"]).decode())
+        record = PrefixRecord.model_validate(
+            {
+                **meta,
+                "tokens": row["tokens"].tolist(),
+                "logprobs": row["logprobs"].tolist(),
+                "weight_versions": row["weight_versions"].tolist(),
+                "routes": row["routes"].tolist() if "routes" in row else None,
+            }
+        )
+    except (KeyError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        raise PrefixMismatch(key.removeprefix("prefix/"), "row", f"unreadable row: {exc}") from exc
+    record.verify()
+    return record
+
+
+def stage_prefixes(
+    dataplane: DataPlane, records: Sequence[PrefixRecord], *, batch_size: int = CUT_BATCH
+) -> list[str]:
+    """Put ``records`` into the prefix partition, ``batch_size`` rows per put; their keys."""
+    keys: list[str] = []
+    for start in range(0, len(records), batch_size):
+        batch = {
+            prefix_key(r.call_id): record_to_row(r) for r in records[start : start + batch_size]
+        }
+        dataplane.put(PREFIX_PARTITION, batch)
+        keys.extend(batch)
+    return keys
+
+
+def load_prefixes(dataplane: DataPlane, call_ids: Iterable[str]) -> dict[str, PrefixRecord]:
+    """The staged records of ``call_ids`` (one multi-key read), each verified.
+
+    A call with no staged row fails the read with its key named
+    (:class:`~rollsafe.errors.DataPlaneKeyMissing`)."""
+    keys = [prefix_key(c) for c in call_ids]
+    rows = dataplane.get(PREFIX_PARTITION, keys)
+    return {
+        rows_key.removeprefix("prefix/"): row_to_record(rows_key, row)
+        for rows_key, row in rows.items()
+    }
