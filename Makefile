@@ -34,6 +34,7 @@ demo: setup
 bench: setup
 	$(BIN)/python bench/snapshot_bench.py
 	$(BIN)/python bench/orchestration_bench.py
+	$(BIN)/python bench/engine_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -12,9 +12,10 @@ import json
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict
 
 from rollsafe.dataplane import DataPlane
-from rollsafe.engine.protocol import CUT_BATCH, PrefixRecord
+from rollsafe.engine.protocol import CUT_BATCH, CutRefusal, Engine, PrefixRecord
 from rollsafe.errors import PrefixMismatch
 
 PREFIX_PARTITION = "prefixes"
@@ -69,6 +70,29 @@ def stage_prefixes(
         dataplane.put(PREFIX_PARTITION, batch)
         keys.extend(batch)
     return keys
+
+
+class StagedCut(BaseModel):
+    """What a cut left in the data plane, and which calls fall back to their turn."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    staged: dict[str, int]  # call id -> prefix tokens staged
+    refused: tuple[CutRefusal, ...]
+    handoffs: int
+
+
+async def cut_and_stage(engine: Engine, call_ids: Sequence[str], dataplane: DataPlane) -> StagedCut:
+    """Freeze ``call_ids`` on ``engine`` and stage their prefixes (the cut_generation phase's
+    work for one engine). A refused call is reported, not raised: it restarts from its turn.
+    The calls stay frozen until :meth:`Engine.release` (resume phase) or the engine goes away."""
+    report = await engine.cut(call_ids)
+    stage_prefixes(dataplane, report.prefixes)
+    return StagedCut(
+        staged={p.call_id: len(p.tokens) for p in report.prefixes},
+        refused=report.refused,
+        handoffs=report.handoffs,
+    )
 
 
 def load_prefixes(dataplane: DataPlane, call_ids: Iterable[str]) -> dict[str, PrefixRecord]:

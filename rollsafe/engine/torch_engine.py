@@ -37,6 +37,7 @@ from rollsafe.engine.protocol import (
     FinishReason,
     GenerateRequest,
     PrefixRecord,
+    RefusalReason,
     StreamEvent,
     TokenEvent,
     prompt_digest,
@@ -59,6 +60,25 @@ class _Sink:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.queue: asyncio.Queue[StreamEvent | BaseException] = asyncio.Queue()
+
+
+_REFUSALS: dict[RefusalReason | None, str] = {
+    "unknown_call": "not in flight on this engine (finished, abandoned or never started)",
+    "constrained_decoding": "constraint state is not part of a prefix record",
+    "no_tokens": "no token generated yet: restart from the turn",
+    None: "",
+}
+
+
+@dataclass(frozen=True)
+class _Frozen:
+    """A frozen call's state, copied out of the engine loop to be sealed outside it."""
+
+    request: GenerateRequest
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+    routes: tuple[Route, ...] | None
 
 
 @dataclass
@@ -104,6 +124,7 @@ class TorchEngine:
         self._commands = queue.SimpleQueue()
         self._outbox: list[tuple[_Sink, StreamEvent | BaseException]] = []
         self._closing = False
+        self._closing_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="rollsafe-engine", daemon=True)
         self._thread.start()
 
@@ -135,10 +156,23 @@ class TorchEngine:
         for start in range(0, len(wanted), batch_size):
             batch = wanted[start : start + batch_size]
             got, no = await self._handoff(partial(self._cut_batch, batch))
-            prefixes.extend(got)
+            prefixes.extend(self._seal(state) for state in got)
             refused.extend(no)
             handoffs += 1
         return CutReport(prefixes=tuple(prefixes), refused=tuple(refused), handoffs=handoffs)
+
+    def _seal(self, state: _Frozen) -> PrefixRecord:
+        request = state.request
+        return seal_prefix(
+            call_id=request.call_id,
+            model=self.fingerprint,
+            prompt_digest=prompt_digest(request.prompt_tokens),
+            sampling=request.sampling,
+            tokens=state.tokens,
+            logprobs=state.logprobs,
+            weight_versions=state.versions,
+            routes=state.routes,
+        )
 
     async def release(self, call_ids: Sequence[str]) -> int:
         return await self._handoff(lambda: self._release(set(call_ids)))
@@ -151,10 +185,11 @@ class TorchEngine:
         await self._handoff(lambda: self._load(weights, version))
 
     async def close(self) -> None:
-        if self._thread.is_alive():
+        """Stop the loop; streams still open end with :class:`EngineUnavailable`."""
+        with self._closing_lock:
             self._closing = True
-            self._commands.put((lambda: None, concurrent.futures.Future()))
-            await asyncio.to_thread(self._thread.join)
+            self._commands.put((lambda: None, concurrent.futures.Future()))  # wake the loop
+        await asyncio.to_thread(self._thread.join)
 
     async def __aenter__(self) -> TorchEngine:
         return self
@@ -165,10 +200,13 @@ class TorchEngine:
     # -- caller side --------------------------------------------------------------------------
 
     async def _handoff(self, command: Callable[[], T]) -> T:
-        if self._closing or not self._thread.is_alive():
-            raise EngineUnavailable("engine is closed")
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._commands.put((command, future))
+        # Checked and queued under the lock close() takes: a command is either refused here
+        # or queued before the loop's last drain, never left unanswered.
+        with self._closing_lock:
+            if self._closing:
+                raise EngineUnavailable("engine is closed")
+            self._commands.put((command, future))
         return await asyncio.wrap_future(future)
 
     async def _drain(self, call_id: str, sink: _Sink) -> AsyncIterator[StreamEvent]:
@@ -202,25 +240,35 @@ class TorchEngine:
                     self._run_command(self._commands.get())
                     continue
                 for call in runnable:
+                    if self._closing:
+                        break
                     self._run_pending_commands()
                     if self._calls.get(call.call_id) is call and not call.frozen:
                         self._advance(call)
                     if len(self._outbox) >= _FLUSH_EVERY:
                         self._flush()
                 self._flush()
-        self._run_pending_commands()
+        for _, future in self._pending_commands():
+            future.set_exception(EngineUnavailable("engine closed before the command ran"))
         for call in self._calls.values():
             self._emit(call, EngineUnavailable(f"engine closed while call {call.call_id} ran"))
         self._calls.clear()
         self._flush()
 
     def _run_pending_commands(self) -> None:
-        while True:
-            try:
-                item = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for item in self._pending_commands():
             self._run_command(item)
+
+    def _pending_commands(self) -> list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]:
+        """The commands queued now, not those queued while they run: a client sending commands
+        back to back must not keep the loop from decoding (each round gets one batch)."""
+        items = []
+        for _ in range(self._commands.qsize()):
+            try:
+                items.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        return items
 
     def _run_command(self, item: tuple[Callable[[], Any], concurrent.futures.Future[Any]]) -> None:
         command, future = item
@@ -321,51 +369,29 @@ class TorchEngine:
             call.feed.extend(prefix.tokens)
         self._calls[request.call_id] = call
 
-    def _cut_batch(self, call_ids: list[str]) -> tuple[list[PrefixRecord], list[CutRefusal]]:
-        prefixes: list[PrefixRecord] = []
+    def _cut_batch(self, call_ids: list[str]) -> tuple[list[_Frozen], list[CutRefusal]]:
+        """Freeze what can be frozen; copy out its state. Sealing (hashing) happens off the
+        loop, in :meth:`cut`, so a cut's cost on the loop does not grow with digest work."""
+        frozen: list[_Frozen] = []
         refused: list[CutRefusal] = []
         for call_id in call_ids:
             call = self._calls.get(call_id)
             if call is None:
-                refused.append(
-                    CutRefusal(
-                        call_id=call_id,
-                        reason="unknown_call",
-                        detail="not in flight on this engine (finished or never started)",
-                    )
-                )
+                reason: RefusalReason | None = "unknown_call"
             elif call.request.sampling.allowed_token_ids is not None:
-                refused.append(
-                    CutRefusal(
-                        call_id=call_id,
-                        reason="constrained_decoding",
-                        detail="constraint state is not part of a prefix record",
-                    )
-                )
+                reason = "constrained_decoding"
             elif not call.tokens:
-                refused.append(
-                    CutRefusal(
-                        call_id=call_id,
-                        reason="no_tokens",
-                        detail="no token generated yet: restart from the turn",
-                    )
-                )
+                reason = "no_tokens"
             else:
-                call.frozen = True
-                prefixes.append(self._record(call))
-        return prefixes, refused
-
-    def _record(self, call: _Call) -> PrefixRecord:
-        return seal_prefix(
-            call_id=call.call_id,
-            model=self.fingerprint,
-            prompt_digest=prompt_digest(call.request.prompt_tokens),
-            sampling=call.request.sampling,
-            tokens=tuple(call.tokens),
-            logprobs=tuple(call.logprobs),
-            weight_versions=tuple(call.versions),
-            routes=tuple(call.routes) if call.routes is not None else None,
-        )
+                reason = None
+            if reason is not None or call is None:
+                refused.append(CutRefusal(call_id=call_id, reason=reason, detail=_REFUSALS[reason]))
+                continue
+            call.frozen = True
+            routes = tuple(call.routes) if call.routes is not None else None
+            state = (tuple(call.tokens), tuple(call.logprobs), tuple(call.versions), routes)
+            frozen.append(_Frozen(call.request, *state))
+        return frozen, refused
 
     def _release(self, call_ids: set[str]) -> int:
         released = 0

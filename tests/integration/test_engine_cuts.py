@@ -25,7 +25,7 @@ from rollsafe.engine.protocol import (
     TokenEvent,
     completion_of,
 )
-from rollsafe.engine.staging import load_prefixes, stage_prefixes
+from rollsafe.engine.staging import cut_and_stage, load_prefixes, stage_prefixes
 from rollsafe.engine.torch_engine import TorchEngine
 from rollsafe.errors import InvalidInput, PrefixMismatch
 
@@ -305,3 +305,19 @@ async def test_duplicate_call_and_bad_prompt_are_refused_by_name() -> None:
         bad = request.model_copy(update={"call_id": "bad", "prompt_tokens": (1, 99_999)})
         with pytest.raises(InvalidInput, match="99999"):
             await anext(engine.generate(bad))
+
+
+async def test_cut_and_stage_stages_what_was_cut_and_reports_the_rest() -> None:
+    batch = requests(5, seed=12, max_tokens=(40, 40))
+    dataplane = MemoryDataPlane()
+    async with TorchEngine(ModelConfig(kind="moe"), SEED) as engine:
+        streams = [engine.generate(r) for r in batch]
+        for stream in streams:
+            await anext(stream)
+        staged = await cut_and_stage(engine, [r.call_id for r in batch] + ["gone"], dataplane)
+        for stream in streams:
+            await stream.aclose()
+    assert set(staged.staged) == {r.call_id for r in batch}
+    assert [x.call_id for x in staged.refused] == ["gone"]
+    loaded = load_prefixes(dataplane, staged.staged)
+    assert {c: len(p.tokens) for c, p in loaded.items()} == staged.staged
