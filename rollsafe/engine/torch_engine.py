@@ -345,8 +345,15 @@ class TorchEngine:
     # -- commands (run on the engine loop) ----------------------------------------------------
 
     def _admit(self, request: GenerateRequest, sink: _Sink, prefix: PrefixRecord | None) -> None:
-        if request.call_id in self._calls:
+        held = self._calls.get(request.call_id)
+        # A restored run resumes from its snapshot's prefix while this engine may still hold
+        # the call frozen by that snapshot (the run crashed, the engine did not): the resume
+        # supersedes the frozen call. A generating call is never replaced.
+        if held is not None and not (held.frozen and prefix is not None):
             raise InvalidInput(f"call {request.call_id!r} is already in flight on this engine")
+        if held is not None:
+            detail = f"call {request.call_id} was frozen and is superseded by a resume"
+            self._emit(held, EngineUnavailable(detail))
         vocab = self.config.vocab_size
         bad = [t for t in request.prompt_tokens if not 0 <= t < vocab]
         if bad:

@@ -27,7 +27,7 @@ from rollsafe.engine.protocol import (
 )
 from rollsafe.engine.staging import cut_and_stage, load_prefixes, stage_prefixes
 from rollsafe.engine.torch_engine import TorchEngine
-from rollsafe.errors import InvalidInput, PrefixMismatch
+from rollsafe.errors import EngineUnavailable, InvalidInput, PrefixMismatch
 
 SEED = 11
 
@@ -321,3 +321,22 @@ async def test_cut_and_stage_stages_what_was_cut_and_reports_the_rest() -> None:
     assert [x.call_id for x in staged.refused] == ["gone"]
     loaded = load_prefixes(dataplane, staged.staged)
     assert {c: len(p.tokens) for c, p in loaded.items()} == staged.staged
+
+
+async def test_a_resume_supersedes_the_same_call_still_frozen_on_a_live_engine() -> None:
+    """The run crashed after a snapshot, the engine did not: the call is still frozen there."""
+    request = requests(1, seed=14, max_tokens=(30, 30))[0]
+    async with TorchEngine(ModelConfig(), SEED) as engine:
+        uninterrupted = await run_through(engine, [request])
+    async with TorchEngine(ModelConfig(), SEED) as engine:
+        old_stream = engine.generate(request)
+        for _ in range(4):
+            await anext(old_stream)
+        prefix = (await engine.cut([request.call_id])).prefixes[0]
+        with pytest.raises(InvalidInput, match="already in flight"):  # generate never replaces
+            await anext(engine.generate(request))
+        events = [e async for e in engine.resume(request, prefix)]
+        assert [completion_of(request.call_id, events, prefix)] == uninterrupted
+        with pytest.raises(EngineUnavailable, match="superseded by a resume"):
+            async for _ in old_stream:
+                pass
