@@ -190,7 +190,9 @@ class Engine(Protocol):
         """The call's stream from token ``len(prefix.tokens)`` on (the prefix is not repeated)."""
         ...
 
-    async def cut(self, call_ids: Sequence[str]) -> CutReport: ...
+    async def cut(self, call_ids: Sequence[str], *, batch_size: int = CUT_BATCH) -> CutReport:
+        """Freeze ``call_ids``, at most ``batch_size`` calls per hand-off to the engine loop."""
+        ...
 
     async def release(self, call_ids: Sequence[str]) -> int:
         """Let frozen calls go on generating where they were frozen; how many were frozen."""
