@@ -1,0 +1,228 @@
+"""The environment checkpoint protocol, version 1 (DESIGN.md section 7): every message.
+
+HTTP + JSON under ``/checkpoint/v1``, bearer token minted per run. One environment *instance*
+(a server process) speaks it for all the episodes it runs:
+
+==========================  ======================  ==========================================
+endpoint                    body                    reply
+==========================  ======================  ==========================================
+``GET  status``             —                       :class:`StatusReply`
+``POST prepare``            :class:`PrepareRequest`  :class:`PrepareReply`
+``POST renew``              :class:`RenewRequest`    :class:`RenewReply`
+``POST commit``             :class:`CommitRequest`   :class:`CommitReply`
+``POST resume``             :class:`ResumeRequest`   :class:`ResumeReply`
+``POST retire``             :class:`RetireRequest`   :class:`CountReply`
+``POST forget``             :class:`ForgetRequest`   :class:`CountReply`
+``POST restore``            :class:`RestoreRequest`  :class:`RestoreReply`
+``POST /episodes/run``      :class:`RunEpisode`      :class:`EpisodeResult` (or 409)
+==========================  ======================  ==========================================
+
+Phases ``idle → prepared → committed → idle`` and ``idle → restored → idle``; ``resume`` ends
+any of them (and so is also the abort). A lease expires at ``deadline_ts + lease_grace_s`` and
+the instance resumes by itself. Completed operations replay idempotently per
+``(checkpoint_id, op)``; a resumed checkpoint id is never accepted again. Errors are
+:class:`ErrorReply` with an HTTP status: 401 token, 409 refused in this phase (``error`` names
+why: ``checkpoint_parked``, ``retired``, ``checkpoint_resumed``, ``wrong_phase``,
+``other_checkpoint``), 422 malformed body (names the field), 503 unavailable.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PROTOCOL_VERSION = 1
+PREFIX = "/checkpoint/v1"
+EPISODES_RUN = "/episodes/run"
+
+Phase = Literal["idle", "prepared", "committed", "restored"]
+ParticipantKind = Literal["environment", "model", "agent", "resources"]
+# What an episode was doing when its instance parked.
+Activity = Literal["boundary", "generating", "tool"]
+
+ROLLOUT_ID_PATTERN = r"^[A-Za-z0-9._-]{1,64}-(0|[1-9][0-9]*)_g(0|[1-9][0-9]*)$"
+CHECKPOINT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+_HEX64 = r"^[0-9a-f]{64}$"
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EpisodeRef(_Message):
+    """One attempt of one rollout (``rollsafe.ids.EpisodeId`` on the wire)."""
+
+    rollout_id: str = Field(pattern=ROLLOUT_ID_PATTERN)
+    attempt: int = Field(ge=0)
+
+    @property
+    def key(self) -> str:
+        return self.rollout_id if self.attempt == 0 else f"{self.rollout_id}-a{self.attempt}"
+
+    def next_attempt(self) -> EpisodeRef:
+        return EpisodeRef(rollout_id=self.rollout_id, attempt=self.attempt + 1)
+
+
+def _unique(refs: tuple[EpisodeRef, ...], what: str) -> None:
+    keys = [r.key for r in refs]
+    if len(set(keys)) != len(keys):
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"{what} names episode(s) more than once: {', '.join(twice[:5])}")
+
+
+class ErrorReply(_Message):
+    error: str = Field(description="a class or reason name, e.g. checkpoint_parked")
+    detail: str = ""
+
+
+# -- status -------------------------------------------------------------------------------------
+
+
+class StatusReply(_Message):
+    protocol_version: Literal[1] = 1
+    instance: str
+    phase: Phase
+    checkpoint_id: str | None = Field(
+        default=None, description="the open checkpoint (or restore) id; None when idle"
+    )
+    lease_expires_ts: float | None = None
+    live_episodes: int = Field(ge=0)
+    retired: int = Field(ge=0, description="episodes refused until forget")
+    participants: tuple[str, ...] = Field(description="participant names, in commit order")
+
+
+# -- prepare / renew ----------------------------------------------------------------------------
+
+
+class PrepareRequest(_Message):
+    checkpoint_id: str = Field(pattern=CHECKPOINT_ID_PATTERN)
+    deadline_ts: float = Field(gt=0, description="unix time by which parking must be done")
+
+
+class ParkedEpisode(_Message):
+    episode: EpisodeRef
+    turn: int = Field(ge=0, description="turns completed")
+    activity: Activity
+    model_call_id: str | None = Field(
+        default=None, description="the policy call still generating when parked (cut target)"
+    )
+
+
+class PrepareReply(_Message):
+    ready: bool
+    blockers: tuple[str, ...] = ()
+    parked: tuple[ParkedEpisode, ...] = ()
+    restarts: tuple[EpisodeRef, ...] = Field(
+        default=(), description="live episodes that cannot be captured: restart from input"
+    )
+    lease_expires_ts: float
+
+
+class RenewRequest(_Message):
+    checkpoint_id: str = Field(pattern=CHECKPOINT_ID_PATTERN)
+    deadline_ts: float = Field(gt=0)
+
+
+class RenewReply(_Message):
+    lease_expires_ts: float
+
+
+# -- commit -------------------------------------------------------------------------------------
+
+
+class CommitRequest(_Message):
+    checkpoint_id: str = Field(pattern=CHECKPOINT_ID_PATTERN)
+    scope: tuple[EpisodeRef, ...] = Field(description="the episodes to export; nothing else")
+    dest: str = Field(min_length=1, description="directory for this instance's records")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> CommitRequest:
+        _unique(self.scope, "scope")
+        return self
+
+
+class ParticipantManifest(_Message):
+    """What one participant wrote: ``<dest>/<name>/manifest.json`` holds the same fields."""
+
+    schema_version: Literal[1] = 1
+    name: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    kind: ParticipantKind
+    instance: str
+    checkpoint_id: str
+    file: str = Field(description="records file, relative to dest")
+    sha256: str = Field(pattern=_HEX64)
+    records: int = Field(ge=0)
+
+
+class CommitReply(_Message):
+    committed: tuple[EpisodeRef, ...]
+    participants: tuple[ParticipantManifest, ...]
+
+
+# -- resume / retire / forget -------------------------------------------------------------------
+
+
+class ResumeRequest(_Message):
+    checkpoint_id: str = Field(pattern=CHECKPOINT_ID_PATTERN, description="or a restore id")
+
+
+class ResumeReply(_Message):
+    phase: Phase
+    resumed: bool = Field(description="False: it was not open (lease ran out, or never was)")
+
+
+class RetireRequest(_Message):
+    rollouts: tuple[EpisodeRef, ...] = Field(min_length=1)
+
+
+class ForgetRequest(_Message):
+    rollouts: tuple[EpisodeRef, ...] = Field(min_length=1)
+
+
+class CountReply(_Message):
+    count: int = Field(ge=0)
+
+
+# -- restore ------------------------------------------------------------------------------------
+
+
+class RestoreRequest(_Message):
+    restore_id: str = Field(pattern=CHECKPOINT_ID_PATTERN)
+    source_checkpoint_id: str = Field(pattern=CHECKPOINT_ID_PATTERN)
+    root: str = Field(min_length=1, description="the directory commit wrote (its dest)")
+    scope: tuple[EpisodeRef, ...] = Field(description="episodes as committed (attempt n)")
+    prefixes: dict[str, Any] = Field(
+        default_factory=dict,
+        description="model call id -> staged PrefixRecord (JSON), for calls cut while parked",
+    )
+    deadline_ts: float = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> RestoreRequest:
+        _unique(self.scope, "scope")
+        return self
+
+
+class RestoreReply(_Message):
+    restored: tuple[EpisodeRef, ...] = Field(description="each as attempt n + 1")
+    lease_expires_ts: float
+
+
+# -- episodes -----------------------------------------------------------------------------------
+
+
+class RunEpisode(_Message):
+    """Drive one episode to its end. A restored episode is continued when its attempt is the
+    restored attempt (n + 1); otherwise the episode starts from ``task``."""
+
+    episode: EpisodeRef
+    task: dict[str, Any] = Field(default_factory=dict, description="environment-specific")
+
+
+class EpisodeResult(_Message):
+    episode: EpisodeRef
+    reward: float
+    turns: int = Field(ge=0)
+    restored: bool = Field(description="continued from a restored checkpoint")
+    info: dict[str, Any] = Field(default_factory=dict, description="environment-specific")
