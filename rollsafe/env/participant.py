@@ -1,0 +1,446 @@
+"""One environment instance's side of the checkpoint protocol (DESIGN.md section 7).
+
+:class:`Participant` owns everything but the environment's own state: the phase machine, the
+lease, idempotent replay, retire marks, parking episodes at turn boundaries, and records on disk
+(:mod:`rollsafe.env.store`). The environment plugs in through
+:class:`~rollsafe.env.hooks.EnvironmentHooks`; :mod:`rollsafe.env.router` serves it over HTTP.
+
+Control operations run one at a time under one lock (a second prepare of the same id waits for
+the first and replays it). Phase changes are synchronous, so episodes (which run concurrently on
+the same loop) never see half of one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, suppress
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel
+
+from rollsafe.env import protocol as wire
+from rollsafe.env import store
+from rollsafe.env.hooks import EnvironmentHooks
+from rollsafe.env.protocol import EpisodeRef, EpisodeResult, Phase
+from rollsafe.errors import InvalidInput, SnapshotCorrupt
+
+R = TypeVar("R", bound=BaseModel)
+# "running": between markers, i.e. neither capturable nor known to be mutating.
+_Activity = Literal["running", "boundary", "generating", "tool"]
+_CAPTURED: dict[str, wire.Activity] = {"boundary": "boundary", "generating": "generating"}
+
+
+class Refused(InvalidInput):
+    """Refused in this phase or for this episode (HTTP 409). ``reason``: ``checkpoint_parked``,
+    ``retired``, ``already_running``, ``wrong_phase``, ``other_checkpoint``,
+    ``checkpoint_resumed`` or ``not_parked``."""
+
+    reason: str = "refused"  # also after errors._rebuild, which skips __init__
+
+    def __init__(self, reason: str, detail: str) -> None:
+        self.reason = reason
+        super().__init__(f"{reason}: {detail}")
+
+
+class _Session:
+    """The :class:`~rollsafe.env.hooks.EpisodeSession` of one episode run."""
+
+    def __init__(self, owner: Participant, episode: EpisodeRef, restored: dict[str, Any] | None):
+        self.episode, self.restored, self._owner = episode, restored, owner
+        self.activity: _Activity = "running"
+        self.call_id: str | None = None
+        # moved: left the activity prepare reported it parked in, while the checkpoint is open;
+        # its state is no longer the one reported, so commit must not export it.
+        self.turn, self.moved, self.retired = 0, False, False
+        self.task: asyncio.Task[EpisodeResult] | None = None
+
+    async def boundary(self, turn: int) -> None:
+        self.turn = turn
+        release = self._owner._release
+        if release is None:
+            return
+        self.activity = "boundary"
+        self._owner._changed.set()
+        await release.wait()  # Participant._close has already set activity back to running
+
+    def generating(self, call_id: str) -> AbstractContextManager[None]:
+        return self._marked("generating", call_id)
+
+    def tool(self) -> AbstractContextManager[None]:
+        return self._marked("tool", None)
+
+    @contextmanager
+    def _marked(self, activity: _Activity, call_id: str | None) -> Iterator[None]:
+        self.activity, self.call_id = activity, call_id
+        self._owner._changed.set()
+        try:
+            yield
+        finally:
+            self.activity, self.call_id = "running", None
+            if self._owner._release is not None:
+                self.moved = True
+            self._owner._changed.set()
+
+
+class Participant:
+    """The checkpoint protocol for one environment instance (see the module docstring)."""
+
+    def __init__(
+        self,
+        instance: str,
+        env: EnvironmentHooks,
+        *,
+        lease_grace_s: float = 30.0,
+        tool_wait_s: float = 5.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.instance = instance
+        self.env = env
+        self.lease_grace_s = lease_grace_s
+        self.tool_wait_s = tool_wait_s
+        self._clock = clock
+        self._lock = asyncio.Lock()
+        self._phase: Phase = "idle"
+        self._open_id: str | None = None
+        self._lease: float | None = None
+        self._closed: set[str] = set()  # resumed, aborted or expired: refused forever
+        self._replies: dict[tuple[str, str], BaseModel] = {}
+        self._parked: dict[str, wire.ParkedEpisode] = {}  # what the open prepare reported, by key
+        self._live: dict[str, _Session] = {}
+        self._retired: set[tuple[str, int]] = set()
+        self._restored: dict[str, dict[str, Any]] = {}  # attempt n + 1's key -> record
+        # Set by resume; None while admission is open. Parked episodes wait on it.
+        self._release: asyncio.Event | None = None
+        self._changed = asyncio.Event()  # an episode changed activity or ended
+        self._lease_changed = asyncio.Event()
+        self._watcher: asyncio.Task[None] | None = None
+
+    # -- lease ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the lease watcher (a running loop is needed); expiry is also checked lazily."""
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def aclose(self) -> None:
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.cancel()
+            with suppress(asyncio.CancelledError):
+                await watcher
+
+    async def _watch(self) -> None:
+        while True:
+            self._lease_changed.clear()
+            timeout = None if self._lease is None else max(0.0, self._lease - self._clock())
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._lease_changed.wait(), timeout)
+                continue
+            async with self._lock:
+                self._expire_if_due()
+
+    def _expire_if_due(self) -> None:
+        if self._lease is not None and self._clock() >= self._lease:
+            self._close()  # exactly a resume, without a stored reply: a later one gets False
+
+    def _lazy_expire(self) -> None:
+        # A control op mid-await owns the state; it checks expiry itself under the lock.
+        if not self._lock.locked():
+            self._expire_if_due()
+
+    def _set_lease(self, deadline_ts: float) -> float:
+        self._lease = deadline_ts + self.lease_grace_s
+        self._lease_changed.set()
+        return self._lease
+
+    # -- phase machine --------------------------------------------------------------------------
+
+    def _stored(self, cid: str, op: str, kind: type[R]) -> R | None:
+        reply = self._replies.get((cid, op))
+        return reply if isinstance(reply, kind) else None
+
+    def _require(self, cid: str, *phases: Phase) -> None:
+        if cid in self._closed:
+            raise Refused("checkpoint_resumed", f"{cid} was resumed or expired; never again")
+        if self._open_id is not None and self._open_id != cid:
+            raise Refused("other_checkpoint", f"{self._open_id} is open, not {cid}")
+        if self._phase not in phases:
+            raise Refused("wrong_phase", f"{cid}: phase is {self._phase}, not {'/'.join(phases)}")
+
+    def _open(self, phase: Phase, cid: str, deadline_ts: float) -> float:
+        self._phase, self._open_id = phase, cid
+        return self._set_lease(deadline_ts)
+
+    def _close(self) -> None:
+        """End the open phase: what resume and lease expiry both do."""
+        cid = self._open_id
+        if cid is not None:
+            self._closed.add(cid)
+            for op in ("prepare", "commit", "restore"):  # never replayed again: refused
+                self._replies.pop((cid, op), None)
+        self._phase, self._open_id, self._lease, self._parked = "idle", None, None, {}
+        release, self._release = self._release, None
+        for session in self._live.values():
+            # Before they wake: a prepare right after this must not count them as parked.
+            if session.activity == "boundary":
+                session.activity = "running"
+        if release is not None:
+            release.set()
+        self._lease_changed.set()
+
+    # -- control operations ---------------------------------------------------------------------
+
+    async def prepare(self, request: wire.PrepareRequest) -> wire.PrepareReply:
+        cid = request.checkpoint_id
+        async with self._lock:
+            self._expire_if_due()
+            if stored := self._stored(cid, "prepare", wire.PrepareReply):
+                return stored
+            self._require(cid, "idle")
+            self._open("prepared", cid, request.deadline_ts)
+            self._release = asyncio.Event()  # admission closed; boundaries block from now
+            reply = await self._park(request.deadline_ts)
+            self._replies[(cid, "prepare")] = reply
+            return reply
+
+    async def _park(self, deadline_ts: float) -> wire.PrepareReply:
+        tool_until = min(deadline_ts, self._clock() + self.tool_wait_s)
+        while True:
+            self._changed.clear()
+            waiting = [s for s in self._live.values() if s.activity not in _CAPTURED]
+            now = self._clock()
+            if not waiting or now >= deadline_ts:
+                break
+            if now >= tool_until and all(s.activity == "tool" for s in waiting):
+                break
+            until = tool_until if now < tool_until else deadline_ts
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), until - now)
+        return self._parked_reply()
+
+    def _parked_reply(self) -> wire.PrepareReply:
+        parked, restarts, blockers = [], [], []
+        for key, s in sorted(self._live.items()):
+            s.moved = False  # from here on, leaving this activity changes the captured state
+            if (activity := _CAPTURED.get(s.activity)) is not None:
+                park = {"turn": s.turn, "activity": activity, "model_call_id": s.call_id}
+                parked.append(wire.ParkedEpisode(episode=s.episode, **park))
+            elif s.activity == "tool":
+                restarts.append(s.episode)
+            else:
+                blockers.append(f"{key}: {s.activity} (not at a boundary by the deadline)")
+        self._parked = {p.episode.key: p for p in parked}
+        assert self._lease is not None
+        return wire.PrepareReply(
+            ready=not blockers,
+            blockers=tuple(blockers),
+            parked=tuple(parked),
+            restarts=tuple(restarts),
+            lease_expires_ts=self._lease,
+        )
+
+    async def renew(self, request: wire.RenewRequest) -> wire.RenewReply:
+        async with self._lock:
+            self._expire_if_due()
+            self._require(request.checkpoint_id, "prepared", "committed", "restored")
+            return wire.RenewReply(lease_expires_ts=self._set_lease(request.deadline_ts))
+
+    async def commit(self, request: wire.CommitRequest) -> wire.CommitReply:
+        cid = request.checkpoint_id
+        async with self._lock:
+            self._expire_if_due()
+            if stored := self._stored(cid, "commit", wire.CommitReply):
+                return stored
+            self._require(cid, "prepared")
+            self._check_scope(request.scope)
+            dest = _absolute(request.dest, "dest")
+            records = [
+                {"episode": ep.model_dump(mode="json"), "state": self.env.export_episode(ep)}
+                for ep in request.scope
+            ]
+            env = self.env
+            manifest = await asyncio.to_thread(
+                store.write_records, dest, env.name, env.kind, self.instance, cid, records
+            )
+            self._phase = "committed"
+            reply = wire.CommitReply(committed=request.scope, participants=(manifest,))
+            self._replies[(cid, "commit")] = reply
+            return reply
+
+    def _check_scope(self, scope: tuple[EpisodeRef, ...]) -> None:
+        wrong = []
+        for ep in scope:
+            session = self._live.get(ep.key)
+            if ep.key not in self._parked:
+                wrong.append(f"{ep.key} (not parked here)")
+            elif session is None or session.moved:
+                wrong.append(f"{ep.key} (moved on since prepare)")
+        if wrong:
+            raise Refused("not_parked", f"scope names {', '.join(wrong)}")
+
+    async def resume(self, request: wire.ResumeRequest) -> wire.ResumeReply:
+        cid = request.checkpoint_id
+        async with self._lock:
+            self._expire_if_due()
+            if stored := self._stored(cid, "resume", wire.ResumeReply):
+                return stored
+            if self._open_id != cid:
+                self._closed.add(cid)  # never open here, or expired: refused from now on
+                return wire.ResumeReply(phase=self._phase, resumed=False)
+            self._close()  # a restore's installed records stay: the next attempt continues them
+            reply = wire.ResumeReply(phase="idle", resumed=True)
+            self._replies[(cid, "resume")] = reply
+            return reply
+
+    async def retire(self, request: wire.RetireRequest) -> wire.CountReply:
+        async with self._lock:
+            self._expire_if_due()
+            if self._phase not in ("idle", "restored"):
+                raise Refused("wrong_phase", f"retire while {self._phase}")
+            marks = {(ep.rollout_id, ep.attempt) for ep in request.rollouts}
+            count = len(marks - self._retired)
+            self._retired |= marks  # marked before anything is dropped: no run slips in
+            await self._cancel_runs(request.rollouts)
+            for ep in request.rollouts:
+                self._restored.pop(ep.key, None)
+                self.env.drop_episode(ep)
+            return wire.CountReply(count=count)
+
+    async def _cancel_runs(self, episodes: tuple[EpisodeRef, ...]) -> None:
+        tasks = []
+        for ep in episodes:
+            session = self._live.get(ep.key)
+            if session is not None and session.task is not None:
+                session.retired = True
+                session.task.cancel()
+                tasks.append(session.task)
+        if tasks:  # let them unwind before their state is dropped
+            await asyncio.wait(tasks, timeout=self.tool_wait_s)
+
+    async def forget(self, request: wire.ForgetRequest) -> wire.CountReply:
+        async with self._lock:
+            marks = {(ep.rollout_id, ep.attempt) for ep in request.rollouts}
+            count = len(marks & self._retired)
+            self._retired -= marks
+            return wire.CountReply(count=count)
+
+    async def restore(self, request: wire.RestoreRequest) -> wire.RestoreReply:
+        rid = request.restore_id
+        async with self._lock:
+            self._expire_if_due()
+            if stored := self._stored(rid, "restore", wire.RestoreReply):
+                return stored
+            self._require(rid, "idle")
+            for ep in request.scope:
+                self._check_free(ep.next_attempt())
+            root = _absolute(request.root, "root")
+            records = await asyncio.to_thread(
+                store.read_records, root, self.env.name, request.source_checkpoint_id
+            )
+            states = _in_scope(records, request.scope, root)
+            self._install(request.scope, states, request.prefixes)
+            lease = self._open("restored", rid, request.deadline_ts)
+            restored = tuple(ep.next_attempt() for ep in request.scope)
+            reply = wire.RestoreReply(restored=restored, lease_expires_ts=lease)
+            self._replies[(rid, "restore")] = reply
+            return reply
+
+    def _install(
+        self,
+        scope: tuple[EpisodeRef, ...],
+        states: dict[str, dict[str, Any]],
+        prefixes: dict[str, Any],
+    ) -> None:
+        """All or nothing: a refused record drops every episode this call installed."""
+        done: list[EpisodeRef] = []
+        for ep in scope:
+            try:
+                done.append(ep)  # before: a half-installed record is dropped too
+                self.env.restore_episode(ep, states[ep.key], prefixes)
+            except Exception as exc:
+                for installed in done:
+                    self.env.drop_episode(installed.next_attempt())
+                raise SnapshotCorrupt(
+                    f"{self.env.name} refused the record of {ep.key}: {exc}; nothing restored"
+                ) from exc
+        for ep in scope:
+            self._restored[ep.next_attempt().key] = states[ep.key]
+
+    # -- episodes -------------------------------------------------------------------------------
+
+    async def run(self, run: wire.RunEpisode) -> EpisodeResult:
+        """Drive one episode through the environment; refused (409) while parked or restored,
+        when retired, or when it already runs here."""
+        self._lazy_expire()
+        ep = run.episode
+        self._admit(ep)
+        session = _Session(self, ep, self._restored.pop(ep.key, None))
+        self._live[ep.key] = session
+        try:
+            session.task = asyncio.get_running_loop().create_task(
+                self.env.run_episode(run, session)
+            )
+            return await session.task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if session.retired and (current is None or not current.cancelling()):
+                raise Refused("retired", f"{ep.key} was retired while running") from None
+            raise
+        finally:
+            if self._live.get(ep.key) is session:
+                del self._live[ep.key]
+            self._changed.set()
+
+    def _admit(self, ep: EpisodeRef) -> None:
+        if self._phase != "idle":
+            raise Refused("checkpoint_parked", f"{self._open_id} is {self._phase}")
+        self._check_free(ep)
+
+    def _check_free(self, ep: EpisodeRef) -> None:
+        if (ep.rollout_id, ep.attempt) in self._retired:
+            raise Refused("retired", f"{ep.key} is retired until forgotten")
+        if ep.key in self._live:
+            raise Refused("already_running", f"{ep.key} is already running here")
+
+    def status(self) -> wire.StatusReply:
+        self._lazy_expire()
+        return wire.StatusReply(
+            instance=self.instance,
+            phase=self._phase,
+            checkpoint_id=self._open_id,
+            lease_expires_ts=self._lease,
+            live_episodes=len(self._live),
+            retired=len(self._retired),
+            participants=(self.env.name,),
+        )
+
+
+def _absolute(path: str, field: str) -> Path:
+    # A relative path would land wherever this server happens to run.
+    if not Path(path).is_absolute():
+        raise InvalidInput(f"{field} must be an absolute path, not {path!r}")
+    return Path(path)
+
+
+def _in_scope(
+    records: list[dict[str, Any]], scope: tuple[EpisodeRef, ...], root: Path
+) -> dict[str, dict[str, Any]]:
+    """Scope episode key -> state; every scope episode must have a record."""
+    wanted = {ep.key for ep in scope}
+    states: dict[str, dict[str, Any]] = {}
+    for record in records:
+        try:
+            key = EpisodeRef.model_validate(record["episode"]).key
+        except ValueError:
+            raise SnapshotCorrupt(f"{root}: a record names no valid episode") from None
+        if key in wanted:
+            if not isinstance(record.get("state"), dict):
+                raise SnapshotCorrupt(f"{root}: the record of {key} holds no state object")
+            states[key] = record["state"]
+    missing = sorted(wanted - states.keys())
+    if missing:
+        raise SnapshotCorrupt(f"{root}: no record for {', '.join(missing)}; nothing restored")
+    return states

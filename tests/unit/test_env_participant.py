@@ -1,0 +1,404 @@
+"""The participant toolkit against a toy environment whose episodes the tests steer: each turn
+passes a boundary, a model call (``generating``) and a tool call, and can be held inside any of
+them (or between them, "running") until the test releases it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollsafe.env.hooks import EnvironmentHooks, EpisodeSession
+from rollsafe.env.participant import Participant, Refused
+from rollsafe.env.protocol import (
+    CommitRequest,
+    EpisodeRef,
+    EpisodeResult,
+    ForgetRequest,
+    PrepareRequest,
+    RenewRequest,
+    RestoreRequest,
+    ResumeRequest,
+    RetireRequest,
+    RunEpisode,
+)
+from rollsafe.errors import SnapshotCorrupt
+
+A, B, C = (EpisodeRef(rollout_id=f"run-{i}_g0", attempt=0) for i in range(3))
+TURNS = 3
+
+
+class Toy(EnvironmentHooks):
+    name = "toy"
+
+    def __init__(self) -> None:
+        self.state: dict[str, dict[str, Any]] = {}
+        self.holds: dict[str, tuple[str, asyncio.Event]] = {}
+        self.installed: dict[str, dict[str, Any]] = {}
+        self.exports: list[str] = []
+        self.drops: list[str] = []
+        self.sessions: dict[str, EpisodeSession] = {}
+
+    def hold(self, ep: EpisodeRef, where: str) -> None:
+        """The episode's next pass through ``where`` waits for :meth:`release`."""
+        self.holds[ep.key] = (where, asyncio.Event())
+
+    def release(self, ep: EpisodeRef) -> None:
+        _, gate = self.holds.pop(ep.key)
+        gate.set()
+
+    async def _pause(self, key: str, where: str) -> None:
+        held = self.holds.get(key)
+        if held is not None and held[0] == where:
+            await held[1].wait()
+
+    async def run_episode(self, run: RunEpisode, session: EpisodeSession) -> EpisodeResult:
+        key = run.episode.key
+        self.sessions[key] = session
+        start = dict(session.restored) if session.restored is not None else {"turn": 0}
+        state = self.state.setdefault(key, start)
+        while state["turn"] < run.task.get("turns", TURNS):
+            await session.boundary(state["turn"])
+            with session.generating(f"{key}/call-{state['turn']}"):
+                await self._pause(key, "generating")
+            with session.tool():
+                await self._pause(key, "tool")
+                state["turn"] += 1
+            await self._pause(key, "running")
+        restored = session.restored is not None
+        return EpisodeResult(
+            episode=run.episode, reward=1.0, turns=state["turn"], restored=restored
+        )
+
+    def export_episode(self, episode: EpisodeRef) -> dict[str, Any]:
+        self.exports.append(episode.key)
+        return dict(self.state[episode.key])
+
+    def restore_episode(
+        self, episode: EpisodeRef, record: dict[str, Any], prefixes: dict[str, Any]
+    ) -> None:
+        if record.get("bad"):
+            raise ValueError("a bad record")
+        self.installed[episode.next_attempt().key] = record
+
+    def drop_episode(self, episode: EpisodeRef) -> None:
+        self.drops.append(episode.key)
+        self.installed.pop(episode.key, None)
+        self.state.pop(episode.key, None)
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.002)
+
+
+def soon(seconds: float = 2.0) -> float:
+    return time.time() + seconds
+
+
+def prep(checkpoint_id: str, seconds: float = 2.0) -> PrepareRequest:
+    return PrepareRequest(checkpoint_id=checkpoint_id, deadline_ts=soon(seconds))
+
+
+@pytest.fixture
+def toy() -> Toy:
+    return Toy()
+
+
+@pytest.fixture
+def part(toy: Toy) -> Participant:
+    return Participant("toy-0", toy, lease_grace_s=5.0, tool_wait_s=0.1)
+
+
+def start(part: Participant, ep: EpisodeRef, turns: int = TURNS) -> asyncio.Task[EpisodeResult]:
+    return asyncio.ensure_future(part.run(RunEpisode(episode=ep, task={"turns": turns})))
+
+
+async def refused(reason: str, call: Any) -> Refused:
+    with pytest.raises(Refused) as info:
+        await call
+    assert info.value.reason == reason, str(info.value)
+    return info.value
+
+
+async def park(part: Participant, toy: Toy, ep: EpisodeRef) -> asyncio.Task[EpisodeResult]:
+    """Run ``ep`` until it is held between turns, one turn done; its run (the endpoint's)."""
+    toy.hold(ep, "running")
+    run = start(part, ep)
+    await until(lambda: toy.state.get(ep.key, {}).get("turn") == 1)
+    return run
+
+
+async def test_phase_machine_legal_path(part: Participant, tmp_path: Path) -> None:
+    assert part.status().phase == "idle"
+    reply = await part.prepare(prep("ck1"))
+    assert reply.ready and part.status().phase == "prepared"
+    assert part.status().checkpoint_id == "ck1"
+    await part.commit(CommitRequest(checkpoint_id="ck1", scope=(), dest=str(tmp_path)))
+    assert part.status().phase == "committed"
+    assert (await part.resume(ResumeRequest(checkpoint_id="ck1"))).resumed
+    assert part.status().phase == "idle" and part.status().checkpoint_id is None
+
+
+async def test_illegal_transitions_are_refused(part: Participant, tmp_path: Path) -> None:
+    commit = CommitRequest(checkpoint_id="ck1", scope=(), dest=str(tmp_path))
+    await refused("wrong_phase", part.commit(commit))
+    await refused("wrong_phase", part.renew(RenewRequest(checkpoint_id="ck1", deadline_ts=soon())))
+    await part.prepare(prep("ck1"))
+    await refused("other_checkpoint", part.prepare(prep("ck2")))
+    other = commit.model_copy(update={"checkpoint_id": "ck2"})
+    await refused("other_checkpoint", part.commit(other))
+    await refused("wrong_phase", part.retire(RetireRequest(rollouts=(A,))))
+    restore = RestoreRequest(
+        restore_id="r1",
+        source_checkpoint_id="ck0",
+        root=str(tmp_path),
+        scope=(),
+        deadline_ts=soon(),
+    )
+    await refused("other_checkpoint", part.restore(restore))
+    assert part.status().phase == "prepared"
+
+
+async def test_resumed_id_is_refused_forever(part: Participant, tmp_path: Path) -> None:
+    await part.prepare(prep("ck1"))
+    first = await part.resume(ResumeRequest(checkpoint_id="ck1"))
+    assert first.resumed and (await part.resume(ResumeRequest(checkpoint_id="ck1"))) == first
+    await refused("checkpoint_resumed", part.prepare(prep("ck1")))
+    commit = CommitRequest(checkpoint_id="ck1", scope=(), dest=str(tmp_path))
+    await refused("checkpoint_resumed", part.commit(commit))
+    # An id resumed before it was ever prepared (an abort that overtook its prepare) too.
+    assert not (await part.resume(ResumeRequest(checkpoint_id="ck9"))).resumed
+    await refused("checkpoint_resumed", part.prepare(prep("ck9")))
+    assert part.status().phase == "idle"
+
+
+async def test_lease_expiry_resumes_by_itself_lazily(toy: Toy) -> None:
+    now = [1000.0]
+    part = Participant("toy-0", toy, lease_grace_s=10.0, clock=lambda: now[0])
+    reply = await part.prepare(PrepareRequest(checkpoint_id="ck1", deadline_ts=1005.0))
+    assert reply.lease_expires_ts == 1015.0
+    renewed = await part.renew(RenewRequest(checkpoint_id="ck1", deadline_ts=1020.0))
+    assert renewed.lease_expires_ts == 1030.0
+    now[0] = 1029.0
+    assert part.status().phase == "prepared"
+    now[0] = 1030.0
+    assert part.status().phase == "idle"  # nobody resumed: the instance did
+    late = PrepareRequest(checkpoint_id="ck1", deadline_ts=2000.0)
+    await refused("checkpoint_resumed", part.prepare(late))
+    assert not (await part.resume(ResumeRequest(checkpoint_id="ck1"))).resumed
+    result = await part.run(RunEpisode(episode=A, task={"turns": 1}))  # admission reopened
+    assert result.turns == 1
+
+
+async def test_lease_watcher_releases_parked_episodes(toy: Toy) -> None:
+    part = Participant("toy-0", toy, lease_grace_s=0.05, tool_wait_s=0.1)
+    part.start()
+    try:
+        run = await park(part, toy, A)
+        prepare = asyncio.ensure_future(part.prepare(prep("ck1", 0.05)))
+        toy.release(A)
+        assert (await prepare).ready
+        # No call to the participant from here on: only the watcher can let A go on.
+        result = await asyncio.wait_for(asyncio.shield(run), 2.0)
+        assert result.turns == TURNS and part._phase == "idle"
+    finally:
+        await part.aclose()
+
+
+async def test_replay_commits_once(part: Participant, toy: Toy, tmp_path: Path) -> None:
+    await park(part, toy, A)
+    prepare = prep("ck1")
+    both = asyncio.gather(part.prepare(prepare), part.prepare(prepare))
+    toy.release(A)
+    first, second = await both  # the second waited for the first and replayed it
+    assert first == second and [p.episode for p in first.parked] == [A]
+    commit = CommitRequest(checkpoint_id="ck1", scope=(A,), dest=str(tmp_path))
+    one = await part.commit(commit)
+    assert await part.commit(commit) == one
+    assert await part.prepare(prepare) == first
+    assert toy.exports == [A.key]
+    assert len(list((tmp_path / "toy").glob("records-*.jsonl"))) == 1
+    assert one.participants[0].records == 1 and one.committed == (A,)
+
+
+async def test_prepare_parks_and_reports(toy: Toy) -> None:
+    part = Participant("toy-0", toy, tool_wait_s=0.1)
+    toy.hold(A, "generating")
+    toy.hold(B, "tool")
+    start(part, A)
+    start(part, B)
+    await park(part, toy, C)
+    prepare = asyncio.ensure_future(part.prepare(prep("ck1")))
+    await asyncio.sleep(0.01)
+    assert not prepare.done()  # C is between turns: neither parked nor in a tool
+    toy.release(C)
+    reply = await prepare
+    assert reply.ready and reply.blockers == ()
+    parked = {p.episode.key: p for p in reply.parked}
+    assert parked[A.key].activity == "generating"
+    assert parked[A.key].model_call_id == f"{A.key}/call-0"
+    assert (parked[C.key].activity, parked[C.key].turn) == ("boundary", 1)
+    assert reply.restarts == (B,)
+
+
+async def test_episode_not_at_a_boundary_blocks(part: Participant, toy: Toy) -> None:
+    await park(part, toy, A)
+    reply = await part.prepare(prep("ck1", 0.05))
+    assert not reply.ready and reply.parked == ()
+    assert len(reply.blockers) == 1 and A.key in reply.blockers[0]
+
+
+async def test_parked_episode_waits_for_resume(part: Participant, toy: Toy) -> None:
+    run = await park(part, toy, A)
+    prepare = asyncio.ensure_future(part.prepare(prep("ck1")))
+    toy.release(A)
+    assert (await prepare).ready
+    await asyncio.sleep(0.02)
+    assert toy.state[A.key]["turn"] == 1 and not run.done()
+    await part.resume(ResumeRequest(checkpoint_id="ck1"))
+    assert (await asyncio.wait_for(asyncio.shield(run), 2.0)).turns == TURNS
+
+
+async def test_prepare_right_after_resume_parks_at_the_next_boundary(
+    part: Participant, toy: Toy
+) -> None:
+    run = await park(part, toy, A)
+    prepare = asyncio.ensure_future(part.prepare(prep("ck1")))
+    toy.release(A)
+    assert (await prepare).parked[0].turn == 1
+    await part.resume(ResumeRequest(checkpoint_id="ck1"))
+    # A has been released but has not run yet: it must not count as parked at turn 1 again.
+    reply = await part.prepare(prep("ck2"))
+    assert [(p.episode, p.turn) for p in reply.parked] == [(A, 2)]
+    await part.resume(ResumeRequest(checkpoint_id="ck2"))
+    assert (await asyncio.wait_for(run, 2.0)).turns == TURNS
+
+
+async def test_run_refused_while_parked_accepted_after(part: Participant) -> None:
+    await part.prepare(prep("ck1"))
+    await refused("checkpoint_parked", part.run(RunEpisode(episode=A)))
+    assert part.status().live_episodes == 0
+    await part.resume(ResumeRequest(checkpoint_id="ck1"))
+    assert (await part.run(RunEpisode(episode=A))).turns == TURNS
+
+
+async def test_same_episode_twice_is_refused(part: Participant, toy: Toy) -> None:
+    await park(part, toy, A)
+    await refused("already_running", part.run(RunEpisode(episode=A)))
+
+
+async def test_commit_refuses_scope_not_parked(toy: Toy, tmp_path: Path) -> None:
+    part = Participant("toy-0", toy, tool_wait_s=0.05)
+    toy.hold(B, "tool")
+    start(part, B)
+    await until(lambda: B.key in toy.sessions)
+    reply = await part.prepare(prep("ck1"))
+    assert reply.restarts == (B,)
+    for scope in ((B,), (C,)):
+        commit = CommitRequest(checkpoint_id="ck1", scope=scope, dest=str(tmp_path))
+        error = await refused("not_parked", part.commit(commit))
+        assert scope[0].key in str(error)
+    assert part.status().phase == "prepared" and toy.exports == []
+
+
+async def test_commit_refuses_episode_that_moved_on(
+    part: Participant, toy: Toy, tmp_path: Path
+) -> None:
+    toy.hold(A, "generating")
+    start(part, A)
+    await until(lambda: A.key in toy.sessions)
+    reply = await part.prepare(prep("ck1"))
+    assert reply.parked[0].activity == "generating"
+    toy.release(A)  # the model call returned after all: A went on into its tool call
+    await asyncio.sleep(0.01)
+    commit = CommitRequest(checkpoint_id="ck1", scope=(A,), dest=str(tmp_path))
+    assert "moved on" in str(await refused("not_parked", part.commit(commit)))
+
+
+async def test_retire_marks_refuse_runs_until_forget(part: Participant, toy: Toy) -> None:
+    run = await park(part, toy, A)
+    reply = await part.retire(RetireRequest(rollouts=(A, B)))
+    assert reply.count == 2 and set(toy.drops) == {A.key, B.key}
+    await refused("retired", asyncio.wait_for(run, 2.0))  # the running A was cancelled
+    toy.holds.clear()
+    assert part.status().retired == 2 and part.status().live_episodes == 0
+    await refused("retired", part.run(RunEpisode(episode=A)))
+    assert (await part.retire(RetireRequest(rollouts=(A,)))).count == 0  # already marked
+    assert (await part.forget(ForgetRequest(rollouts=(A, C)))).count == 1
+    assert (await part.run(RunEpisode(episode=A))).turns == TURNS
+    await refused("retired", part.run(RunEpisode(episode=B)))
+
+
+async def _committed(tmp_path: Path, *, bad: EpisodeRef | None = None) -> Path:
+    """A checkpoint ck1 of A and B (each one turn in) written by another instance."""
+    toy = Toy()
+    part = Participant("toy-old", toy, tool_wait_s=0.05)
+    for ep in (A, B):
+        await park(part, toy, ep)
+    prepare = asyncio.ensure_future(part.prepare(prep("ck1")))
+    toy.release(A)
+    toy.release(B)
+    assert (await prepare).ready
+    if bad is not None:
+        toy.state[bad.key]["bad"] = True
+    dest = tmp_path / "ck1"
+    await part.commit(CommitRequest(checkpoint_id="ck1", scope=(A, B), dest=str(dest)))
+    await part.resume(ResumeRequest(checkpoint_id="ck1"))
+    return dest
+
+
+def _restore(root: Path, scope: tuple[EpisodeRef, ...]) -> RestoreRequest:
+    return RestoreRequest(
+        restore_id="r1", source_checkpoint_id="ck1", root=str(root), scope=scope, deadline_ts=soon()
+    )
+
+
+async def test_restored_attempt_continues(part: Participant, toy: Toy, tmp_path: Path) -> None:
+    root = await _committed(tmp_path)
+    reply = await part.restore(_restore(root, (A,)))
+    nxt = A.next_attempt()
+    assert reply.restored == (nxt,) and toy.installed == {nxt.key: {"turn": 1}}
+    assert await part.restore(_restore(root, (A,))) == reply  # replay
+    await refused("checkpoint_parked", part.run(RunEpisode(episode=nxt)))
+    await part.resume(ResumeRequest(checkpoint_id="r1"))
+    result = await part.run(RunEpisode(episode=nxt))
+    assert result.restored and result.turns == TURNS
+    assert toy.sessions[nxt.key].restored == {"turn": 1}
+    toy.state.clear()
+    again = await part.run(RunEpisode(episode=nxt))  # the record was consumed by the first run
+    assert not again.restored
+
+
+async def test_restore_is_all_or_nothing(part: Participant, toy: Toy, tmp_path: Path) -> None:
+    root = await _committed(tmp_path, bad=B)
+    with pytest.raises(SnapshotCorrupt, match=B.key):
+        await part.restore(_restore(root, (A, B)))
+    assert toy.installed == {}
+    assert set(toy.drops) == {A.next_attempt().key, B.next_attempt().key}
+    assert part.status().phase == "idle"
+    result = await part.run(RunEpisode(episode=A.next_attempt()))
+    assert not result.restored
+
+
+async def test_restore_names_missing_records(part: Participant, toy: Toy, tmp_path: Path) -> None:
+    root = await _committed(tmp_path)
+    with pytest.raises(SnapshotCorrupt, match=C.key):
+        await part.restore(_restore(root, (A, C)))
+    assert toy.installed == {} and part.status().phase == "idle"
+
+
+async def test_restore_lease_expiry_keeps_the_state(toy: Toy, tmp_path: Path) -> None:
+    root = await _committed(tmp_path)
+    now = [time.time()]
+    part = Participant("toy-0", toy, lease_grace_s=1.0, clock=lambda: now[0])
+    await part.restore(_restore(root, (A,)))
+    now[0] += 60
+    assert part.status().phase == "idle"
+    assert (await part.run(RunEpisode(episode=A.next_attempt()))).restored
