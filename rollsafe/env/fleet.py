@@ -33,17 +33,28 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
-from rollsafe.env.client import EnvClient, EpisodeParked, rebuild_with_fields
+from rollsafe.env.client import EnvClient, EpisodeParked
+from rollsafe.env.fleet_rules import (
+    FleetCommitted,
+    FleetPrepared,
+    FleetRestored,
+    InstanceInventory,
+    _build,
+    _commit_problems,
+    _distinct,
+    _instance_commit,
+    _reported,
+    _restore_problem,
+    _summary,
+    _twice,
+)
 from rollsafe.env.protocol import (
-    CommitReply,
     CommitRequest,
     EpisodeRef,
     EpisodeResult,
     ForgetRequest,
-    ParkedEpisode,
-    ParticipantManifest,
     PrepareReply,
     PrepareRequest,
     RenewRequest,
@@ -56,9 +67,7 @@ from rollsafe.env.protocol import (
 from rollsafe.errors import (
     EnvNotReady,
     InvalidInput,
-    InvariantError,
     OwnershipMismatch,
-    RollsafeError,
     TopologyMismatch,
 )
 
@@ -69,68 +78,6 @@ _INSTANCE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 MAX_RENEW_EVERY_S = 10.0
 MIN_RENEW_EVERY_S = 0.1
 MAX_POLL_S = 2.0
-
-
-class _Result(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class InstanceInventory(_Result):
-    """What one instance reported when it parked."""
-
-    parked: tuple[ParkedEpisode, ...]
-    restarts: tuple[EpisodeRef, ...]
-    lease_expires_ts: float
-
-
-class FleetPrepared(_Result):
-    checkpoint_id: str
-    deadline_ts: float
-    instances: dict[str, InstanceInventory]
-
-    @property
-    def lease_expires_ts(self) -> float:
-        """The first lease to run out: the fleet stays parked at most until then."""
-        return min(inv.lease_expires_ts for inv in self.instances.values())
-
-    def owners(self) -> dict[str, str]:
-        """rollout id -> the instance that holds it (parked or to restart)."""
-        return {
-            ref.rollout_id: name
-            for name, inv in self.instances.items()
-            for ref in (*(p.episode for p in inv.parked), *inv.restarts)
-        }
-
-
-class InstanceCommit(_Result):
-    dest: str
-    committed: tuple[EpisodeRef, ...]
-    missing: tuple[EpisodeRef, ...]  # in scope but not exported: those rollouts must restart
-    participants: tuple[ParticipantManifest, ...]
-
-
-class FleetCommitted(_Result):
-    checkpoint_id: str
-    instances: dict[str, InstanceCommit]
-
-
-class FleetRestored(_Result):
-    """The outcome of :meth:`EnvFleet.restore_all`: returned, not raised, because a failed
-    restore has a planned fallback (restart the rollouts), not a retry.
-
-    ``ok``: every instance restored its whole scope as attempt n + 1; the instances stay in
-    phase ``restored`` until the caller's :meth:`EnvFleet.resume_all` (``restore_id``).
-    Otherwise nothing restored is kept: the n + 1 attempts of every scope episode were retired
-    (``restarts``, each as the retired n + 1 ref: never dispatch it, restart the rollout from
-    its input under ``ref.next_attempt()``), every instance was resumed, and ``errors`` says
-    per instance what failed (restore, retire or resume). ``restored`` is what each instance
-    reported restoring, kept for diagnosis."""
-
-    restore_id: str
-    ok: bool
-    restored: dict[str, tuple[EpisodeRef, ...]]
-    restarts: tuple[EpisodeRef, ...]
-    errors: dict[str, str]
 
 
 class EnvFleet:
@@ -487,86 +434,6 @@ class _Renewer:
         return [f"renewal on {name} failed: {why}" for name, why in sorted(self.failures.items())]
 
 
-# -- rules ----------------------------------------------------------------------------------------
-
-
-def _reported(replies: Mapping[str, PrepareReply]) -> dict[str, tuple[EpisodeRef, ...]]:
-    return {
-        name: (*(p.episode for p in reply.parked), *reply.restarts)
-        for name, reply in replies.items()
-    }
-
-
-def _twice(op: str, refs_by_instance: Mapping[str, Iterable[EpisodeRef]]) -> Exception | None:
-    """An OwnershipMismatch if one rollout is reported by two instances, else None."""
-    holders: dict[str, set[str]] = {}
-    for name, refs in refs_by_instance.items():
-        for ref in refs:
-            holders.setdefault(ref.rollout_id, set()).add(name)
-    shared = {rid: sorted(names) for rid, names in sorted(holders.items()) if len(names) > 1}
-    if not shared:
-        return None
-    listed = ", ".join(f"{rid} on {' and '.join(names)}" for rid, names in shared.items())
-    return OwnershipMismatch(f"{op}: rollout(s) reported by more than one instance: {listed}")
-
-
-def _commit_problems(name: str, request: CommitRequest, reply: CommitReply) -> list[str]:
-    problems = []
-    outside = [ref.key for ref in reply.committed if ref not in set(request.scope)]
-    if outside:
-        problems.append(f"{name} exported episode(s) outside its scope: {', '.join(outside)}")
-    for manifest in reply.participants:
-        if (manifest.instance, manifest.checkpoint_id) != (name, request.checkpoint_id):
-            problems.append(
-                f"{name}'s participant {manifest.name} is for instance {manifest.instance!r}, "
-                f"checkpoint {manifest.checkpoint_id!r}"
-            )
-    return problems
-
-
-def _instance_commit(request: CommitRequest, reply: CommitReply) -> InstanceCommit:
-    committed = set(reply.committed)
-    return InstanceCommit(
-        dest=request.dest,
-        committed=reply.committed,
-        missing=tuple(ref for ref in request.scope if ref not in committed),
-        participants=reply.participants,
-    )
-
-
-def _restore_problem(scope: Sequence[EpisodeRef], restored: Sequence[EpisodeRef]) -> str:
-    expected = {ref.next_attempt() for ref in scope}
-    missing = sorted(ref.key for ref in expected - set(restored))
-    extra = sorted(ref.key for ref in set(restored) - expected)
-    parts = [f"did not restore {', '.join(missing)}"] if missing else []
-    parts += [f"restored episode(s) not asked for: {', '.join(extra)}"] if extra else []
-    return "; ".join(parts)
-
-
-def _rank(exc: Exception) -> int:
-    """Severity: the summary of several failures takes the class of the worst one."""
-    if not isinstance(exc, RollsafeError):
-        return 4  # a bug, not an answer: never dressed up as a retryable error
-    if isinstance(exc, InvariantError):
-        return 3
-    if isinstance(exc, InvalidInput):
-        return 2
-    return 0 if isinstance(exc, EnvNotReady) else 1
-
-
-def _summary(op: str, failed: Mapping[str, Exception], total: int) -> Exception:
-    """One error for several instances' failures, naming each instance."""
-    listed = "; ".join(f"{name}: {exc}" for name, exc in sorted(failed.items()))
-    message = f"{op} failed on {len(failed)} of {total} instance(s): {listed}"
-    worst = max(failed.values(), key=_rank)
-    if not isinstance(worst, RollsafeError):
-        worst.add_note(message)
-        return worst
-    error = rebuild_with_fields(worst, message)
-    error.__cause__ = worst
-    return error
-
-
 def _renew_every(prepared: FleetPrepared) -> float:
     lease_s = prepared.lease_expires_ts - time.time()
     return max(min(lease_s / 3, MAX_RENEW_EVERY_S), MIN_RENEW_EVERY_S)
@@ -587,17 +454,3 @@ async def _until_idle(client: EnvClient, give_up: float, first_s: float) -> None
         if (await client.status()).phase == "idle" or time.monotonic() >= give_up:
             return
         delay = min(delay * 2, MAX_POLL_S)
-
-
-def _distinct(refs: Iterable[EpisodeRef]) -> tuple[EpisodeRef, ...]:
-    return tuple(dict.fromkeys(refs))
-
-
-def _build(model: type[M], **fields: Any) -> M:
-    """A protocol message from caller input: a bad value is the caller's InvalidInput."""
-    try:
-        return model(**fields)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise InvalidInput(f"{model.__name__}.{where}: {first['msg']}") from None
