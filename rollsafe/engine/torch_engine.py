@@ -224,7 +224,7 @@ class TorchEngine:
             if not finished and not self._closing:
                 # The caller walked away (cancelled, or broke out): free the call.
                 self._commands.put(
-                    (lambda: self._calls.pop(call_id, None), concurrent.futures.Future())
+                    (partial(self._abandon, call_id, sink), concurrent.futures.Future())
                 )
 
     # -- engine loop --------------------------------------------------------------------------
@@ -399,6 +399,12 @@ class TorchEngine:
             state = (tuple(call.tokens), tuple(call.logprobs), tuple(call.versions), routes)
             frozen.append(_Frozen(call.request, *state))
         return frozen, refused
+
+    def _abandon(self, call_id: str, sink: _Sink) -> None:
+        # Only this reader's call: a resume may have superseded it under the same id.
+        call = self._calls.get(call_id)
+        if call is not None and call.sink is sink:
+            del self._calls[call_id]
 
     def _release(self, call_ids: set[str]) -> int:
         released = 0

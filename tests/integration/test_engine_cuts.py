@@ -335,8 +335,13 @@ async def test_a_resume_supersedes_the_same_call_still_frozen_on_a_live_engine()
         prefix = (await engine.cut([request.call_id])).prefixes[0]
         with pytest.raises(InvalidInput, match="already in flight"):  # generate never replaces
             await anext(engine.generate(request))
-        events = [e async for e in engine.resume(request, prefix)]
-        assert [completion_of(request.call_id, events, prefix)] == uninterrupted
+        resumed = engine.resume(request, prefix)
+        events = [await anext(resumed)]
+        # The superseded reader ends (and walks away) while the resumed call runs: that must
+        # not take the resumed call with it.
         with pytest.raises(EngineUnavailable, match="superseded by a resume"):
             async for _ in old_stream:
                 pass
+        async with asyncio.timeout(30):  # a resumed call taken away never finishes
+            events += [e async for e in resumed]
+        assert [completion_of(request.call_id, events, prefix)] == uninterrupted
