@@ -130,6 +130,73 @@ def engine_serve(
     asyncio.run(serve(engine, host, port, token))
 
 
+env_cli = typer.Typer(no_args_is_help=True, help="Serve a reference environment over HTTP.")
+app.add_typer(env_cli, name="env")
+ENVIRONMENTS = ("workplace",)
+
+
+@env_cli.command("serve")
+def env_serve(
+    name: Annotated[str, typer.Argument(help="the environment: workplace")],
+    port: Annotated[
+        int, typer.Option(help="TCP port (0: any free one; the line printed names it)")
+    ],
+    token: Annotated[
+        str, typer.Option(envvar="ROLLSAFE_ENV_TOKEN", help="bearer token clients must send")
+    ],
+    engine_url: Annotated[str, typer.Option(help="the policy engine, e.g. http://host:port")],
+    engine_token: Annotated[
+        str, typer.Option(envvar="ROLLSAFE_ENGINE_TOKEN", help="the engine's bearer token")
+    ],
+    instance: Annotated[
+        str | None, typer.Option(help="instance name (default: <name>-<pid>)")
+    ] = None,
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    lease_grace_s: Annotated[
+        float, typer.Option(help="a checkpoint's lease runs this long past its deadline")
+    ] = 30.0,
+    tool_wait_s: Annotated[
+        float, typer.Option(help="how long a prepare waits for tool calls to end")
+    ] = 5.0,
+    faults: Annotated[
+        str,
+        typer.Option(
+            envvar="ROLLSAFE_ENV_FAULTS",
+            help="test fault switches, e.g. slow_prepare:2.0,unavailable,die_on:commit",
+        ),
+    ] = "",
+) -> None:
+    """Serve environment NAME's checkpoint protocol and /episodes/run until SIGINT/SIGTERM.
+    Prints one line, `rollsafe env serving <name> <instance> on http://host:port`, once
+    listening."""
+    import asyncio
+
+    if name not in ENVIRONMENTS:
+        _fail(InvalidInput(f"no environment {name!r}; known: {', '.join(ENVIRONMENTS)}"), 2)
+    if not token.strip():
+        _fail(InvalidInput("--token (or ROLLSAFE_ENV_TOKEN) must not be empty"), 2)
+    from reference.envs.workplace.faults import parse_faults
+    from reference.envs.workplace.serve import serve
+
+    try:
+        switches = parse_faults(faults)
+        asyncio.run(
+            serve(
+                host=host,
+                port=port,
+                token=token,
+                engine_url=engine_url,
+                engine_token=engine_token,
+                instance=instance,
+                lease_grace_s=lease_grace_s,
+                tool_wait_s=tool_wait_s,
+                faults=switches,
+            )
+        )
+    except RollsafeError as exc:
+        _fail(exc, 2)
+
+
 app.command("server")(server_command)
 
 

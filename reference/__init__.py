@@ -1,0 +1,1 @@
+"""Reference implementations built on rollsafe: environments a run can checkpoint."""

@@ -1,0 +1,71 @@
+"""``rollsafe env serve workplace``: the workplace hooks in the toolkit's participant, served
+over HTTP behind the fault switches, with the policy engine reached over HTTP."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import uvicorn
+
+from reference.envs.workplace.env import WorkplaceEnv
+from reference.envs.workplace.faults import FaultMiddleware, FaultSwitches
+from rollsafe.engine.http import EngineClient
+from rollsafe.errors import InvalidInput
+
+
+def default_instance() -> str:
+    return f"workplace-{os.getpid()}"
+
+
+class _Server(uvicorn.Server):
+    """Prints the banner once listening, with the real port (0 asks for any free one)."""
+
+    def __init__(self, config: uvicorn.Config, instance: str) -> None:
+        super().__init__(config)
+        self.instance = instance
+
+    async def startup(self, sockets: list[Any] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            port = self.servers[0].sockets[0].getsockname()[1]
+            host = self.config.host
+            host = f"[{host}]" if ":" in host else host
+            url = f"http://{host}:{port}"
+            print(f"rollsafe env serving workplace {self.instance} on {url}", flush=True)
+
+
+async def serve(
+    *,
+    host: str,
+    port: int,
+    token: str,
+    engine_url: str,
+    engine_token: str,
+    instance: str | None = None,
+    lease_grace_s: float = 30.0,
+    tool_wait_s: float = 5.0,
+    faults: FaultSwitches | None = None,
+) -> None:
+    """Serve one workplace instance until SIGINT/SIGTERM."""
+    # Imported here: the toolkit is only needed to serve, not to use the pure calendar.
+    from rollsafe.env.participant import Participant
+    from rollsafe.env.router import participant_app
+
+    if not token:
+        raise InvalidInput("an environment server needs a non-empty token")
+    name = instance or default_instance()
+    engine = EngineClient(engine_url, engine_token)
+    participant = Participant(
+        name, WorkplaceEnv(engine), lease_grace_s=lease_grace_s, tool_wait_s=tool_wait_s
+    )
+    app = FaultMiddleware(participant_app(participant, token), token, faults)
+    # lifespan on: the app's lifespan runs the participant's lease watcher (a lease must run
+    # out even when no request comes).
+    config = uvicorn.Config(
+        app, host=host, port=port, access_log=False, lifespan="on", timeout_graceful_shutdown=5
+    )
+    try:
+        await _Server(config, name).serve()
+    finally:
+        await engine.aclose()
