@@ -35,6 +35,7 @@ bench: setup
 	$(BIN)/python bench/snapshot_bench.py
 	$(BIN)/python bench/orchestration_bench.py
 	$(BIN)/python bench/engine_bench.py
+	$(BIN)/python bench/env_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
