@@ -197,6 +197,61 @@ def env_serve(
         _fail(exc, 2)
 
 
+@app.command("env-check")
+def env_check(
+    url: Annotated[str, typer.Argument(help="the instance, e.g. http://host:port")],
+    token: Annotated[
+        str, typer.Option(envvar="ROLLSAFE_ENV_TOKEN", help="the instance's bearer token")
+    ],
+    task: Annotated[
+        str | None,
+        typer.Option(help="an episode task as a JSON object (without: episode checks skip)"),
+    ] = None,
+    lease_wait_s: Annotated[
+        float,
+        typer.Option(help="wait this long past a deadline for the lease to run out (0: skip)"),
+    ] = 60.0,
+    as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
+) -> None:
+    """Run the checkpoint protocol's conformance checks against the instance at URL (it must
+    be idle and may run other episodes meanwhile). One line per check (on stderr with --json,
+    which prints the report). Exit 0: every check passed or was skipped. 1: a check failed
+    (named). 2: bad arguments, the instance unreachable, or the token refused (401)."""
+    import asyncio
+    import json
+
+    from rollsafe.env.conformance import run_conformance
+
+    try:
+        episode_task = None if task is None else json.loads(task)
+    except ValueError as exc:
+        _fail(InvalidInput(f"--task is not JSON: {exc}"), 2)
+    if episode_task is not None and not isinstance(episode_task, dict):
+        _fail(InvalidInput("--task must be a JSON object"), 2)
+    if not token.strip() or lease_wait_s < 0:
+        _fail(InvalidInput("--token must not be empty and --lease-wait-s not negative"), 2)
+    try:
+        report = asyncio.run(
+            run_conformance(
+                url,
+                token,
+                task=episode_task,
+                lease_wait_s=lease_wait_s,
+                progress=lambda line: typer.echo(line, err=as_json),
+            )
+        )
+    except RollsafeError as exc:
+        _fail(exc, 2)
+    if as_json:
+        typer.echo(report.model_dump_json(indent=2))
+    else:
+        failed = [c.name for c in report.checks if not c.passed]
+        verdict = f"FAILED: {', '.join(failed)}" if failed else "all checks passed"
+        typer.echo(f"{report.url} ({report.instance}): {verdict} in {report.seconds:.1f}s")
+    if not report.passed:
+        raise typer.Exit(1)
+
+
 app.command("server")(server_command)
 
 

@@ -97,7 +97,10 @@ class StatusReply(_Message):
 
 class PrepareRequest(_Message):
     checkpoint_id: str = Field(pattern=CHECKPOINT_ID_PATTERN)
-    deadline_ts: float = Field(gt=0, description="unix time by which parking must be done")
+    # Finite: JSON 1e400 parses as inf, and an infinite lease would never run out.
+    deadline_ts: float = Field(
+        gt=0, allow_inf_nan=False, description="unix time by which parking must be done"
+    )
 
 
 class ParkedEpisode(_Message):
@@ -121,7 +124,7 @@ class PrepareReply(_Message):
 
 class RenewRequest(_Message):
     checkpoint_id: str = Field(pattern=CHECKPOINT_ID_PATTERN)
-    deadline_ts: float = Field(gt=0)
+    deadline_ts: float = Field(gt=0, allow_inf_nan=False)
 
 
 class RenewReply(_Message):
@@ -196,7 +199,7 @@ class RestoreRequest(_Message):
         default_factory=dict,
         description="model call id -> staged PrefixRecord (JSON), for calls cut while parked",
     )
-    deadline_ts: float = Field(gt=0)
+    deadline_ts: float = Field(gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _distinct(self) -> RestoreRequest:
