@@ -1,0 +1,657 @@
+"""Exactly once across real processes: one ``rollsafe engine serve`` (MoE) and three
+``rollsafe env serve workplace`` instances (``w0``, ``w1``, ``w2``), driven by :class:`EnvFleet`.
+
+* A fleet checkpointed mid-run (prepare, cut, commit), then crashed (SIGKILL) and restored on
+  fresh servers, finishes every committed episode as attempt n + 1 on its original instance:
+  each turn mutates exactly once, the cut calls resume from their prefixes (not regenerated),
+  and every episode ends bit for bit where the same episode run uninterrupted ends.
+* A restore that fails on one of three instances leaves no restored state anywhere.
+* A run refused while its instance is parked is re-sent, identical, once the instance resumes.
+* A lease nobody renews reopens a parked instance by itself; its checkpoint id is then dead.
+* A retired rollout is refused until forgotten; a resumed checkpoint id is refused forever.
+
+Every server is a subprocess stopped by pid (terminate, wait, kill) in a finalizer, never by
+name. The engine stays up across the env crash on purpose: that is the harder case, because it
+still holds the calls the checkpoint froze, and the restored attempts' resumes must supersede
+them (the torch engine lets a resume with a prefix replace a frozen call of the same id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from reference.envs.workplace.calendar import Task, action_from_tokens, apply, new_calendar
+from reference.envs.workplace.calendar import reward as score
+from rollsafe.dataplane.memory import MemoryDataPlane
+from rollsafe.engine.http import EngineClient
+from rollsafe.engine.staging import StagedCut, cut_and_stage, load_prefixes
+from rollsafe.env.client import EnvClient, EnvRefused
+from rollsafe.env.fleet import EnvFleet
+from rollsafe.env.fleet_rules import FleetPrepared
+from rollsafe.env.protocol import (
+    EPISODES_RUN,
+    PREFIX,
+    CommitRequest,
+    EpisodeRef,
+    EpisodeResult,
+    PrepareRequest,
+    RenewRequest,
+    RestoreRequest,
+    ResumeRequest,
+    RunEpisode,
+)
+from rollsafe.errors import EnvUnavailable
+
+ENGINE_TOKEN = "eo-engine-token"
+ENV_TOKEN = "eo-env-token"
+INSTANCES = ("w0", "w1", "w2")
+LEASE_GRACE_S = 1.0
+ENGINE_BANNER = re.compile(r"rollsafe engine serving moe on (http://127\.0\.0\.1:\d+)")
+START_TIMEOUT_S = 60.0
+EPISODE_TIMEOUT_S = 60.0  # any one gather of episodes; far above what they take
+RECUT_FOR_S = 0.3
+CHECKPOINT_TRIES = 3
+FROZEN: set[str] = set()  # every call a test cut
+
+
+# -- server processes ---------------------------------------------------------------------------
+
+
+class Server:
+    """One server subprocess; ``url`` once its banner is out."""
+
+    def __init__(self, name: str, command: list[str], logs: Path) -> None:
+        logs.mkdir(parents=True, exist_ok=True)
+        self.name, self.url = name, ""
+        self.out, self.err = logs / "stdout", logs / "stderr"
+        with self.out.open("wb") as stdout, self.err.open("wb") as stderr:
+            self.proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=os.environ)
+
+    def wait_ready(self, banner: re.Pattern[str]) -> Server:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (match := banner.search(self.out.read_text())):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                stop(self)
+                raise RuntimeError(f"{self.name} did not start:\n{self.err.read_text()}")
+            time.sleep(0.05)
+        self.url = match.group(1)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def stop(server: Server) -> None:
+    """By pid only: terminate, wait, kill if it will not go."""
+    if server.proc.poll() is None:
+        server.proc.terminate()
+        try:
+            server.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait()
+
+
+def crash(server: Server) -> None:
+    """SIGKILL by pid: the instance dies with everything it held in memory."""
+    if server.proc.poll() is None:
+        server.proc.kill()
+    server.proc.wait(timeout=15)
+
+
+def env_banner(instance: str) -> re.Pattern[str]:
+    return re.compile(rf"rollsafe env serving workplace {instance} on (http://127\.0\.0\.1:\d+)")
+
+
+class Trio:
+    """The three workplace instances; a crash replaces them with fresh processes under the same
+    instance ids. Every process ever started is stopped by the module's finalizer."""
+
+    def __init__(self, engine: Server, logs: Path) -> None:
+        self.engine, self.logs = engine, logs
+        self.started: list[Server] = []
+        self.current: dict[str, Server] = {}
+        self.generation = 0
+
+    def start(self, names: Sequence[str]) -> None:
+        self.generation += 1
+        spawned = [self._spawn(name) for name in names]  # all at once, then wait for each
+        for server in spawned:
+            self.current[server.name] = server.wait_ready(env_banner(server.name))
+
+    def _spawn(self, instance: str) -> Server:
+        command = [sys.executable, "-m", "rollsafe", "env", "serve", "workplace", "--port", "0"]
+        command += ["--token", ENV_TOKEN, "--engine-url", self.engine.url]
+        command += ["--engine-token", ENGINE_TOKEN, "--instance", instance]
+        command += ["--lease-grace-s", str(LEASE_GRACE_S)]
+        server = Server(instance, command, self.logs / f"{instance}-{self.generation}")
+        self.started.append(server)
+        return server
+
+    def ensure_alive(self) -> None:
+        dead = [n for n in INSTANCES if n not in self.current or not self.current[n].alive()]
+        if dead:  # an earlier test failed mid-crash: later tests still get three instances
+            self.start(dead)
+
+    def crash_all(self) -> None:
+        for server in self.current.values():
+            crash(server)
+
+    def fleet(self, **client: Any) -> EnvFleet:
+        return EnvFleet(
+            {name: EnvClient(s.url, ENV_TOKEN, **client) for name, s in self.current.items()}
+        )
+
+    def client(self, name: str, **client: Any) -> EnvClient:
+        return EnvClient(self.current[name].url, ENV_TOKEN, **client)
+
+
+@pytest.fixture(scope="module")
+def engine_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    command = [sys.executable, "-m", "rollsafe", "engine", "serve", "--port", "0"]
+    command += ["--token", ENGINE_TOKEN, "--model", "moe", "--seed", "1"]
+    server = Server("engine", command, tmp_path_factory.mktemp("eo-engine"))
+    try:
+        yield server.wait_ready(ENGINE_BANNER)
+    finally:
+        stop(server)
+
+
+@pytest.fixture(scope="module")
+def trio(engine_server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
+    servers = Trio(engine_server, tmp_path_factory.mktemp("eo-envs"))
+    try:
+        servers.start(INSTANCES)
+        yield servers
+    finally:
+        for server in servers.started:
+            stop(server)
+
+
+@pytest.fixture
+async def fleet(trio: Trio, engine: EngineClient) -> AsyncIterator[EnvFleet]:
+    trio.ensure_alive()
+    async with trio.fleet() as envs:
+        yield envs
+    # A test that failed with a checkpoint open must not leave the next one parked.
+    async with trio.fleet(timeout_s=5) as current:
+        for name in current.names:
+            with suppress(EnvUnavailable):
+                status = await current._client(name).status()
+                if status.checkpoint_id is not None:
+                    resume = ResumeRequest(checkpoint_id=status.checkpoint_id)
+                    await current._client(name).resume(resume)
+        if FROZEN:
+            await engine.release(sorted(FROZEN))
+            FROZEN.clear()
+
+
+@pytest.fixture
+async def engine(engine_server: Server) -> AsyncIterator[EngineClient]:
+    async with EngineClient(engine_server.url, ENGINE_TOKEN) as client:
+        yield client
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def ref(rollout_id: str, attempt: int = 0) -> EpisodeRef:
+    return EpisodeRef(rollout_id=rollout_id, attempt=attempt)
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+async def bounded(aws: Any, timeout_s: float = EPISODE_TIMEOUT_S) -> Any:
+    return await asyncio.wait_for(aws, timeout_s)
+
+
+async def run_all(
+    fleet: EnvFleet, placed: Mapping[EpisodeRef, tuple[str, dict[str, Any]]]
+) -> dict[EpisodeRef, EpisodeResult]:
+    """Every episode on its instance, at once."""
+    runs = [
+        fleet.run_episode(name, RunEpisode(episode=ep, task=task), max_wait_s=30)
+        for ep, (name, task) in placed.items()
+    ]
+    results = await bounded(asyncio.gather(*runs))
+    return dict(zip(placed, results, strict=True))
+
+
+async def cut_parked(
+    prepared: FleetPrepared,
+    engine: EngineClient,
+    dataplane: MemoryDataPlane,
+    ours: set[str],
+) -> tuple[StagedCut, dict[str, list[EpisodeRef]]]:
+    """Cut every call of ``ours`` (rollout ids) still generating and stage its prefix; the
+    commit scope per instance.
+
+    An episode parked ``generating`` whose call could not be cut (it finished between prepare
+    and cut) went on to its tool call: its state is no longer the one prepare reported, the
+    instance would refuse it in the scope (``not_parked``), and it restarts from its input.
+    Restarts are never in the scope."""
+    parked = {
+        name: [p for p in inv.parked if p.episode.rollout_id in ours]
+        for name, inv in prepared.instances.items()
+    }
+    generating = [
+        p.model_call_id
+        for held in parked.values()
+        for p in held
+        if p.activity == "generating" and p.model_call_id is not None
+    ]
+    FROZEN.update(generating)  # released by the fixture if the test fails before it does
+    staged = await cut_and_stage(engine, generating, dataplane)
+    cuts, refused = dict(staged.staged), {r.call_id: r.reason for r in staged.refused}
+    # A cut right after prepare often finds a call not started yet (the episode says it is
+    # generating before its request reaches the engine: "unknown_call") or still reading its
+    # prompt ("no_tokens"). Such a call is not frozen and goes on; cut again a moment later it
+    # is caught with a token or two (a call needs a dozen tokens to finish). A call that did
+    # finish is never caught: its id is not used again.
+    give_up = time.monotonic() + RECUT_FOR_S
+    while refused and time.monotonic() < give_up:
+        await asyncio.sleep(0.01)
+        again = await cut_and_stage(engine, list(refused), dataplane)
+        cuts.update(again.staged)
+        for call in again.staged:
+            del refused[call]
+    staged = StagedCut(
+        staged=cuts,
+        refused=tuple(r for r in staged.refused if r.call_id in refused),
+        handoffs=staged.handoffs,
+    )
+    scope = {
+        name: [p.episode for p in held if p.activity == "boundary" or p.model_call_id in cuts]
+        for name, held in parked.items()
+    }
+    return staged, scope
+
+
+async def checkpoint_mid_run(
+    fleet: EnvFleet, engine: EngineClient, prefix: str, ours: set[str]
+) -> tuple[str, FleetPrepared, MemoryDataPlane, StagedCut, dict[str, list[EpisodeRef]]]:
+    """Prepare all and cut until every instance has an episode to commit and at least one call
+    was cut mid-generation: the id, inventory, data plane, cut and scope. A try that falls
+    short (the calls of a whole instance ended between prepare and cut) is aborted, which the
+    episodes do not notice, and tried again a moment later under a new checkpoint id."""
+    tries = []
+    for _ in range(CHECKPOINT_TRIES):
+        checkpoint = unique(prefix)
+        prepared = await fleet.prepare_all(checkpoint, time.time() + 20)
+        dataplane = MemoryDataPlane()
+        staged, scope = await cut_parked(prepared, engine, dataplane, ours)
+        if all(scope[name] for name in fleet.names) and staged.staged:
+            return checkpoint, prepared, dataplane, staged, scope
+        tries.append(f"{checkpoint}: scope {scope}, cut {staged}")
+        await fleet.resume_all(checkpoint)
+        await engine.release(list(staged.staged))
+        await asyncio.sleep(0.05)
+    raise AssertionError("no checkpoint caught every instance mid-run:\n" + "\n".join(tries))
+
+
+def replayed(result: EpisodeResult, task: dict[str, Any]) -> None:
+    """The mutation log holds every turn exactly once, and replaying the episode's generated
+    tokens through the pure calendar gives exactly its log, calendar and reward."""
+    task_ = Task.model_validate(task)
+    turns = Counter(m["turn"] for m in result.info["mutations"])
+    assert turns == Counter(range(task_.turns)), f"{result.episode.key}: turns {turns}"
+    calendar = new_calendar(task_)
+    for turn, log in enumerate(result.info["history"]):
+        assert log["turn"] == turn
+        action = action_from_tokens(log["tokens"], calendar)
+        calendar = apply(
+            calendar,
+            action,
+            rollout_id=result.episode.rollout_id,
+            turn=turn,
+            call_id=log["call_id"],
+        )
+    mutations = [m.model_dump(mode="json", exclude={"rollout_id"}) for m in calendar.mutations]
+    assert mutations == result.info["mutations"]
+    assert [e.model_dump(mode="json") for e in calendar.events] == result.info["calendar"]
+    assert score(calendar, task_) == result.reward
+
+
+def same_play(a: EpisodeResult, b: EpisodeResult) -> None:
+    """Same tokens every turn, same actions, same calendar, same reward; call ids may differ."""
+    assert [h["tokens"] for h in a.info["history"]] == [h["tokens"] for h in b.info["history"]]
+    strip = [{k: v for k, v in m.items() if k != "call_id"} for m in a.info["mutations"]]
+    assert strip == [{k: v for k, v in m.items() if k != "call_id"} for m in b.info["mutations"]]
+    assert (a.info["calendar"], a.reward, a.turns) == (b.info["calendar"], b.reward, b.turns)
+
+
+async def live(fleet: EnvFleet, name: str) -> int:
+    return (await fleet._client(name).status()).live_episodes
+
+
+# -- 1. crash and restore -----------------------------------------------------------------------
+
+
+async def test_exactly_once_across_a_killed_and_restored_fleet(
+    trio: Trio, fleet: EnvFleet, engine: EngineClient, tmp_path: Path
+) -> None:
+    # Nine rollouts, three per instance, 6-8 turns each.
+    placed = {
+        ref(f"eo-{n}_g{n % 2}"): (INSTANCES[n % 3], {"seed": 11 + n, "turns": 6 + n % 3})
+        for n in range(9)
+    }
+    tasks = {ep.rollout_id: task for ep, (_, task) in placed.items()}
+    home = {ep.rollout_id: name for ep, (name, _) in placed.items()}
+
+    # The uninterrupted run first, with the SAME rollout ids (a call's seed comes from the
+    # rollout id and the turn): the reference the restored episodes must match bit for bit,
+    # and a measure of how long the episodes take on this machine.
+    began = time.monotonic()
+    whole = {ep.rollout_id: r for ep, r in (await run_all(fleet, placed)).items()}
+    took = time.monotonic() - began
+    for rollout_id, result in whole.items():
+        assert not result.restored and result.turns == tasks[rollout_id]["turns"]
+        replayed(result, tasks[rollout_id])
+
+    # The same episodes again (attempt 0), checkpointed mid-run.
+    running = {
+        ep.rollout_id: asyncio.create_task(
+            fleet.run_episode(name, RunEpisode(episode=ep, task=task), max_wait_s=30)
+        )
+        for ep, (name, task) in placed.items()
+    }
+    await asyncio.sleep(0.4 * took)  # a few turns in, none near its end
+    checkpoint, prepared, dataplane, staged, scope = await checkpoint_mid_run(
+        fleet, engine, "eo-ck", set(tasks)
+    )
+    parked = {p.episode.rollout_id: p for inv in prepared.instances.values() for p in inv.parked}
+    in_scope = {ep.rollout_id for eps in scope.values() for ep in eps}
+    assert any(0 < parked[r].turn < tasks[r]["turns"] for r in in_scope), "none mid-run"
+    for rollout_id in in_scope:
+        assert prepared.owners()[rollout_id] == home[rollout_id]
+
+    commit_root = tmp_path / "commit"
+    committed = await fleet.commit_all(checkpoint, scope, commit_root)
+    for name in INSTANCES:
+        assert committed.instances[name].committed == tuple(scope[name])
+        assert committed.instances[name].missing == ()
+
+    # The crash: every instance dies at once, parked, with its episodes in memory. The engine
+    # stays up (see the module docstring): it still holds the frozen calls.
+    await asyncio.to_thread(trio.crash_all)
+    outcomes = await bounded(asyncio.gather(*running.values(), return_exceptions=True))
+    for rollout_id, outcome in zip(running, outcomes, strict=True):
+        if rollout_id in prepared.owners():  # held by the instance: died with it
+            assert isinstance(outcome, EnvUnavailable), (rollout_id, outcome)
+        else:  # ended before prepare: nothing to restore
+            assert isinstance(outcome, EpisodeResult), (rollout_id, outcome)
+
+    # Fresh processes, same instance ids; only the commit and the data plane survive.
+    await asyncio.to_thread(trio.start, INSTANCES)
+    async with trio.fleet() as restarted:
+        loaded = load_prefixes(dataplane, staged.staged)
+        prefixes = {call: record.model_dump(mode="json") for call, record in loaded.items()}
+        restore_id = unique("eo-rs")
+        restored = await restarted.restore_all(
+            restore_id, checkpoint, commit_root, scope, prefixes, time.time() + 20
+        )
+        assert restored.ok, restored.errors
+        assert restored.restarts == ()
+        for name in INSTANCES:
+            assert restored.restored[name] == tuple(ep.next_attempt() for ep in scope[name])
+        await restarted.resume_all(restore_id)
+
+        again = {
+            ep: (name, tasks[ep.rollout_id])
+            for name, eps in restored.restored.items()
+            for ep in eps
+        }
+        results = await run_all(restarted, again)
+
+    for ep, result in results.items():
+        rollout_id, park = ep.rollout_id, parked[ep.rollout_id]
+        assert result.episode == ep and ep.attempt == 1 and result.restored
+        replayed(result, tasks[rollout_id])  # every turn exactly once, no gap
+        same_play(result, whole[rollout_id])  # and exactly the uninterrupted episode
+        history = result.info["history"]
+        cut_call = park.model_call_id if park.activity == "generating" else None
+        for turn, log in enumerate(history):
+            # Turns done before the checkpoint keep attempt 0's call; a cut call is resumed
+            # under its own id from its prefix; later turns are the new attempt's calls.
+            before = turn < park.turn or (turn == park.turn and cut_call is not None)
+            expected = f"{rollout_id}/t{turn}" if before else f"{ep.key}/t{turn}"
+            assert log["call_id"] == expected, (ep.key, turn, log)
+            assert result.info["mutations"][turn]["call_id"] == expected
+            if cut_call is not None and turn == park.turn:
+                prefix = loaded[cut_call]
+                assert log["resumed_from"] == len(prefix.tokens) == staged.staged[cut_call]
+                assert tuple(log["tokens"][: len(prefix.tokens)]) == prefix.tokens
+            else:
+                assert log["resumed_from"] == 0
+    assert {ep.rollout_id for ep in results} == in_scope
+    info = await engine.info()
+    assert (info.active, info.frozen) == (0, 0)  # every frozen call was superseded and ended
+
+
+# -- 2. all-or-nothing restore ------------------------------------------------------------------
+
+
+async def test_restore_failure_on_one_of_three_leaves_no_restored_state(
+    fleet: EnvFleet, engine: EngineClient, tmp_path: Path
+) -> None:
+    placed = {ref(f"rf-{n}_g0"): (INSTANCES[n % 3], {"seed": 40 + n, "turns": 8}) for n in range(6)}
+    running = [
+        asyncio.create_task(fleet.run_episode(name, RunEpisode(episode=ep, task=task)))
+        for ep, (name, task) in placed.items()
+    ]
+    deadline = time.monotonic() + 10
+    while sum([await live(fleet, name) for name in INSTANCES]) < len(placed):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)
+    checkpoint, _, dataplane, staged, scope = await checkpoint_mid_run(
+        fleet, engine, "rf-ck", {ep.rollout_id for ep in placed}
+    )
+    commit_root = tmp_path / "commit"
+    await fleet.commit_all(checkpoint, scope, commit_root)
+    # The checkpoint is taken: the originals go on and finish as attempt 0.
+    await fleet.resume_all(checkpoint)
+    await engine.release(list(staged.staged))
+    for result in await bounded(asyncio.gather(*running)):
+        assert result.episode.attempt == 0 and not result.restored
+
+    # One byte of w1's records flipped: its restore fails on the digest.
+    (records,) = (commit_root / "w1" / "workplace").glob("records-*.jsonl")
+    data = bytearray(records.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    records.write_bytes(bytes(data))
+
+    loaded = load_prefixes(dataplane, staged.staged)
+    prefixes = {call: record.model_dump(mode="json") for call, record in loaded.items()}
+    outcome = await fleet.restore_all(
+        unique("rf-rs"), checkpoint, commit_root, scope, prefixes, time.time() + 20
+    )
+    assert not outcome.ok
+    assert "w1" in outcome.errors and "sha256" in outcome.errors["w1"], outcome.errors
+    assert set(outcome.errors) == {"w1"}, outcome.errors  # retire and resume went through
+    every = [ep.next_attempt() for eps in scope.values() for ep in eps]
+    assert sorted(outcome.restarts, key=str) == sorted(every, key=str)
+    assert outcome.restored.get("w0") and outcome.restored.get("w2")  # they had restored
+
+    for name in INSTANCES:
+        status = await fleet._client(name).status()
+        assert (status.phase, status.checkpoint_id) == ("idle", None), status
+    for name, eps in scope.items():
+        for ep in eps:
+            run = RunEpisode(episode=ep.next_attempt(), task=placed[ep][1])
+            with pytest.raises(EnvRefused) as refused:
+                await fleet.run_episode(name, run, max_wait_s=5)
+            assert refused.value.reason == "retired", (name, ep, refused.value)
+
+    # Forgotten, the n + 1 attempt runs from its input: no record of it was kept anywhere.
+    ep = scope["w0"][0]
+    assert await fleet.forget_all({"w0": [ep.next_attempt()]}) == {"w0": 1}
+    run = RunEpisode(episode=ep.next_attempt(), task=placed[ep][1])
+    fresh = await bounded(fleet.run_episode("w0", run))
+    assert not fresh.restored and fresh.turns == 8
+    assert all(h["call_id"].startswith(f"{ep.next_attempt().key}/") for h in fresh.info["history"])
+
+
+# -- 3. a parked run is re-sent ------------------------------------------------------------------
+
+
+class Recording(httpx.AsyncBaseTransport):
+    """A real transport that notes every request (method, path, body) and its status."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.seen: list[tuple[str, str, bytes, int, bytes]] = []
+        self.changed = asyncio.Event()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        body = await request.aread()
+        response = await self.inner.handle_async_request(request)
+        reply = await response.aread() if response.status_code != 200 else b""
+        self.seen.append((request.method, request.url.path, body, response.status_code, reply))
+        self.changed.set()
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    def runs(self) -> list[tuple[bytes, int, bytes]]:
+        return [(b, s, r) for _, path, b, s, r in self.seen if path == EPISODES_RUN]
+
+
+async def test_parked_episode_is_resent_after_resume_with_the_same_identity(
+    trio: Trio, fleet: EnvFleet
+) -> None:
+    recording = Recording()
+    checkpoint = unique("ps-ck")
+    async with EnvFleet({"w0": trio.client("w0", transport=recording)}) as one:
+        control = one._client("w0")
+        prepared = await control.prepare(
+            PrepareRequest(checkpoint_id=checkpoint, deadline_ts=time.time() + 20)
+        )
+        assert prepared.ready
+        run = RunEpisode(episode=ref("ps-0_g0"), task={"seed": 3, "turns": 3})
+        started = asyncio.create_task(one.run_episode("w0", run, parked_retry_s=0.1))
+        while not recording.runs():  # its first try is refused
+            recording.changed.clear()
+            await bounded(recording.changed.wait(), 10)
+        await asyncio.sleep(0.5)
+        assert not started.done() and len(recording.runs()) == 1  # waits, re-sends nothing
+        await control.resume(ResumeRequest(checkpoint_id=checkpoint))
+        result = await bounded(started)
+
+    assert result.episode == run.episode and not result.restored  # no attempt spent
+    assert result.turns == 3
+    (first, status1, reply1), (second, status2, _) = recording.runs()
+    assert (status1, status2) == (409, 200)
+    assert b'"checkpoint_parked"' in reply1
+    assert first == second == run.model_dump_json().encode()  # the identical body, re-sent
+    polls = [s for m, p, _, s, _ in recording.seen if p == f"{PREFIX}/status" and m == "GET"]
+    assert polls and all(s == 200 for s in polls)  # it waited on status, not on blind retries
+
+
+# -- 4. the lease --------------------------------------------------------------------------------
+
+
+async def test_lease_reopens_a_parked_instance_nobody_resumes(trio: Trio, fleet: EnvFleet) -> None:
+    async with trio.client("w1") as client:
+        run = RunEpisode(episode=ref("ls-0_g0"), task={"seed": 9, "turns": 16})
+        episode = asyncio.create_task(client.run_episode(run))
+        deadline = time.monotonic() + 10
+        while (await client.status()).live_episodes < 1:
+            assert time.monotonic() < deadline and not episode.done()
+            await asyncio.sleep(0.02)
+        checkpoint = unique("ls-ck")
+        prepared = await client.prepare(
+            PrepareRequest(checkpoint_id=checkpoint, deadline_ts=time.time() + 1.0)
+        )
+        assert prepared.ready and [p.episode for p in prepared.parked] == [run.episode]
+        # Nobody resumes and nobody asks: the instance's own lease watcher lets the parked
+        # episode go at deadline + grace, and it finishes.
+        result = await bounded(episode, 10)
+        ended = time.time()
+        assert result.episode == run.episode and result.turns == 16
+        assert ended >= prepared.lease_expires_ts - 0.05, "it ran on while parked"
+        assert ended - prepared.lease_expires_ts < 8
+
+        status = await client.status()
+        assert (status.phase, status.checkpoint_id, status.lease_expires_ts) == ("idle", None, None)
+        for call in (
+            client.prepare(PrepareRequest(checkpoint_id=checkpoint, deadline_ts=time.time() + 5)),
+            client.renew(RenewRequest(checkpoint_id=checkpoint, deadline_ts=time.time() + 5)),
+        ):
+            with pytest.raises(EnvRefused) as refused:
+                await call
+            assert refused.value.reason == "checkpoint_resumed"
+        late = await client.resume(ResumeRequest(checkpoint_id=checkpoint))
+        assert (late.phase, late.resumed) == ("idle", False)
+
+
+# -- 5. retire / forget, and a resumed id --------------------------------------------------------
+
+
+async def test_retired_rollout_refused_until_forget_and_resumed_id_refused_forever(
+    trio: Trio, fleet: EnvFleet, tmp_path: Path
+) -> None:
+    ep = ref("rt-0_g0")
+    run = RunEpisode(episode=ep, task={"seed": 2, "turns": 2})
+    assert await fleet.retire_all({"w2": [ep]}) == {"w2": 1}
+    assert await fleet.retire_all({"w2": [ep]}) == {"w2": 0}  # marked once
+    for _ in range(2):  # refused every time, not once
+        with pytest.raises(EnvRefused) as refused:
+            await fleet.run_episode("w2", run, max_wait_s=5)
+        assert refused.value.reason == "retired"
+    other = await bounded(fleet.run_episode("w2", RunEpisode(episode=ep.next_attempt())))
+    assert other.episode == ep.next_attempt()  # only that attempt is retired
+    assert await fleet.forget_all({"w2": [ep]}) == {"w2": 1}
+    result = await bounded(fleet.run_episode("w2", run))
+    assert result.episode == ep and result.turns == 2
+
+    async with trio.client("w2") as client:
+        checkpoint = unique("rt-ck")
+        prepare = PrepareRequest(checkpoint_id=checkpoint, deadline_ts=time.time() + 20)
+        assert (await client.prepare(prepare)).ready
+        assert (await client.prepare(prepare)).ready  # replayed while open
+        first = await client.resume(ResumeRequest(checkpoint_id=checkpoint))
+        again = await client.resume(ResumeRequest(checkpoint_id=checkpoint))
+        assert first == again and first.resumed  # a resume replays, idempotently
+        later = time.time() + 20
+        calls = {
+            "prepare": client.prepare(PrepareRequest(checkpoint_id=checkpoint, deadline_ts=later)),
+            "renew": client.renew(RenewRequest(checkpoint_id=checkpoint, deadline_ts=later)),
+            "commit": client.commit(
+                CommitRequest(checkpoint_id=checkpoint, scope=(), dest=str(tmp_path))
+            ),
+            "restore": client.restore(
+                RestoreRequest(
+                    restore_id=checkpoint,
+                    source_checkpoint_id=checkpoint,
+                    root=str(tmp_path),
+                    scope=(),
+                    deadline_ts=later,
+                )
+            ),
+        }
+        for op, call in calls.items():
+            with pytest.raises(EnvRefused) as refused:
+                await call
+            assert refused.value.reason == "checkpoint_resumed", op
+        # Not stuck: a new id opens and closes as usual.
+        fresh = unique("rt-ck")
+        await client.prepare(PrepareRequest(checkpoint_id=fresh, deadline_ts=later))
+        assert (await client.resume(ResumeRequest(checkpoint_id=fresh))).resumed
