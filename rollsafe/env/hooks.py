@@ -11,7 +11,7 @@ where its episodes stand through the :class:`EpisodeSession` it is handed for ea
         state = session.restored or new_state(run.task)
         while not done(state):
             await session.boundary(state.turn)        # parks here while a checkpoint is open
-            with session.generating(call_id):         # a model call: may be cut while parked
+            async with session.generating(call_id):   # a model call: may be cut while parked
                 action = await policy(...)
             with session.tool():                      # a tool call: never parked inside
                 apply(action)
@@ -24,7 +24,7 @@ generating (never inside a tool call), so the state they see is a turn boundary'
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any, Protocol
 
 from rollsafe.env.protocol import EpisodeRef, EpisodeResult, ParticipantKind, RunEpisode
@@ -41,9 +41,11 @@ class EpisodeSession(Protocol):
         """A turn boundary (``turn`` turns completed): waits here while the instance is parked."""
         ...
 
-    def generating(self, call_id: str) -> AbstractContextManager[None]:
+    def generating(self, call_id: str) -> AbstractAsyncContextManager[None]:
         """Inside: the episode waits on policy call ``call_id``; a prepare parks it as it is
-        and reports the call id (the checkpoint cuts the call)."""
+        and reports the call id (the checkpoint cuts the call). A response that arrives while
+        the instance is parked is held at the exit until resume, so the episode's state stays
+        the one prepare reported even when the call could not be cut."""
         ...
 
     def tool(self) -> AbstractContextManager[None]:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, suppress
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager, suppress
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -66,23 +66,38 @@ class _Session:
         self._owner._changed.set()
         await release.wait()  # Participant._close has already set activity back to running
 
-    def generating(self, call_id: str) -> AbstractContextManager[None]:
-        return self._marked("generating", call_id)
-
-    def tool(self) -> AbstractContextManager[None]:
-        return self._marked("tool", None)
+    @asynccontextmanager
+    async def generating(self, call_id: str) -> AsyncIterator[None]:
+        """While parked, a model response is held here until resume: the episode then still
+        stands where prepare reported it (in flight), whether or not the cut froze the call."""
+        self._mark("generating", call_id)
+        try:
+            yield
+        except BaseException:
+            self._unmark()
+            raise
+        release = self._owner._release
+        if release is not None:
+            await release.wait()
+        self._unmark()
 
     @contextmanager
-    def _marked(self, activity: _Activity, call_id: str | None) -> Iterator[None]:
-        self.activity, self.call_id = activity, call_id
-        self._owner._changed.set()
+    def tool(self) -> Iterator[None]:
+        self._mark("tool", None)
         try:
             yield
         finally:
-            self.activity, self.call_id = "running", None
-            if self._owner._release is not None:
-                self.moved = True
-            self._owner._changed.set()
+            self._unmark()
+
+    def _mark(self, activity: _Activity, call_id: str | None) -> None:
+        self.activity, self.call_id = activity, call_id
+        self._owner._changed.set()
+
+    def _unmark(self) -> None:
+        self.activity, self.call_id = "running", None
+        if self._owner._release is not None:
+            self.moved = True
+        self._owner._changed.set()
 
 
 class Participant:

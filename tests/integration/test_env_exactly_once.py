@@ -242,10 +242,10 @@ async def cut_parked(
     """Cut every call of ``ours`` (rollout ids) still generating and stage its prefix; the
     commit scope per instance.
 
-    An episode parked ``generating`` whose call could not be cut (it finished between prepare
-    and cut) went on to its tool call: its state is no longer the one prepare reported, the
-    instance would refuse it in the scope (``not_parked``), and it restarts from its input.
-    Restarts are never in the scope."""
+    Every parked episode is in the scope: one whose call could not be cut (not started, still
+    reading its prompt, or finished) holds its response until resume, so it is exported as
+    parked, in flight, and its restored attempt makes that call again (turn level). Restarts
+    are never in the scope."""
     parked = {
         name: [p for p in inv.parked if p.episode.rollout_id in ours]
         for name, inv in prepared.instances.items()
@@ -276,10 +276,7 @@ async def cut_parked(
         refused=tuple(r for r in staged.refused if r.call_id in refused),
         handoffs=staged.handoffs,
     )
-    scope = {
-        name: [p.episode for p in held if p.activity == "boundary" or p.model_call_id in cuts]
-        for name, held in parked.items()
-    }
+    scope = {name: [p.episode for p in held] for name, held in parked.items()}
     return staged, scope
 
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +86,8 @@ class Session:
             self.exported = self.env.export_episode(self.episode)
             raise _Stop
 
-    @contextmanager
-    def generating(self, call_id: str) -> Iterator[None]:
+    @asynccontextmanager
+    async def generating(self, call_id: str) -> AsyncIterator[None]:
         self.calls.append(call_id)
         yield
 

@@ -63,7 +63,7 @@ class Toy(EnvironmentHooks):
         state = self.state.setdefault(key, start)
         while state["turn"] < run.task.get("turns", TURNS):
             await session.boundary(state["turn"])
-            with session.generating(f"{key}/call-{state['turn']}"):
+            async with session.generating(f"{key}/call-{state['turn']}"):
                 await self._pause(key, "generating")
             with session.tool():
                 await self._pause(key, "tool")
@@ -274,9 +274,10 @@ async def test_prepare_right_after_resume_parks_at_the_next_boundary(
     toy.release(A)
     assert (await prepare).parked[0].turn == 1
     await part.resume(ResumeRequest(checkpoint_id="ck1"))
-    # A has been released but has not run yet: it must not count as parked at turn 1 again.
+    # A has been released but has not run yet: it must not count as parked at its old
+    # boundary. It runs into its model call, whose response is held while ck2 is open.
     reply = await part.prepare(prep("ck2"))
-    assert [(p.episode, p.turn) for p in reply.parked] == [(A, 2)]
+    assert [(p.episode, p.turn, p.activity) for p in reply.parked] == [(A, 1, "generating")]
     await part.resume(ResumeRequest(checkpoint_id="ck2"))
     assert (await asyncio.wait_for(run, 2.0)).turns == TURNS
 
@@ -308,18 +309,23 @@ async def test_commit_refuses_scope_not_parked(toy: Toy, tmp_path: Path) -> None
     assert part.status().phase == "prepared" and toy.exports == []
 
 
-async def test_commit_refuses_episode_that_moved_on(
+async def test_a_model_response_arriving_while_parked_is_held_until_resume(
     part: Participant, toy: Toy, tmp_path: Path
 ) -> None:
+    """A call that could not be cut returns while parked: the episode must not move on, so
+    the commit still exports the state prepare reported."""
     toy.hold(A, "generating")
-    start(part, A)
+    run = start(part, A)
     await until(lambda: A.key in toy.sessions)
     reply = await part.prepare(prep("ck1"))
     assert reply.parked[0].activity == "generating"
-    toy.release(A)  # the model call returned after all: A went on into its tool call
+    toy.release(A)  # the model call returned after all
     await asyncio.sleep(0.01)
+    assert toy.state[A.key]["turn"] == 0, "the episode went on into its tool call while parked"
     commit = CommitRequest(checkpoint_id="ck1", scope=(A,), dest=str(tmp_path))
-    assert "moved on" in str(await refused("not_parked", part.commit(commit)))
+    assert (await part.commit(commit)).committed == (A,)
+    await part.resume(ResumeRequest(checkpoint_id="ck1"))
+    assert (await asyncio.wait_for(run, 2.0)).turns == TURNS
 
 
 async def test_retire_marks_refuse_runs_until_forget(part: Participant, toy: Toy) -> None:

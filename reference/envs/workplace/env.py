@@ -151,7 +151,7 @@ class WorkplaceEnv(EnvironmentHooks):
             self._live[key] = state
         assert state.in_flight is not None
         request = state.in_flight.request
-        with session.generating(request.call_id):
+        async with session.generating(request.call_id):
             completion = await self._complete(request, prefix)
         with session.tool():
             action = action_from_tokens(completion.tokens, state.calendar)
