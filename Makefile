@@ -22,8 +22,8 @@ test: setup
 	$(BIN)/python -m pytest -q tests
 
 lint: setup
-	$(BIN)/ruff check rollsafe workflows activities workers tests bench
-	$(BIN)/ruff format --check rollsafe workflows activities workers tests bench
+	$(BIN)/ruff check rollsafe workflows activities workers reference tests bench
+	$(BIN)/ruff format --check rollsafe workflows activities workers reference tests bench
 	$(BIN)/mypy
 
 # Until the demo issue lands, the main job is the checkpoint / crash / restore scenario below:
