@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager, suppress
+from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -25,11 +25,10 @@ from rollsafe.env import protocol as wire
 from rollsafe.env import store
 from rollsafe.env.hooks import EnvironmentHooks
 from rollsafe.env.protocol import EpisodeRef, EpisodeResult, Phase
+from rollsafe.env.session import Session
 from rollsafe.errors import InvalidInput, SnapshotCorrupt
 
 R = TypeVar("R", bound=BaseModel)
-# "running": between markers, i.e. neither capturable nor known to be mutating.
-_Activity = Literal["running", "boundary", "generating", "tool"]
 _CAPTURED: dict[str, wire.Activity] = {"boundary": "boundary", "generating": "generating"}
 
 
@@ -43,61 +42,6 @@ class Refused(InvalidInput):
     def __init__(self, reason: str, detail: str) -> None:
         self.reason = reason
         super().__init__(f"{reason}: {detail}")
-
-
-class _Session:
-    """The :class:`~rollsafe.env.hooks.EpisodeSession` of one episode run."""
-
-    def __init__(self, owner: Participant, episode: EpisodeRef, restored: dict[str, Any] | None):
-        self.episode, self.restored, self._owner = episode, restored, owner
-        self.activity: _Activity = "running"
-        self.call_id: str | None = None
-        # moved: left the activity prepare reported it parked in, while the checkpoint is open;
-        # its state is no longer the one reported, so commit must not export it.
-        self.turn, self.moved, self.retired = 0, False, False
-        self.task: asyncio.Task[EpisodeResult] | None = None
-
-    async def boundary(self, turn: int) -> None:
-        self.turn = turn
-        release = self._owner._release
-        if release is None:
-            return
-        self.activity = "boundary"
-        self._owner._changed.set()
-        await release.wait()  # Participant._close has already set activity back to running
-
-    @asynccontextmanager
-    async def generating(self, call_id: str) -> AsyncIterator[None]:
-        """While parked, a model response is held here until resume: the episode then still
-        stands where prepare reported it (in flight), whether or not the cut froze the call."""
-        self._mark("generating", call_id)
-        try:
-            yield
-        except BaseException:
-            self._unmark()
-            raise
-        release = self._owner._release
-        if release is not None:
-            await release.wait()
-        self._unmark()
-
-    @contextmanager
-    def tool(self) -> Iterator[None]:
-        self._mark("tool", None)
-        try:
-            yield
-        finally:
-            self._unmark()
-
-    def _mark(self, activity: _Activity, call_id: str | None) -> None:
-        self.activity, self.call_id = activity, call_id
-        self._owner._changed.set()
-
-    def _unmark(self) -> None:
-        self.activity, self.call_id = "running", None
-        if self._owner._release is not None:
-            self.moved = True
-        self._owner._changed.set()
 
 
 class Participant:
@@ -124,7 +68,7 @@ class Participant:
         self._closed: set[str] = set()  # resumed, aborted or expired: refused forever
         self._replies: dict[tuple[str, str], BaseModel] = {}
         self._parked: dict[str, wire.ParkedEpisode] = {}  # what the open prepare reported, by key
-        self._live: dict[str, _Session] = {}
+        self._live: dict[str, Session] = {}
         self._retired: set[tuple[str, int]] = set()
         self._restored: dict[str, dict[str, Any]] = {}  # attempt n + 1's key -> record
         # Set by resume; None while admission is open. Parked episodes wait on it.
@@ -185,6 +129,13 @@ class Participant:
         if self._phase not in phases:
             raise Refused("wrong_phase", f"{cid}: phase is {self._phase}, not {'/'.join(phases)}")
 
+    def _require_future(self, deadline_ts: float) -> None:
+        # A deadline already past would open a lease that has run out: answered "ready", then
+        # gone before the commit. The caller's clock or arithmetic is wrong; say so.
+        now = self._clock()
+        if deadline_ts <= now:
+            raise InvalidInput(f"deadline_ts {deadline_ts:.3f} has passed (now {now:.3f})")
+
     def _open(self, phase: Phase, cid: str, deadline_ts: float) -> float:
         self._phase, self._open_id = phase, cid
         return self._set_lease(deadline_ts)
@@ -215,6 +166,7 @@ class Participant:
             if stored := self._stored(cid, "prepare", wire.PrepareReply):
                 return stored
             self._require(cid, "idle")
+            self._require_future(request.deadline_ts)
             self._open("prepared", cid, request.deadline_ts)
             self._release = asyncio.Event()  # admission closed; boundaries block from now
             reply = await self._park(request.deadline_ts)
@@ -349,6 +301,7 @@ class Participant:
             if stored := self._stored(rid, "restore", wire.RestoreReply):
                 return stored
             self._require(rid, "idle")
+            self._require_future(request.deadline_ts)
             for ep in request.scope:
                 self._check_free(ep.next_attempt())
             root = _absolute(request.root, "root")
@@ -392,7 +345,7 @@ class Participant:
         self._lazy_expire()
         ep = run.episode
         self._admit(ep)
-        session = _Session(self, ep, self._restored.pop(ep.key, None))
+        session = Session(self, ep, self._restored.pop(ep.key, None))
         self._live[ep.key] = session
         try:
             session.task = asyncio.get_running_loop().create_task(

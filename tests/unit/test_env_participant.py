@@ -26,7 +26,7 @@ from rollsafe.env.protocol import (
     RetireRequest,
     RunEpisode,
 )
-from rollsafe.errors import SnapshotCorrupt
+from rollsafe.errors import InvalidInput, SnapshotCorrupt
 
 A, B, C = (EpisodeRef(rollout_id=f"run-{i}_g0", attempt=0) for i in range(3))
 TURNS = 3
@@ -408,3 +408,10 @@ async def test_restore_lease_expiry_keeps_the_state(toy: Toy, tmp_path: Path) ->
     now[0] += 60
     assert part.status().phase == "idle"
     assert (await part.run(RunEpisode(episode=A.next_attempt()))).restored
+
+
+async def test_a_deadline_already_past_is_refused_and_opens_nothing(part: Participant) -> None:
+    with pytest.raises(InvalidInput, match="has passed"):
+        await part.prepare(PrepareRequest(checkpoint_id="ck1", deadline_ts=time.time() - 1))
+    assert part.status().phase == "idle"
+    assert (await part.prepare(prep("ck1"))).ready  # the id was not spent
