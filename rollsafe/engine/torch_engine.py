@@ -21,13 +21,13 @@ import queue
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
 import torch
 
-from rollsafe.engine.model import KVCache, ModelConfig, Route, TinyTransformer
+from rollsafe.engine.calls import REFUSALS, Call, Frozen, Sink, deliver
+from rollsafe.engine.model import ModelConfig, TinyTransformer
 from rollsafe.engine.protocol import (
     CUT_BATCH,
     CutRefusal,
@@ -54,52 +54,6 @@ PREFILL_CHUNK = 32
 _FLUSH_EVERY = 64
 
 
-class _Sink:
-    """Where one call's events go: an asyncio queue on the caller's event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[StreamEvent | BaseException] = asyncio.Queue()
-
-
-_REFUSALS: dict[RefusalReason | None, str] = {
-    "unknown_call": "not in flight on this engine (finished, abandoned or never started)",
-    "constrained_decoding": "constraint state is not part of a prefix record",
-    "no_tokens": "no token generated yet: restart from the turn",
-    None: "",
-}
-
-
-@dataclass(frozen=True)
-class _Frozen:
-    """A frozen call's state, copied out of the engine loop to be sealed outside it."""
-
-    request: GenerateRequest
-    tokens: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    versions: tuple[int, ...]
-    routes: tuple[Route, ...] | None
-
-
-@dataclass
-class _Call:
-    request: GenerateRequest
-    sink: _Sink
-    cache: KVCache
-    feed: deque[int]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    routes: list[Route] | None = None
-    frozen: bool = False
-    logits: torch.Tensor | None = None
-    route: Route | None = None
-
-    @property
-    def call_id(self) -> str:
-        return self.request.call_id
-
-
 class TorchEngine:
     """The reference engine. ``async with TorchEngine(...)`` or call :meth:`close`."""
 
@@ -119,10 +73,10 @@ class TorchEngine:
         self.fingerprint = self.config.fingerprint()
         self.weight_version = weight_version
         self.handoffs = 0
-        self._calls: dict[str, _Call] = {}
+        self._calls: dict[str, Call] = {}
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
         self._commands = queue.SimpleQueue()
-        self._outbox: list[tuple[_Sink, StreamEvent | BaseException]] = []
+        self._outbox: list[tuple[Sink, StreamEvent | BaseException]] = []
         self._closing = False
         self._closing_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="rollsafe-engine", daemon=True)
@@ -131,7 +85,7 @@ class TorchEngine:
     # -- the protocol -------------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamEvent]:
-        sink = _Sink(asyncio.get_running_loop())
+        sink = Sink(asyncio.get_running_loop())
         await self._handoff(lambda: self._admit(request, sink, None))
         async for event in self._drain(request.call_id, sink):
             yield event
@@ -140,7 +94,7 @@ class TorchEngine:
         self, request: GenerateRequest, prefix: PrefixRecord
     ) -> AsyncIterator[StreamEvent]:
         prefix.check_request(request, self.fingerprint)
-        sink = _Sink(asyncio.get_running_loop())
+        sink = Sink(asyncio.get_running_loop())
         await self._handoff(lambda: self._admit(request, sink, prefix))
         async for event in self._drain(request.call_id, sink):
             yield event
@@ -161,7 +115,7 @@ class TorchEngine:
             handoffs += 1
         return CutReport(prefixes=tuple(prefixes), refused=tuple(refused), handoffs=handoffs)
 
-    def _seal(self, state: _Frozen) -> PrefixRecord:
+    def _seal(self, state: Frozen) -> PrefixRecord:
         request = state.request
         return seal_prefix(
             call_id=request.call_id,
@@ -209,7 +163,7 @@ class TorchEngine:
             self._commands.put((command, future))
         return await asyncio.wrap_future(future)
 
-    async def _drain(self, call_id: str, sink: _Sink) -> AsyncIterator[StreamEvent]:
+    async def _drain(self, call_id: str, sink: Sink) -> AsyncIterator[StreamEvent]:
         finished = False
         try:
             while True:
@@ -278,7 +232,7 @@ class TorchEngine:
         except Exception as exc:  # the caller gets the error; the loop goes on
             future.set_exception(exc)
 
-    def _advance(self, call: _Call) -> None:
+    def _advance(self, call: Call) -> None:
         """Feed what the call still has to feed (a chunk), then sample one token."""
         try:
             budget = PREFILL_CHUNK
@@ -295,7 +249,7 @@ class TorchEngine:
             self._calls.pop(call.call_id, None)
             self._emit(call, EngineUnavailable(f"call {call.call_id} failed in the engine: {exc}"))
 
-    def _sample(self, call: _Call) -> None:
+    def _sample(self, call: Call) -> None:
         assert call.logits is not None
         params = call.request.sampling
         index = len(call.tokens)
@@ -323,28 +277,28 @@ class TorchEngine:
         else:
             call.feed.append(token)
 
-    def _finish(self, call: _Call, reason: FinishReason) -> None:
+    def _finish(self, call: Call, reason: FinishReason) -> None:
         self._calls.pop(call.call_id, None)
         self._emit(
             call, FinishEvent(call_id=call.call_id, reason=reason, n_tokens=len(call.tokens))
         )
 
-    def _emit(self, call: _Call, item: StreamEvent | BaseException) -> None:
+    def _emit(self, call: Call, item: StreamEvent | BaseException) -> None:
         self._outbox.append((call.sink, item))
 
     def _flush(self) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, StreamEvent | BaseException]]]
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sink, StreamEvent | BaseException]]]
         by_loop = {}
         for sink, item in self._outbox:
             by_loop.setdefault(sink.loop, []).append((sink, item))
         self._outbox = []
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # that event loop is gone: nobody listens
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(deliver, items)
 
     # -- commands (run on the engine loop) ----------------------------------------------------
 
-    def _admit(self, request: GenerateRequest, sink: _Sink, prefix: PrefixRecord | None) -> None:
+    def _admit(self, request: GenerateRequest, sink: Sink, prefix: PrefixRecord | None) -> None:
         held = self._calls.get(request.call_id)
         # A restored run resumes from its snapshot's prefix while this engine may still hold
         # the call frozen by that snapshot (the run crashed, the engine did not): the resume
@@ -361,7 +315,7 @@ class TorchEngine:
                 f"call {request.call_id}: prompt tokens {bad[:5]} outside [0, {vocab})"
             )
         capacity = len(request.prompt_tokens) + request.sampling.max_tokens
-        call = _Call(
+        call = Call(
             request=request,
             sink=sink,
             cache=self.model.new_cache(capacity),
@@ -376,10 +330,10 @@ class TorchEngine:
             call.feed.extend(prefix.tokens)
         self._calls[request.call_id] = call
 
-    def _cut_batch(self, call_ids: list[str]) -> tuple[list[_Frozen], list[CutRefusal]]:
+    def _cut_batch(self, call_ids: list[str]) -> tuple[list[Frozen], list[CutRefusal]]:
         """Freeze what can be frozen; copy out its state. Sealing (hashing) happens off the
         loop, in :meth:`cut`, so a cut's cost on the loop does not grow with digest work."""
-        frozen: list[_Frozen] = []
+        frozen: list[Frozen] = []
         refused: list[CutRefusal] = []
         for call_id in call_ids:
             call = self._calls.get(call_id)
@@ -392,15 +346,15 @@ class TorchEngine:
             else:
                 reason = None
             if reason is not None or call is None:
-                refused.append(CutRefusal(call_id=call_id, reason=reason, detail=_REFUSALS[reason]))
+                refused.append(CutRefusal(call_id=call_id, reason=reason, detail=REFUSALS[reason]))
                 continue
             call.frozen = True
             routes = tuple(call.routes) if call.routes is not None else None
             state = (tuple(call.tokens), tuple(call.logprobs), tuple(call.versions), routes)
-            frozen.append(_Frozen(call.request, *state))
+            frozen.append(Frozen(call.request, *state))
         return frozen, refused
 
-    def _abandon(self, call_id: str, sink: _Sink) -> None:
+    def _abandon(self, call_id: str, sink: Sink) -> None:
         # Only this reader's call: a resume may have superseded it under the same id.
         call = self._calls.get(call_id)
         if call is not None and call.sink is sink:
@@ -431,8 +385,3 @@ class TorchEngine:
             raise InvalidInput(f"weight version {version} is not newer than {self.weight_version}")
         self.model.load_state_dict(dict(weights), strict=True)
         self.weight_version = version
-
-
-def _deliver(items: list[tuple[_Sink, StreamEvent | BaseException]]) -> None:
-    for sink, item in items:
-        sink.queue.put_nowait(item)
