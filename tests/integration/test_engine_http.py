@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
-import re
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -36,48 +32,27 @@ from rollsafe.engine.protocol import (
 )
 from rollsafe.engine.torch_engine import TorchEngine
 from rollsafe.errors import EngineUnavailable, InvalidInput, PrefixMismatch
+from rollsafe.served import ENGINE_BANNER, ServedProcess, start_served
 
 TOKEN = "engine-test-token"
 SEED = 3
 MAX_TOKENS = 24
 LIMIT_S = 30
-BANNER = re.compile(r"rollsafe engine serving moe on (http://127\.0\.0\.1:\d+)")
+BANNER = ENGINE_BANNER.format(kind="moe")
 
 
-def _start_server(logs: Path) -> tuple[subprocess.Popen[bytes], str]:
+def _start_server(logs: Path) -> ServedProcess:
     """Start `rollsafe engine serve` on a free port (the OS picks; the banner names it)."""
-    logs.mkdir(parents=True, exist_ok=True)
-    out, err = logs / "stdout", logs / "stderr"
-    env = {**os.environ, "ROLLSAFE_ENGINE_TOKEN": TOKEN}  # the env route: no token in argv
-    command = [sys.executable, "-m", "rollsafe", "engine", "serve", "--port", "0"]
-    with out.open("wb") as stdout, err.open("wb") as stderr:
-        proc = subprocess.Popen(
-            [*command, "--model", "moe", "--seed", str(SEED)], stdout=stdout, stderr=stderr, env=env
-        )
+    args = ["engine", "serve", "--port", "0", "--model", "moe", "--seed", str(SEED)]
+    # The env route: no token in argv.
+    server = start_served(args, BANNER, logs, env={"ROLLSAFE_ENGINE_TOKEN": TOKEN})
     try:
-        deadline = time.monotonic() + 60
-        while not (match := BANNER.search(out.read_text())):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"engine server did not start:\n{err.read_text()}")
-            time.sleep(0.05)
-        url = match.group(1)
-        while httpx.get(f"{url}/v1/health").json() != {"ok": True}:
+        while httpx.get(f"{server.url}/v1/health").json() != {"ok": True}:
             time.sleep(0.05)
     except BaseException:
-        _stop(proc)
+        server.stop()
         raise
-    return proc, url
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """By pid only: terminate, wait, kill if it will not go."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return server
 
 
 def bounded(test: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
@@ -93,11 +68,11 @@ def bounded(test: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[Non
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    proc, url = _start_server(tmp_path_factory.mktemp("engine-server"))
+    server = _start_server(tmp_path_factory.mktemp("engine-server"))
     try:
-        yield url
+        yield server.url
     finally:
-        _stop(proc)
+        server.stop()
 
 
 @pytest.fixture
@@ -308,15 +283,16 @@ async def test_duplicate_call_id_and_bad_prompt_are_invalid_input(client: Engine
 
 @bounded
 async def test_sigterm_closes_the_engine_and_ends_streams(tmp_path: Path) -> None:
-    proc, url = _start_server(tmp_path / "logs")
+    server = _start_server(tmp_path / "logs")
+    proc = server.proc
     try:
-        async with EngineClient(url, TOKEN, timeout=30) as remote:
+        async with EngineClient(server.url, TOKEN, timeout=30) as remote:
             cut = await start_and_cut(remote, 1)  # a frozen call would hold a lax shutdown open
             proc.send_signal(signal.SIGTERM)
             with pytest.raises(EngineUnavailable, match="engine closed"):
                 async for _ in cut.streams[0]:
                     pass
         assert await asyncio.to_thread(proc.wait, 15) in (0, -signal.SIGTERM)
-        assert "Finished server process" in (tmp_path / "logs" / "stderr").read_text()
+        assert "Finished server process" in server.err.read_text()
     finally:
-        _stop(proc)
+        server.stop()

@@ -9,92 +9,49 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from rollsafe.env.conformance import CHECKS, ConformanceReport, run_conformance
+from rollsafe.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, rollsafe_command
 
 ENGINE_TOKEN = "conf-engine-token"
 ENV_TOKEN = "conf-env-token"
 TASK = {"seed": 3, "meetings": 3, "turns": 16}
 INSTANCES = ("conf-a", "conf-b", "conf-c")
-ENGINE_BANNER = re.compile(r"rollsafe engine serving dense on (http://127\.0\.0\.1:\d+)")
-
-
-def env_banner(instance: str) -> re.Pattern[str]:
-    return re.compile(rf"rollsafe env serving workplace {instance} on (http://127\.0\.0\.1:\d+)")
-
-
-class Server:
-    def __init__(self, proc: subprocess.Popen[bytes], out: Path, err: Path) -> None:
-        self.proc, self.out, self.err, self.url = proc, out, err, ""
-
-
-def launch(command: list[str], logs: Path) -> Server:
-    logs.mkdir(parents=True, exist_ok=True)
-    out, err = logs / "stdout", logs / "stderr"
-    with out.open("wb") as stdout, err.open("wb") as stderr:
-        proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=os.environ.copy())
-    return Server(proc, out, err)
-
-
-def await_banner(server: Server, banner: re.Pattern[str], timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not (match := banner.search(server.out.read_text())):
-        if server.proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"server did not start:\n{server.err.read_text()[-3000:]}")
-        time.sleep(0.05)
-    server.url = match.group(1)
-
-
-def stop(server: Server) -> None:
-    """By pid only: terminate, wait, kill if it will not go."""
-    if server.proc.poll() is None:
-        server.proc.terminate()
-        try:
-            server.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait()
-
-
-def rollsafe(*args: str) -> list[str]:
-    return [sys.executable, "-m", "rollsafe", *args]
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServedProcess]]:
     """The engine and three workplace instances; every process stopped by its pid at the end,
     also when one of them never came up."""
     logs = tmp_path_factory.mktemp("conformance")
-    started: list[Server] = []
+    started: list[ServedProcess] = []
     try:
-        engine = launch(
-            rollsafe("engine", "serve", "--port", "0", "--token", ENGINE_TOKEN, "--seed", "1"),
+        engine = ServedProcess(
+            rollsafe_command(
+                "engine", "serve", "--port", "0", "--token", ENGINE_TOKEN, "--seed", "1"
+            ),
             logs / "engine",
         )
         started.append(engine)
-        await_banner(engine, ENGINE_BANNER)
-        envs: dict[str, Server] = {}
+        engine.wait_listening(ENGINE_BANNER.format(kind="dense"))
+        envs: dict[str, ServedProcess] = {}
         for name in INSTANCES:
-            command = rollsafe("env", "serve", "workplace", "--port", "0", "--token", ENV_TOKEN)
-            command += ["--engine-url", engine.url, "--engine-token", ENGINE_TOKEN]
-            command += ["--instance", name, "--lease-grace-s", "1"]
-            envs[name] = launch(command, logs / name)
+            args = ["env", "serve", "workplace", "--port", "0", "--token", ENV_TOKEN]
+            args += ["--engine-url", engine.url, "--engine-token", ENGINE_TOKEN]
+            args += ["--instance", name, "--lease-grace-s", "1"]
+            envs[name] = ServedProcess(rollsafe_command(*args), logs / name)
             started.append(envs[name])
-        for name, server in envs.items():
-            await_banner(server, env_banner(name))
+        for name, server in envs.items():  # started together, awaited in turn
+            server.wait_listening(ENV_BANNER.format(name="workplace", instance=name))
         yield envs
     finally:
         for server in reversed(started):
-            stop(server)
+            server.stop()
 
 
 def failures(report: ConformanceReport) -> str:
@@ -103,7 +60,7 @@ def failures(report: ConformanceReport) -> str:
     )
 
 
-async def test_every_check_passes_on_three_instances(servers: dict[str, Server]) -> None:
+async def test_every_check_passes_on_three_instances(servers: dict[str, ServedProcess]) -> None:
     lines: list[str] = []
     reports = await asyncio.gather(
         *(
@@ -122,7 +79,9 @@ async def test_every_check_passes_on_three_instances(servers: dict[str, Server])
     assert len(lines) == len(CHECKS) * len(INSTANCES)
 
 
-async def test_a_lying_status_fails_the_checks_that_read_it(servers: dict[str, Server]) -> None:
+async def test_a_lying_status_fails_the_checks_that_read_it(
+    servers: dict[str, ServedProcess],
+) -> None:
     url, auth = servers[INSTANCES[2]].url, {"authorization": f"Bearer {ENV_TOKEN}"}
     async with httpx.AsyncClient(base_url=url, headers=auth) as http:
         assert (await http.post("/faults", json={"stale_checkpoint": True})).status_code == 200
@@ -138,9 +97,9 @@ async def test_a_lying_status_fails_the_checks_that_read_it(servers: dict[str, S
     assert (await run_conformance(url, ENV_TOKEN, lease_wait_s=0)).passed
 
 
-def test_env_check_exits_0_on_a_conformant_instance(servers: dict[str, Server]) -> None:
+def test_env_check_exits_0_on_a_conformant_instance(servers: dict[str, ServedProcess]) -> None:
     url, task = servers[INSTANCES[0]].url, {"seed": 1, "turns": 6}
-    command = rollsafe("env-check", url, "--token", ENV_TOKEN, "--task", json.dumps(task))
+    command = rollsafe_command("env-check", url, "--token", ENV_TOKEN, "--task", json.dumps(task))
     done = subprocess.run(
         [*command, "--lease-wait-s", "5"], capture_output=True, text=True, timeout=120
     )
@@ -150,11 +109,15 @@ def test_env_check_exits_0_on_a_conformant_instance(servers: dict[str, Server]) 
     assert "all checks passed" in done.stdout
 
 
-def test_env_check_with_a_wrong_token_exits_2_naming_it(servers: dict[str, Server]) -> None:
+def test_env_check_with_a_wrong_token_exits_2_naming_it(servers: dict[str, ServedProcess]) -> None:
     url = servers[INSTANCES[1]].url
     env = {**os.environ, "ROLLSAFE_ENV_TOKEN": "not-the-token"}  # the token from the variable
     done = subprocess.run(
-        rollsafe("env-check", url, "--json"), capture_output=True, text=True, timeout=60, env=env
+        rollsafe_command("env-check", url, "--json"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "refused the token (401)" in done.stderr and done.stdout == ""

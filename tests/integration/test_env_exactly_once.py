@@ -19,10 +19,6 @@ them (the torch engine lets a resume with a prefix replace a frozen call of the 
 from __future__ import annotations
 
 import asyncio
-import os
-import re
-import subprocess
-import sys
 import time
 import uuid
 from collections import Counter
@@ -55,13 +51,12 @@ from rollsafe.env.protocol import (
     RunEpisode,
 )
 from rollsafe.errors import EnvUnavailable
+from rollsafe.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, rollsafe_command
 
 ENGINE_TOKEN = "eo-engine-token"
 ENV_TOKEN = "eo-env-token"
 INSTANCES = ("w0", "w1", "w2")
 LEASE_GRACE_S = 1.0
-ENGINE_BANNER = re.compile(r"rollsafe engine serving moe on (http://127\.0\.0\.1:\d+)")
-START_TIMEOUT_S = 60.0
 EPISODE_TIMEOUT_S = 60.0  # any one gather of episodes; far above what they take
 RECUT_FOR_S = 0.3
 CHECKPOINT_TRIES = 3
@@ -71,74 +66,30 @@ FROZEN: set[str] = set()  # every call a test cut
 # -- server processes ---------------------------------------------------------------------------
 
 
-class Server:
-    """One server subprocess; ``url`` once its banner is out."""
-
-    def __init__(self, name: str, command: list[str], logs: Path) -> None:
-        logs.mkdir(parents=True, exist_ok=True)
-        self.name, self.url = name, ""
-        self.out, self.err = logs / "stdout", logs / "stderr"
-        with self.out.open("wb") as stdout, self.err.open("wb") as stderr:
-            self.proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=os.environ)
-
-    def wait_ready(self, banner: re.Pattern[str]) -> Server:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not (match := banner.search(self.out.read_text())):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                stop(self)
-                raise RuntimeError(f"{self.name} did not start:\n{self.err.read_text()}")
-            time.sleep(0.05)
-        self.url = match.group(1)
-        return self
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-
-def stop(server: Server) -> None:
-    """By pid only: terminate, wait, kill if it will not go."""
-    if server.proc.poll() is None:
-        server.proc.terminate()
-        try:
-            server.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait()
-
-
-def crash(server: Server) -> None:
-    """SIGKILL by pid: the instance dies with everything it held in memory."""
-    if server.proc.poll() is None:
-        server.proc.kill()
-    server.proc.wait(timeout=15)
-
-
-def env_banner(instance: str) -> re.Pattern[str]:
-    return re.compile(rf"rollsafe env serving workplace {instance} on (http://127\.0\.0\.1:\d+)")
-
-
 class Trio:
     """The three workplace instances; a crash replaces them with fresh processes under the same
     instance ids. Every process ever started is stopped by the module's finalizer."""
 
-    def __init__(self, engine: Server, logs: Path) -> None:
+    def __init__(self, engine: ServedProcess, logs: Path) -> None:
         self.engine, self.logs = engine, logs
-        self.started: list[Server] = []
-        self.current: dict[str, Server] = {}
+        self.started: list[ServedProcess] = []
+        self.current: dict[str, ServedProcess] = {}
         self.generation = 0
 
     def start(self, names: Sequence[str]) -> None:
         self.generation += 1
-        spawned = [self._spawn(name) for name in names]  # all at once, then wait for each
-        for server in spawned:
-            self.current[server.name] = server.wait_ready(env_banner(server.name))
+        spawned = {name: self._spawn(name) for name in names}  # all at once, then wait for each
+        for name, server in spawned.items():
+            banner = ENV_BANNER.format(name="workplace", instance=name)
+            self.current[name] = server.wait_listening(banner)
 
-    def _spawn(self, instance: str) -> Server:
-        command = [sys.executable, "-m", "rollsafe", "env", "serve", "workplace", "--port", "0"]
-        command += ["--token", ENV_TOKEN, "--engine-url", self.engine.url]
-        command += ["--engine-token", ENGINE_TOKEN, "--instance", instance]
-        command += ["--lease-grace-s", str(LEASE_GRACE_S)]
-        server = Server(instance, command, self.logs / f"{instance}-{self.generation}")
+    def _spawn(self, instance: str) -> ServedProcess:
+        args = ["env", "serve", "workplace", "--port", "0"]
+        args += ["--token", ENV_TOKEN, "--engine-url", self.engine.url]
+        args += ["--engine-token", ENGINE_TOKEN, "--instance", instance]
+        args += ["--lease-grace-s", str(LEASE_GRACE_S)]
+        logs = self.logs / f"{instance}-{self.generation}"
+        server = ServedProcess(rollsafe_command(*args), logs)
         self.started.append(server)
         return server
 
@@ -149,7 +100,7 @@ class Trio:
 
     def crash_all(self) -> None:
         for server in self.current.values():
-            crash(server)
+            server.crash()
 
     def fleet(self, **client: Any) -> EnvFleet:
         return EnvFleet(
@@ -161,25 +112,26 @@ class Trio:
 
 
 @pytest.fixture(scope="module")
-def engine_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    command = [sys.executable, "-m", "rollsafe", "engine", "serve", "--port", "0"]
-    command += ["--token", ENGINE_TOKEN, "--model", "moe", "--seed", "1"]
-    server = Server("engine", command, tmp_path_factory.mktemp("eo-engine"))
+def engine_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedProcess]:
+    args = ["engine", "serve", "--port", "0", "--token", ENGINE_TOKEN, "--model", "moe"]
+    server = ServedProcess(
+        rollsafe_command(*args, "--seed", "1"), tmp_path_factory.mktemp("eo-engine")
+    )
     try:
-        yield server.wait_ready(ENGINE_BANNER)
+        yield server.wait_listening(ENGINE_BANNER.format(kind="moe"))
     finally:
-        stop(server)
+        server.stop()
 
 
 @pytest.fixture(scope="module")
-def trio(engine_server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
+def trio(engine_server: ServedProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
     servers = Trio(engine_server, tmp_path_factory.mktemp("eo-envs"))
     try:
         servers.start(INSTANCES)
         yield servers
     finally:
         for server in servers.started:
-            stop(server)
+            server.stop()
 
 
 @pytest.fixture
@@ -201,7 +153,7 @@ async def fleet(trio: Trio, engine: EngineClient) -> AsyncIterator[EnvFleet]:
 
 
 @pytest.fixture
-async def engine(engine_server: Server) -> AsyncIterator[EngineClient]:
+async def engine(engine_server: ServedProcess) -> AsyncIterator[EngineClient]:
     async with EngineClient(engine_server.url, ENGINE_TOKEN) as client:
         yield client
 

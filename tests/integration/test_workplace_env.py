@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -54,6 +50,7 @@ from rollsafe.env.protocol import (
     StatusReply,
 )
 from rollsafe.errors import InvalidInput
+from rollsafe.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
 
 ROLLOUT = "wp-7_g0"
 TASK = {"seed": 5, "meetings": 3, "turns": 4}
@@ -250,75 +247,42 @@ async def test_restore_refuses_bad_records_and_prefixes(torch_engine: TorchEngin
 ENGINE_TOKEN = "wp-engine-token"
 ENV_TOKEN = "wp-env-token"
 INSTANCE = "wp-test"
-ENGINE_BANNER = re.compile(r"rollsafe engine serving dense on (http://127\.0\.0\.1:\d+)")
-ENV_BANNER = re.compile(rf"rollsafe env serving workplace {INSTANCE} on (http://127\.0\.0\.1:\d+)")
+WORKPLACE_BANNER = ENV_BANNER.format(name="workplace", instance=INSTANCE)
 AUTH = {"authorization": f"Bearer {ENV_TOKEN}"}
 STATUS = f"{PREFIX}/status"
 
 
-def start(command: list[str], banner: re.Pattern[str], logs: Path, **env: str) -> Server:
-    """Start a server on a free port; its banner names the URL. Stopped by the caller's
-    finalizer (by pid), also when it never came up."""
-    logs.mkdir(parents=True, exist_ok=True)
-    out, err = logs / "stdout", logs / "stderr"
-    with out.open("wb") as stdout, err.open("wb") as stderr:
-        proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, env={**os.environ, **env})
-    server = Server(proc, "")
-    deadline = time.monotonic() + 60
-    while not (match := banner.search(out.read_text())):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop(server)
-            raise RuntimeError(f"{command[3:5]} did not start:\n{err.read_text()}")
-        time.sleep(0.05)
-    server.url = match.group(1)
-    return server
-
-
-class Server:
-    def __init__(self, proc: subprocess.Popen[bytes], url: str) -> None:
-        self.proc, self.url = proc, url
-
-
-def stop(server: Server) -> None:
-    """By pid only: terminate, wait, kill if it will not go."""
-    if server.proc.poll() is None:
-        server.proc.terminate()
-        try:
-            server.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait()
-
-
 @pytest.fixture(scope="module")
-def engine_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    command = [sys.executable, "-m", "rollsafe", "engine", "serve", "--port", "0"]
-    command += ["--token", ENGINE_TOKEN, "--model", "dense", "--seed", "1"]
-    server = start(command, ENGINE_BANNER, tmp_path_factory.mktemp("engine"))
+def engine_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedProcess]:
+    args = ["engine", "serve", "--port", "0", "--token", ENGINE_TOKEN, "--model", "dense"]
+    banner = ENGINE_BANNER.format(kind="dense")
+    server = start_served([*args, "--seed", "1"], banner, tmp_path_factory.mktemp("engine"))
     try:
         yield server
     finally:
-        stop(server)
+        server.stop()
 
 
-def env_command(engine: Server) -> list[str]:
-    command = [sys.executable, "-m", "rollsafe", "env", "serve", "workplace", "--port", "0"]
-    command += ["--engine-url", engine.url, "--engine-token", ENGINE_TOKEN]
-    return [*command, "--instance", INSTANCE, "--lease-grace-s", "0.5"]
+def start_env(engine: ServedProcess, logs: Path, **env: str) -> ServedProcess:
+    args = ["env", "serve", "workplace", "--port", "0", "--instance", INSTANCE]
+    args += ["--engine-url", engine.url, "--engine-token", ENGINE_TOKEN, "--lease-grace-s", "0.5"]
+    return start_served(args, WORKPLACE_BANNER, logs, env)
 
 
 @pytest.fixture(scope="module")
-def env_server(engine_server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def env_server(
+    engine_server: ServedProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServedProcess]:
     logs = tmp_path_factory.mktemp("env")
-    server = start(env_command(engine_server), ENV_BANNER, logs, ROLLSAFE_ENV_TOKEN=ENV_TOKEN)
+    server = start_env(engine_server, logs, ROLLSAFE_ENV_TOKEN=ENV_TOKEN)
     try:
         yield server
     finally:
-        stop(server)
+        server.stop()
 
 
 @pytest.fixture
-async def env_http(env_server: Server) -> AsyncIterator[httpx.AsyncClient]:
+async def env_http(env_server: ServedProcess) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(base_url=env_server.url, headers=AUTH, timeout=30) as http:
         yield http
         await http.post("/faults", json={})  # every switch off for the next test
@@ -377,7 +341,7 @@ async def control(http: httpx.AsyncClient, op: str, body: BaseModel) -> dict[str
 
 
 async def test_checkpoint_mid_generation_restores_over_http(
-    env_http: httpx.AsyncClient, engine_server: Server, tmp_path: Path
+    env_http: httpx.AsyncClient, engine_server: ServedProcess, tmp_path: Path
 ) -> None:
     episode, task = EpisodeRef(rollout_id="wp-ck-0_g0", attempt=0), {"seed": 3, "turns": 16}
     calls = [f"{episode.key}/t{turn}" for turn in range(16)]
@@ -450,10 +414,10 @@ async def test_fault_switches_at_runtime(env_http: httpx.AsyncClient) -> None:
 
 
 def test_dying_instance_from_the_environment_variable(
-    engine_server: Server, tmp_path: Path
+    engine_server: ServedProcess, tmp_path: Path
 ) -> None:
     env = {"ROLLSAFE_ENV_TOKEN": ENV_TOKEN, "ROLLSAFE_ENV_FAULTS": "die_on:prepare"}
-    server = start(env_command(engine_server), ENV_BANNER, tmp_path, **env)
+    server = start_env(engine_server, tmp_path, **env)
     try:
         assert httpx.get(f"{server.url}{STATUS}", headers=AUTH).status_code == 200
         prepare = PrepareRequest(checkpoint_id="wp-die-1", deadline_ts=time.time() + 5)
@@ -463,4 +427,4 @@ def test_dying_instance_from_the_environment_variable(
             )
         assert server.proc.wait(timeout=10) == EXIT_CODE
     finally:
-        stop(server)
+        server.stop()
