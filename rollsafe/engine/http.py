@@ -15,9 +15,8 @@ frozen call.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 import httpx
@@ -28,7 +27,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from rollsafe import errors
+from rollsafe import bearer, errors
+from rollsafe.bearer import Handler
 from rollsafe.engine.protocol import (
     CUT_BATCH,
     CutReport,
@@ -52,7 +52,6 @@ M = TypeVar("M", bound=BaseModel)
 NDJSON = "application/x-ndjson"
 HEARTBEAT_S = 10.0
 _JSON = {"content-type": "application/json"}
-_Handler = Callable[[Request], Awaitable[Response]]
 # Any other error (an invariant broken, a bug) is a 500.
 _STATUS = ((PrefixMismatch, 409), (InvalidInput, 422), (TransientError, 503))
 
@@ -159,20 +158,9 @@ def engine_app(engine: Engine, token: str, *, heartbeat_s: float = HEARTBEAT_S) 
     """``engine`` over HTTP; every endpoint but ``/v1/health`` wants ``Bearer <token>``."""
     if not token:
         raise InvalidInput("an engine server needs a non-empty token")
-    expected = f"Bearer {token}".encode()
 
-    def guarded(handler: _Handler) -> _Handler:
-        async def endpoint(request: Request) -> Response:
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                detail = "missing or wrong bearer token"
-                return JSONResponse({"error": "Unauthorized", "detail": detail}, status_code=401)
-            try:
-                return await handler(request)
-            except Exception as exc:
-                return _error_response(exc)
-
-        return endpoint
+    def guarded(handler: Handler) -> Handler:
+        return bearer.guarded(token, handler, _error_response)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"ok": True})

@@ -18,7 +18,6 @@ changes nothing. Bodies are parsed with the protocol models. Errors are
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -30,12 +29,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from rollsafe.bearer import Handler, guarded
 from rollsafe.env import protocol as wire
 from rollsafe.env.participant import Participant, Refused
 from rollsafe.errors import InvalidInput, InvariantError, TransientError
 
 M = TypeVar("M", bound=BaseModel)
-_Handler = Callable[[Request], Awaitable[Response]]
 log = logging.getLogger(__name__)
 
 
@@ -77,22 +76,11 @@ def _reply(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
-def _guarded(token: str, handler: _Handler) -> _Handler:
-    expected = f"Bearer {token}".encode()
-
-    async def endpoint(request: Request) -> Response:
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            return _error(401, "Unauthorized", "missing or wrong bearer token")
-        try:
-            return await handler(request)
-        except Exception as exc:
-            return error_response(exc)
-
-    return endpoint
+def _guarded(token: str, handler: Handler) -> Handler:
+    return guarded(token, handler, error_response)
 
 
-def _post(model: type[M], call: Callable[[M], Awaitable[BaseModel]]) -> _Handler:
+def _post(model: type[M], call: Callable[[M], Awaitable[BaseModel]]) -> Handler:
     async def handler(request: Request) -> Response:
         return _reply(await call(await _parse(request, model)))
 
@@ -110,7 +98,7 @@ def router_routes(participant: Participant, token: str) -> list[Route]:
     async def status(request: Request) -> Response:
         return _reply(p.status())
 
-    posts: dict[str, _Handler] = {
+    posts: dict[str, Handler] = {
         "prepare": _post(wire.PrepareRequest, p.prepare),
         "renew": _post(wire.RenewRequest, p.renew),
         "commit": _post(wire.CommitRequest, p.commit),

@@ -21,7 +21,6 @@ OP is one of :data:`FAULT_OPS`: a checkpoint endpoint's name, or ``run`` for ``/
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import os
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from reference.envs.workplace.calendar import describe
+from rollsafe.bearer import token_matches, unauthorized
 from rollsafe.env.protocol import EPISODES_RUN, PREFIX, ErrorReply, ResumeReply
 from rollsafe.errors import InvalidInput
 
@@ -92,7 +92,7 @@ class FaultMiddleware:
     ) -> None:
         self.app = app
         self.switches = switches or FaultSwitches()
-        self._expected = f"Bearer {token}".encode()
+        self._token = token
         self._exit = exit
         self._seen: list[str] = []  # checkpoint and restore ids, oldest first
 
@@ -129,12 +129,11 @@ class FaultMiddleware:
 
     def _authorized(self, scope: Scope) -> bool:
         given = dict(scope["headers"]).get(b"authorization", b"")
-        return hmac.compare_digest(given, self._expected)
+        return token_matches(given, self._token)
 
     async def _faults(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self._authorized(scope):
-            error = ErrorReply(error="Unauthorized", detail="missing or wrong bearer token")
-            await JSONResponse(error.model_dump(), status_code=401)(scope, receive, send)
+            await unauthorized()(scope, receive, send)
             return
         if scope["method"] == "POST":
             try:
