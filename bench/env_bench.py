@@ -37,14 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from snapshot_bench import baseline_write  # the same plain write + fsync baseline
+
 from rollsafe.env import protocol as wire
 from rollsafe.env.drain import PendingReplies
 from rollsafe.env.hooks import EnvironmentHooks, EpisodeSession
 from rollsafe.env.participant import Participant
 from rollsafe.env.protocol import EpisodeRef, EpisodeResult, RunEpisode
-from rollsafe.snapshot._fs import fsync_dir
 
-CHUNK = 8 << 20
 GROUP = 8
 
 
@@ -92,16 +92,6 @@ class Calendar(EnvironmentHooks):
 
     def drop_episode(self, episode: EpisodeRef) -> None:
         self.state.pop(episode.key, None)
-
-
-def plain_write(path: Path, data: memoryview) -> float:
-    start = time.perf_counter()
-    with open(path, "xb", buffering=0) as handle:
-        for offset in range(0, len(data), CHUNK):
-            handle.write(data[offset : offset + CHUNK])
-        os.fsync(handle.fileno())
-    fsync_dir(path.parent)
-    return time.perf_counter() - start
 
 
 async def cycle(
@@ -166,7 +156,7 @@ async def park_window(episodes: int, instances: int, repeats: int, root: Path) -
                         cycle_runs.append(out)
                 elif r >= 0:
                     path = root / f"plain-{r}"
-                    plain.append(plain_write(path, data))
+                    plain.append(baseline_write(path, data))
                     path.unlink()
     finally:
         for task in runs:

@@ -1,7 +1,8 @@
 """A rollsafe server run as its own process (``rollsafe engine serve``, ``rollsafe env serve``).
 
 Each serve command prints one line once it listens, naming its URL (``--port 0`` lets the OS
-pick the port); :func:`start_served` waits for that line. Processes are ended by their pid,
+pick the port; :func:`listening_url` reads the real one); :func:`start_served` waits for that
+line. Processes are ended by their pid,
 never by name: :meth:`ServedProcess.stop` terminates (then kills), :meth:`ServedProcess.crash`
 kills outright, as a machine failure would.
 """
@@ -15,8 +16,12 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rollsafe.errors import RollsafeError
+
+if TYPE_CHECKING:
+    import uvicorn
 
 ENGINE_BANNER = r"rollsafe engine serving {kind} on (http://\S+)"
 ENV_BANNER = r"rollsafe env serving {name} {instance} on (http://\S+)"
@@ -24,6 +29,14 @@ ENV_BANNER = r"rollsafe env serving {name} {instance} on (http://\S+)"
 
 class ServerDidNotStart(RollsafeError):
     """The process exited, or printed no listening line in time; its stderr tail is included."""
+
+
+def listening_url(server: uvicorn.Server) -> str:
+    """The URL a started uvicorn server listens on, with the real port (0 asked for any)."""
+    port = server.servers[0].sockets[0].getsockname()[1]
+    host = server.config.host
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{port}"
 
 
 def rollsafe_command(*args: str) -> list[str]:

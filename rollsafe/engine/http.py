@@ -47,6 +47,7 @@ from rollsafe.errors import (
     RollsafeError,
     TransientError,
 )
+from rollsafe.served import listening_url
 
 M = TypeVar("M", bound=BaseModel)
 NDJSON = "application/x-ndjson"
@@ -208,12 +209,9 @@ class _Server(uvicorn.Server):
 
     async def startup(self, sockets: list[Any] | None = None) -> None:
         await super().startup(sockets)
-        if self.started:  # listening: the real port (0 asks for any free one)
-            port = self.servers[0].sockets[0].getsockname()[1]
-            host = self.config.host
-            host = f"[{host}]" if ":" in host else host
+        if self.started:
             kind = (await self.engine.info()).kind
-            print(f"rollsafe engine serving {kind} on http://{host}:{port}", flush=True)
+            print(f"rollsafe engine serving {kind} on {listening_url(self)}", flush=True)
 
     async def shutdown(self, sockets: list[Any] | None = None) -> None:
         # Engine first: in-flight streams end with an error line (EngineUnavailable at the

@@ -12,6 +12,7 @@ from reference.envs.workplace.env import WorkplaceEnv
 from reference.envs.workplace.faults import FaultMiddleware, FaultSwitches
 from rollsafe.engine.http import EngineClient
 from rollsafe.errors import InvalidInput
+from rollsafe.served import listening_url
 
 
 def default_instance() -> str:
@@ -19,7 +20,7 @@ def default_instance() -> str:
 
 
 class _Server(uvicorn.Server):
-    """Prints the banner once listening, with the real port (0 asks for any free one)."""
+    """Prints the banner once listening."""
 
     def __init__(self, config: uvicorn.Config, instance: str) -> None:
         super().__init__(config)
@@ -28,10 +29,7 @@ class _Server(uvicorn.Server):
     async def startup(self, sockets: list[Any] | None = None) -> None:
         await super().startup(sockets)
         if self.started:
-            port = self.servers[0].sockets[0].getsockname()[1]
-            host = self.config.host
-            host = f"[{host}]" if ":" in host else host
-            url = f"http://{host}:{port}"
+            url = listening_url(self)
             print(f"rollsafe env serving workplace {self.instance} on {url}", flush=True)
 
 
