@@ -159,6 +159,18 @@ def row_content(group: int, rollout: int, attempt: int) -> dict[str, np.ndarray]
     }
 
 
+def busy_run(run_id: str, dataplane: DataPlane) -> Controller:
+    """A small run with work in flight, for examples and tests: group 0 ready (both rollouts
+    sealed), group 1 half sealed, group 2 only handed out."""
+    run = Controller(RunConfig(run_id=run_id, group_size=2, groups_per_step=2), dataplane)
+    run.handout([0, 1, 2])
+    for idx, siblings in ((0, (0, 1)), (1, (0,))):
+        for i in siblings:
+            run.dispatch(idx, i)
+            run.seal(idx, i, 0, row_content(idx, i, 0))
+    return run
+
+
 class ScenarioRunner:
     def __init__(
         self, scenario: Scenario, snapshot_dir: Path, make_dataplane: Callable[[], DataPlane]

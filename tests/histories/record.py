@@ -28,13 +28,11 @@ from typing import Any
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 
 from activities.controllers import LocalController
-from rollsafe.config import RunConfig
-from rollsafe.controller import Controller
 from rollsafe.coordinator import CheckpointOps
 from rollsafe.dataplane import make_dataplane
 from rollsafe.faults import arm, disarm_all
 from rollsafe.phases import Phase, SnapshotSpec
-from rollsafe.scenario import row_content
+from rollsafe.scenario import busy_run
 from rollsafe.snapshot import SnapshotStore
 from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
@@ -49,19 +47,6 @@ IDENTITY = "rollsafe-history-recorder"
 FAST = PhaseOptions(retry_initial_s=0.05, retry_maximum_s=0.2, retry_attempts=3)
 
 
-def busy_controller(run_id: str) -> Controller:
-    """A run with work in flight (as in tests/integration/test_snapshot_workflow.py)."""
-    run = Controller(
-        RunConfig(run_id=run_id, group_size=2, groups_per_step=2), make_dataplane("memory")
-    )
-    run.handout([0, 1, 2])
-    for idx, siblings in ((0, (0, 1)), (1, (0,))):
-        for i in siblings:
-            run.dispatch(idx, i)
-            run.seal(idx, i, 0, row_content(idx, i, 0))
-    return run
-
-
 class Case:
     """One recorded execution: a fresh run (controller, store, task queue, worker)."""
 
@@ -70,7 +55,9 @@ class Case:
         self.run_id = run_id
         self.task_queue = f"rollsafe.{run_id}"
         store = SnapshotStore(root / run_id, run_id)
-        self.local = LocalController(CheckpointOps(busy_controller(run_id), store))
+        self.local = LocalController(
+            CheckpointOps(busy_run(run_id, make_dataplane("memory")), store)
+        )
 
     def resolve(self, run_id: str) -> LocalController:
         assert run_id == self.run_id, run_id

@@ -50,30 +50,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         dev.stop()
 
 
-def busy_controller(run_id: str) -> Any:
-    """Group 0 ready, group 1 half sealed, group 2 only handed out."""
-    from rollsafe.config import RunConfig
-    from rollsafe.controller import Controller
-    from rollsafe.dataplane import make_dataplane
-    from rollsafe.scenario import row_content
-
-    run = Controller(
-        RunConfig(run_id=run_id, group_size=2, groups_per_step=2), make_dataplane("memory")
-    )
-    run.handout([0, 1, 2])
-    for idx, siblings in ((0, (0, 1)), (1, (0,))):
-        for i in siblings:
-            run.dispatch(idx, i)
-            run.seal(idx, i, 0, row_content(idx, i, 0))
-    return run
-
-
 class WorkflowHarness:
     """A run whose controller lives in this process, served by workers built on demand."""
 
     def __init__(self, client: Any, tmp_path: Path) -> None:
         from activities.controllers import LocalController
         from rollsafe.coordinator import CheckpointOps
+        from rollsafe.dataplane import make_dataplane
+        from rollsafe.scenario import busy_run
         from rollsafe.snapshot import SnapshotStore
         from workflows.supervisor import task_queue_for
 
@@ -81,7 +65,7 @@ class WorkflowHarness:
         self.run_id = f"wf-{uuid.uuid4().hex[:8]}"
         self.task_queue = task_queue_for(self.run_id)
         self.store = SnapshotStore(tmp_path, self.run_id)
-        self.ops = CheckpointOps(busy_controller(self.run_id), self.store)
+        self.ops = CheckpointOps(busy_run(self.run_id, make_dataplane("memory")), self.store)
         self.local = LocalController(self.ops)
 
     def worker(self) -> Any:
