@@ -36,6 +36,7 @@ bench: setup
 	$(BIN)/python bench/orchestration_bench.py
 	$(BIN)/python bench/engine_bench.py
 	$(BIN)/python bench/env_bench.py
+	$(BIN)/python bench/dataplane_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

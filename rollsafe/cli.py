@@ -9,7 +9,7 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from rollsafe.dataplane import make_dataplane
+from rollsafe.dataplane import backend_running
 from rollsafe.errors import InvalidInput, RollsafeError, RowMismatch
 from rollsafe.temporal.cli import server_command
 
@@ -38,7 +38,13 @@ def scenario_run(
         Path | None,
         typer.Option(help="where snapshots are written (default: a temporary directory)"),
     ] = None,
-    dataplane: Annotated[str, typer.Option(help="data-plane backend")] = "memory",
+    dataplane: Annotated[
+        str,
+        typer.Option(
+            help="data-plane backend: memory, or transferqueue (starts a local Ray and "
+            "TransferQueue, or joins the cluster at RAY_ADDRESS)"
+        ),
+    ] = "memory",
 ) -> None:
     """Apply FILE's events; print the resulting state as one JSON object.
 
@@ -49,11 +55,12 @@ def scenario_run(
 
     try:
         scenario = load_scenario(file)
-        make_dataplane(dataplane)  # fail on an unknown backend before any event runs
-        with tempfile.TemporaryDirectory(prefix="rollsafe-scenario-") as scratch:
+        with (
+            backend_running(dataplane) as planes,
+            tempfile.TemporaryDirectory(prefix="rollsafe-scenario-") as scratch,
+        ):
             root = snapshot_dir if snapshot_dir is not None else Path(scratch)
-            runner = ScenarioRunner(scenario, root, lambda: make_dataplane(dataplane))
-            report = runner.run()
+            report = ScenarioRunner(scenario, root, planes).run()
     except RowMismatch as exc:
         _fail(exc, 1)
     except RollsafeError as exc:

@@ -280,10 +280,14 @@ class CheckpointOps:
                 )
         with self.barrier:
             current = self.controller
-            restored, plan = Controller.restore(
-                current.config, self.store, make_dataplane(current.dataplane.name)
-            )
+            fresh = make_dataplane(current.dataplane.name)
+            try:
+                restored, plan = Controller.restore(current.config, self.store, fresh)
+            except BaseException:
+                fresh.clear()  # a remote data plane would keep a half-import forever
+                raise
             self.controller = restored
+            current.dataplane.clear()  # replaced by the snapshot's rows
         with self._meta:
             self._restores[request.restore_id] = plan
         return plan

@@ -22,6 +22,7 @@
     │   │   └── SealConflict           a second seal with different content
     │   ├── UnknownGroup / UnknownRollout
     │   ├── DataPlaneKeyMissing        a read named a key the data plane does not hold
+    │   ├── DataPlaneCorrupt           a row read back differs from the digest it was put with
     │   └── PrefixMismatch             a resume's prefix does not belong to the call (names why)
     └── InvalidInput                   malformed user input (scenario file, CLI argument, id)
 
@@ -166,6 +167,10 @@ class DataPlaneKeyMissing(InvariantError):
         shown = ", ".join(self.missing[:10])
         more = f" (+{len(self.missing) - 10} more)" if len(self.missing) > 10 else ""
         super().__init__(f"data plane partition {partition!r} has no row for key(s): {shown}{more}")
+
+
+class DataPlaneCorrupt(InvariantError):
+    """A row read back differs from what was put (its digest, dtype or size): never data."""
 
 
 class PrefixMismatch(InvariantError):

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from rollsafe.dataplane import BACKENDS, DataPlane, make_dataplane
 
 
 def _sha(data: bytes) -> str:
@@ -65,3 +69,62 @@ def flip_a_token() -> Callable[[bytes], bytes]:
 @pytest.fixture
 def snapshot_tree() -> Callable[[Path], dict[str, str]]:
     return tree_digest
+
+
+# -- Ray and TransferQueue: started on first use, once per session, stopped by the driver ---------
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[Any]:
+    """Shut down from the driver at the end (never killed by name). Settings as the
+    TransferQueue runtime uses them (rollsafe.dataplane.tq_runtime)."""
+    ray = pytest.importorskip("ray")
+    from rollsafe.dataplane import tq_runtime
+
+    wanted = {**tq_runtime.RAY_ENV, **tq_runtime.TQ_ENV}
+    saved = {name: os.environ.get(name) for name in wanted}
+    os.environ.update(wanted)  # before init, so every Ray process inherits them
+    ray.init(
+        num_cpus=tq_runtime.LOCAL_RAY_CPUS,
+        include_dashboard=False,
+        object_store_memory=tq_runtime.LOCAL_OBJECT_STORE_BYTES,
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@pytest.fixture(scope="session")
+def transferqueue(ray_session: Any) -> Iterator[Any]:
+    """One TransferQueue for the session (tq.init takes 6-8 s); tests keep apart by namespace."""
+    from rollsafe.dataplane.tq_runtime import start_transferqueue
+
+    runtime = start_transferqueue()
+    try:
+        yield runtime
+    finally:
+        runtime.close()
+
+
+@pytest.fixture(params=BACKENDS)
+def dataplane_factory(request: pytest.FixtureRequest) -> Iterator[Callable[[], DataPlane]]:
+    """Makes fresh data planes of each backend in turn; clears them afterwards (a
+    TransferQueue namespace outlives the plane object that wrote it)."""
+    if request.param == "transferqueue":
+        request.getfixturevalue("transferqueue")
+    made: list[DataPlane] = []
+
+    def make() -> DataPlane:
+        plane = make_dataplane(request.param)
+        made.append(plane)
+        return plane
+
+    yield make
+    for plane in made:
+        plane.clear()

@@ -1,16 +1,57 @@
 """Data plane: where rollout rows live (DESIGN.md section 9)."""
 
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+
 from rollsafe.dataplane.protocol import DataPlane, Row, row_digest
 
-__all__ = ["DataPlane", "Row", "make_dataplane", "row_digest"]
+__all__ = ["BACKENDS", "DataPlane", "Row", "backend_running", "make_dataplane", "row_digest"]
+
+BACKENDS = ("memory", "transferqueue")
+
+
+def check_backend(name: str) -> str:
+    from rollsafe.errors import InvalidInput
+
+    if name not in BACKENDS:
+        raise InvalidInput(f"unknown data plane {name!r} (available: {', '.join(BACKENDS)})")
+    return name
 
 
 def make_dataplane(name: str) -> DataPlane:
-    """A fresh, empty data plane of the named backend."""
-    from rollsafe.errors import InvalidInput
+    """A fresh, empty data plane of the named backend. ``transferqueue`` attaches to the
+    TransferQueue running in this process's Ray cluster (a new namespace of it)."""
+    if check_backend(name) == "transferqueue":
+        from rollsafe.dataplane.transferqueue import TransferQueueDataPlane
 
-    if name == "memory":
-        from rollsafe.dataplane.memory import MemoryDataPlane
+        return TransferQueueDataPlane()
+    from rollsafe.dataplane.memory import MemoryDataPlane
 
-        return MemoryDataPlane()
-    raise InvalidInput(f"unknown data plane {name!r} (available: memory)")
+    return MemoryDataPlane()
+
+
+@contextmanager
+def backend_running(name: str) -> Iterator[Callable[[], DataPlane]]:
+    """Fresh planes of backend ``name`` on demand, with what the backend needs running
+    meanwhile: for ``transferqueue``, Ray (a local one, or ``RAY_ADDRESS``) and TransferQueue
+    are attached to or started, and stopped at exit if started here. Every plane made is
+    cleared at exit: a TransferQueue namespace outlives the object that wrote it."""
+    check_backend(name)
+    made: list[DataPlane] = []
+
+    def make() -> DataPlane:
+        made.append(make_dataplane(name))
+        return made[-1]
+
+    with ExitStack() as stack:
+        if name == "transferqueue":
+            from rollsafe.dataplane.tq_runtime import transferqueue_running
+
+            stack.enter_context(transferqueue_running())
+        try:
+            yield make
+        finally:
+            for plane in made:
+                plane.clear()

@@ -15,6 +15,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from rollsafe.dataplane import DataPlane
+from rollsafe.dataplane.batcher import DEFAULT_MAX_ROWS, DEFAULT_WINDOW_S, ReadBatcher
 from rollsafe.engine.protocol import CUT_BATCH, CutRefusal, Engine, PrefixRecord
 from rollsafe.errors import PrefixMismatch
 
@@ -106,3 +107,25 @@ def load_prefixes(dataplane: DataPlane, call_ids: Iterable[str]) -> dict[str, Pr
         rows_key.removeprefix("prefix/"): row_to_record(rows_key, row)
         for rows_key, row in rows.items()
     }
+
+
+class PrefixReader:
+    """Staged records read one call at a time by many concurrent resumers, coalesced into
+    multi-key reads (:class:`~rollsafe.dataplane.batcher.ReadBatcher`): a restore that resumes
+    N calls pays about N / 256 data-plane reads, and each resumer gets its own record or its
+    own error."""
+
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        *,
+        window_s: float = DEFAULT_WINDOW_S,
+        max_rows: int = DEFAULT_MAX_ROWS,
+    ) -> None:
+        self.batcher = ReadBatcher(
+            dataplane, PREFIX_PARTITION, window_s=window_s, max_rows=max_rows
+        )
+
+    async def read(self, call_id: str) -> PrefixRecord:
+        key = prefix_key(call_id)
+        return row_to_record(key, await self.batcher.read(key))

@@ -1,10 +1,10 @@
-"""Integration fixtures: one real Ray and one Temporal dev server per session, and a
-harness that serves a run's workflows with its controller in this process."""
+"""Integration fixtures: one Temporal dev server per session (Ray and TransferQueue are in
+the root conftest), and a harness that serves a run's workflows with its controller in this
+process."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -14,26 +14,6 @@ import pytest
 
 # Fast retries so failure paths finish in a second (workflows.models.PhaseOptions).
 FAST_RETRY = {"retry_initial_s": 0.05, "retry_maximum_s": 0.2, "retry_attempts": 3}
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
-
-
-@pytest.fixture(scope="session")
-def ray_session() -> Iterator[object]:
-    """Started on first use, shut down from the driver at the end (never killed by name).
-    Logical CPUs are scheduling tokens: 4 leaves room beside data-plane actors."""
-    ray = pytest.importorskip("ray")
-    saved = {name: os.environ.get(name) for name in RAY_ENV}
-    os.environ.update(RAY_ENV)  # before init, so every Ray process inherits them
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=128 << 20)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,7 @@ with workflow.unsafe.imports_passed_through():
     from temporalio.client import Client, WorkflowExecutionStatus
     from temporalio.contrib.pydantic import pydantic_data_converter
     from temporalio.worker import Worker
+    from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
     from rollsafe.errors import InvalidInput, TemporalUnavailable
     from rollsafe.temporal.connect import ConnectionSettings, connect
@@ -39,6 +40,12 @@ with workflow.unsafe.imports_passed_through():
 
 # Imported as workflow code would import it: inside the sandbox this must stay importable.
 from rollsafe.temporal.search_attributes import ALL, KIND, PHASE, RUN_ID
+
+# TransferQueue's wheel installs a top-level `tests` package, so the sandbox re-importing this
+# module by name would find theirs: it takes our test modules from the host instead.
+RUNNER = SandboxedWorkflowRunner(
+    restrictions=SandboxRestrictions.default.with_passthrough_modules("tests")
+)
 
 # ---- a tiny workflow + activity: pydantic in, pydantic out, one search attribute upsert ----
 
@@ -146,7 +153,11 @@ async def test_workflow_and_activity_round_trip_a_pydantic_model(server: DevServ
     at = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
     request = Request(run_id="run-1", items=[Item(name="a", at=at), Item(name="b", at=at)])
     async with Worker(
-        client, task_queue=queue, workflows=[SummariseWorkflow], activities=[summarise]
+        client,
+        task_queue=queue,
+        workflows=[SummariseWorkflow],
+        activities=[summarise],
+        workflow_runner=RUNNER,
     ):
         handle = await client.start_workflow(
             SummariseWorkflow.run,
@@ -200,7 +211,9 @@ async def test_state_survives_a_restart_and_stop_ends_the_process(tmp_path: Path
         client = await connect(second.settings())
         handle = client.get_workflow_handle(workflow_id)
         assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
-        async with Worker(client, task_queue=queue, workflows=[WaitForSignalWorkflow]):
+        async with Worker(
+            client, task_queue=queue, workflows=[WaitForSignalWorkflow], workflow_runner=RUNNER
+        ):
             await handle.signal(WaitForSignalWorkflow.release, "after restart")
             assert await handle.result() == "after restart"
         await _shutdown_pause()

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from rollsafe.dataplane import memory
+from rollsafe.dataplane import columnar
 from rollsafe.dataplane.memory import MemoryDataPlane
 from rollsafe.dataplane.protocol import DataPlane, DataPlaneManifest, ExportedFile, row_digest
 from rollsafe.errors import DataPlaneKeyMissing, InvalidInput, SchemaMismatch, SnapshotCorrupt
@@ -351,13 +351,13 @@ def test_import_only_into_an_empty_plane(exported):
 def test_put_during_import_wins_and_the_import_fails(exported, monkeypatch):
     directory, manifest = exported
     plane = MemoryDataPlane()
-    real = memory._check_file_placement
+    real = columnar.read_export
 
-    def put_meanwhile(contents, manifest):
+    def put_meanwhile(directory, manifest):
         plane.put("late", {"k": {}})
-        real(contents, manifest)
+        return real(directory, manifest)
 
-    monkeypatch.setattr(memory, "_check_file_placement", put_meanwhile)
+    monkeypatch.setattr(columnar, "read_export", put_meanwhile)
     with pytest.raises(InvalidInput):
         plane.import_(directory, manifest)
     assert plane.partitions() == ["late"]
@@ -459,7 +459,7 @@ def test_unsafe_manifest_path_is_refused(exported, path):
     refused(directory, manifest.model_copy(update={"files": files}), SnapshotCorrupt)
 
 
-@pytest.mark.parametrize("update", [{"backend": "transferqueue"}, {"format_version": 2}])
+@pytest.mark.parametrize("update", [{"backend": "somedb"}, {"format_version": 2}])
 def test_foreign_manifest_is_a_schema_mismatch(exported, update):
     directory, manifest = exported
     refused(directory, manifest.model_copy(update=update), SchemaMismatch)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from pydantic import ValidationError
@@ -16,6 +18,7 @@ from rollsafe.engine.protocol import (
 )
 from rollsafe.engine.staging import (
     PREFIX_PARTITION,
+    PrefixReader,
     load_prefixes,
     prefix_key,
     record_to_row,
@@ -140,3 +143,15 @@ def test_a_call_with_nothing_staged_is_named() -> None:
     stage_prefixes(dataplane, [record("c1")])
     with pytest.raises(DataPlaneKeyMissing, match="prefix/c9"):
         load_prefixes(dataplane, ["c1", "c9"])
+
+
+async def test_prefix_reader_coalesces_resumers_and_verifies_each_record() -> None:
+    dataplane = MemoryDataPlane()
+    records = [record(f"c{i}", n=2 + i % 5) for i in range(40)]
+    stage_prefixes(dataplane, records)
+    reader = PrefixReader(dataplane, window_s=0.01)
+    got = await asyncio.gather(*(reader.read(r.call_id) for r in records))
+    assert got == records
+    assert reader.batcher.stats.reads == 1
+    with pytest.raises(DataPlaneKeyMissing, match="prefix/gone"):
+        await reader.read("gone")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from hypothesis.stateful import (
 
 from rollsafe.config import RunConfig
 from rollsafe.controller import Controller
-from rollsafe.dataplane import make_dataplane
+from rollsafe.dataplane import DataPlane
 from rollsafe.errors import SealConflict, UnknownGroup
 from rollsafe.phases import RestorePlan
 from rollsafe.scenario import row_content, same_row
@@ -52,8 +53,13 @@ LEVELS = ["sibling", "prompt_group"]
 MAX_OWNED = 6
 KEEP_LATEST = 2  # SnapshotStore's default retention, modelled below
 
-# 6 combinations x 50 examples x 40 steps keeps the file well under a minute on 2 cores.
-SETTINGS = settings(max_examples=50, stateful_step_count=40, deadline=None)
+# 6 combinations x 50 examples x 40 steps keeps the file well under a minute on 2 cores. On
+# TransferQueue every put and read is a round trip (~3 ms): fewer, shorter runs of the same
+# machine show the backend keeps the invariants without repeating the search's breadth.
+SETTINGS = {
+    "memory": settings(max_examples=50, stateful_step_count=40, deadline=None),
+    "transferqueue": settings(max_examples=20, stateful_step_count=30, deadline=None),
+}
 
 RESERVED, DISPATCHED, SEALED = "reserved", "dispatched", "sealed"
 _ATTEMPT_STATES = {
@@ -205,8 +211,9 @@ def assert_gone(run: Controller, idx: int) -> None:
 
 
 class RunMachine(RuleBasedStateMachine):
-    def __init__(self, sampler: str, level: str) -> None:
+    def __init__(self, sampler: str, level: str, planes: Callable[[], DataPlane]) -> None:
         super().__init__()
+        self.planes = planes
         self.sampler = sampler
         self.level = level
         # tmp_path is per test, not per hypothesis example: each example gets its own dir.
@@ -236,7 +243,7 @@ class RunMachine(RuleBasedStateMachine):
             staleness_window=staleness_window,
             restore_level=self.level,
         )
-        self.controller = Controller(self.config, make_dataplane("memory"))
+        self.controller = Controller(self.config, self.planes())
 
     # ---- helpers --------------------------------------------------------------------------
 
@@ -469,7 +476,7 @@ class RunMachine(RuleBasedStateMachine):
         newer = self.snapshots[self.snapshots.index(chosen) + 1 :]
         expected = expected_restore(chosen.model)
         controller, plan = Controller.restore(
-            self.config, SnapshotStore(self.store.root, RUN_ID), make_dataplane("memory")
+            self.config, SnapshotStore(self.store.root, RUN_ID), self.planes()
         )
         assert plan.snapshot == chosen.name
         assert plan.checkpoint_id == chosen.checkpoint_id
@@ -568,6 +575,11 @@ class RunMachine(RuleBasedStateMachine):
 
 @pytest.mark.parametrize("first_level", LEVELS)
 @pytest.mark.parametrize("sampler", SAMPLERS)
-def test_random_runs_keep_invariants_1_to_3(sampler: str, first_level: str) -> None:
+def test_random_runs_keep_invariants_1_to_3(
+    sampler: str, first_level: str, dataplane_factory: Callable[[], DataPlane]
+) -> None:
     # Parametrized rather than drawn, so that every sampler meets every level on each run.
-    run_state_machine_as_test(lambda: RunMachine(sampler, first_level), settings=SETTINGS)
+    backend = dataplane_factory().name
+    run_state_machine_as_test(
+        lambda: RunMachine(sampler, first_level, dataplane_factory), settings=SETTINGS[backend]
+    )

@@ -1,4 +1,5 @@
-"""The six checkpoint situations x three samplers: every case must pass (none xfail).
+"""The six checkpoint situations x three samplers: every case must pass (none xfail), on each
+data-plane backend (memory, and TransferQueue on a real Ray: the session's fixture).
 
 Each situation replays a scenario file through the real Controller (snapshot written to disk,
 crash drops everything, restore reads it back) and checks the exact owed set, which rollouts
@@ -69,24 +70,22 @@ EXPECTED = {
 }
 
 
-def runner_for(raw: dict, snapshot_dir: Path) -> ScenarioRunner:
-    return ScenarioRunner(
-        Scenario.model_validate(raw), snapshot_dir, lambda: make_dataplane("memory")
-    )
+def runner_for(raw: dict, snapshot_dir: Path, planes=lambda: make_dataplane("memory")):
+    return ScenarioRunner(Scenario.model_validate(raw), snapshot_dir, planes)
 
 
-def run_scenario(name: str, sampler: str, tmp_path: Path, **overrides):
+def run_scenario(name: str, sampler: str, tmp_path: Path, planes=None, **overrides):
     raw = json.loads((SCENARIOS / f"{name}.json").read_text())
     raw.update(sampler=sampler, **overrides)
-    runner = runner_for(raw, tmp_path)
+    runner = runner_for(raw, tmp_path) if planes is None else runner_for(raw, tmp_path, planes)
     return runner, runner.run()
 
 
 @pytest.mark.parametrize("sampler", SAMPLERS)
 @pytest.mark.parametrize("situation", sorted(EXPECTED))
-def test_restore_matrix(situation, sampler, tmp_path):
+def test_restore_matrix(situation, sampler, tmp_path, dataplane_factory):
     loader, version, groups, selections = EXPECTED[situation]
-    runner, report = run_scenario(situation, sampler, tmp_path)
+    runner, report = run_scenario(situation, sampler, tmp_path, dataplane_factory)
     assert report.loader_position == loader
     assert report.weight_version == version
     got = {

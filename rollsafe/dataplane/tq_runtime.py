@@ -1,0 +1,156 @@
+"""Start, find and stop TransferQueue 0.1.11 on Ray, with the settings PLATFORM.md measured.
+
+TransferQueue is one system per Ray cluster: a named controller actor plus storage-unit actors,
+and one client per process (module globals inside ``transfer_queue``). Whoever starts it owns
+it: ``tq.close()`` in any process kills the shared controller, so only the owner may call it
+(:meth:`TransferQueueRuntime.close` does so only when this process started it). Every other
+process attaches (:func:`attach`). Ray and TransferQueue are imported on first use, so the pure
+code and the memory backend never pay for them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+from rollsafe.errors import DataPlaneUnavailable
+
+CONTROLLER_NAME = "TransferQueueController"
+CONTROLLER_NAMESPACE = "transfer_queue"
+# Read by transfer_queue at import time, in this process and in its Ray workers (which inherit
+# the environment ray.init sees). 8 threads (its default) fight over 2 cores.
+TQ_ENV = {"TQ_NUM_THREADS": "2"}
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+# Logical CPUs are scheduling tokens: 4 leaves room beside TransferQueue's actors, which would
+# take every token of a 2-CPU ray.init and starve any further default actor (PLATFORM.md).
+LOCAL_RAY_CPUS = 4
+LOCAL_OBJECT_STORE_BYTES = 128 << 20
+
+_lock = threading.Lock()
+
+
+def tq_config(storage_units: int = 1) -> dict[str, Any]:
+    """The default config hangs tq.init under a small ray.init; polling mode and one storage
+    unit do not (PLATFORM.md)."""
+    if storage_units < 1:
+        raise ValueError(f"storage_units must be at least 1, got {storage_units}")
+    return {
+        "controller": {"polling_mode": True},
+        "backend": {"SimpleStorage": {"num_data_storage_units": storage_units}},
+    }
+
+
+def import_tq() -> ModuleType:
+    for name, value in TQ_ENV.items():
+        os.environ.setdefault(name, value)
+    import transfer_queue
+
+    module: ModuleType = transfer_queue
+    return module
+
+
+def controller_running() -> bool:
+    import ray
+
+    if not ray.is_initialized():
+        return False
+    try:
+        ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
+    except ValueError:
+        return False
+    return True
+
+
+def attach() -> Any:
+    """This process's TransferQueue client, attached to the cluster's running system."""
+    import ray
+
+    if not ray.is_initialized():
+        raise DataPlaneUnavailable(
+            "the transferqueue data plane needs Ray in this process: call ray.init(address=...) "
+            "or run inside rollsafe.dataplane.tq_runtime.transferqueue_running()"
+        )
+    if not controller_running():
+        raise DataPlaneUnavailable(
+            f"no TransferQueue controller ({CONTROLLER_NAMESPACE}/{CONTROLLER_NAME}) in this Ray "
+            "cluster: start one with start_transferqueue() or transferqueue_running()"
+        )
+    tq = import_tq()
+    with _lock:
+        tq.init()  # attaches to the running controller; never starts a second one
+        return tq.get_client()
+
+
+class TransferQueueRuntime:
+    """What :func:`start_transferqueue` started in this process, to be stopped by it alone."""
+
+    def __init__(self, *, started_ray: bool, started_tq: bool) -> None:
+        self.started_ray = started_ray
+        self.started_tq = started_tq
+        self._closed = False
+
+    def close(self) -> None:
+        """Stop what this process started (TransferQueue first, then Ray); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.started_tq:
+                import_tq().close()
+        finally:
+            if self.started_ray:
+                import ray
+
+                ray.shutdown()
+
+
+def start_transferqueue(
+    *, ray_address: str | None = None, storage_units: int = 1
+) -> TransferQueueRuntime:
+    """Make TransferQueue reachable from this process: connect to Ray at ``ray_address`` (or
+    ``RAY_ADDRESS``; a local Ray is started when neither is set), then attach to the cluster's
+    TransferQueue or start it. Takes 6-8 s when it starts TransferQueue."""
+    import ray
+
+    ray_address = ray_address or os.environ.get("RAY_ADDRESS") or None
+    started_ray = False
+    if not ray.is_initialized():
+        for name, value in {**RAY_ENV, **TQ_ENV}.items():
+            os.environ.setdefault(name, value)  # before init, so every Ray process inherits them
+        if ray_address is None:
+            ray.init(
+                num_cpus=LOCAL_RAY_CPUS,
+                include_dashboard=False,
+                object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+            )
+        else:
+            ray.init(address=ray_address)
+        started_ray = True
+    try:
+        with _lock:
+            if controller_running():
+                started_tq = False
+                import_tq().init()
+            else:
+                started_tq = True
+                import_tq().init(tq_config(storage_units))
+    except BaseException:
+        if started_ray:
+            ray.shutdown()
+        raise
+    return TransferQueueRuntime(started_ray=started_ray, started_tq=started_tq)
+
+
+@contextmanager
+def transferqueue_running(
+    *, ray_address: str | None = None, storage_units: int = 1
+) -> Iterator[TransferQueueRuntime]:
+    runtime = start_transferqueue(ray_address=ray_address, storage_units=storage_units)
+    try:
+        yield runtime
+    finally:
+        runtime.close()
