@@ -29,6 +29,7 @@ pickles and is torn under live writers); ``import_`` loads one into an empty nam
 from __future__ import annotations
 
 import builtins
+import math
 import re
 import uuid
 import warnings
@@ -135,7 +136,8 @@ class TransferQueueDataPlane:
         """Every row of this namespace, read in batches (the next batch is fetched while the
         current one is written). The caller keeps writers out meanwhile (the controller's
         barrier): a key deleted mid-export fails it, it never exports a torn picture."""
-        keys = {name: self.list(name) for name in self.partitions()}
+        listed = {name: self._tags(name) for name in self._own()}
+        keys = {name: builtins.list(tags) for name, tags in listed.items() if tags}
         return columnar.write_export(
             directory, self.name, keys, self._stream_rows, self._shard_bytes
         )
@@ -235,8 +237,10 @@ class TransferQueueDataPlane:
             return {key: {} for key in keys}
         fields = [field for field, _ in schema]
         names = [_column_name(field, dtype) for field, dtype in schema]
+        # select_fields deep-copies the metadata (tags included): only when there is more.
+        wanted = meta if sorted(meta.field_names) == sorted(names) else meta.select_fields(names)
         try:
-            data = self._call("get", lambda: self._client.get_data(meta.select_fields(names)))
+            data = self._call("get", lambda: self._client.get_data(wanted))
         except DataPlaneUnavailable as exc:
             # Storage lost a key the controller still lists: for one key, that key is gone (for
             # several, TransferQueue does not say which: ReadBatcher reads them one by one).
@@ -245,7 +249,7 @@ class TransferQueueDataPlane:
                 raise DataPlaneKeyMissing(partition, keys) from exc
             raise
         columns = {
-            f: _unbatch(data[name], len(keys)) for f, name in zip(fields, names, strict=True)
+            f: _split_column(data[name], len(keys)) for f, name in zip(fields, names, strict=True)
         }
         return {
             key: _decode_row(partition, key, tag, {f: columns[f][i] for f in fields})
@@ -327,11 +331,20 @@ def _columns(schema: _Schema, rows: Sequence[Mapping[str, np.ndarray]]) -> Any:
     return TensorDict(columns, batch_size=[len(rows)])
 
 
-def _unbatch(column: Any, count: int) -> builtins.list[Any]:
-    parts = list(column.unbind(0))
-    if len(parts) != count:
-        raise DataPlaneUnavailable(f"TransferQueue returned {len(parts)} rows for {count} keys")
-    return parts
+def _split_column(column: Any, count: int) -> builtins.list[np.ndarray]:
+    """Each row's flat array, sliced out of the column's one buffer in numpy: converting row
+    by row through torch costs more than TransferQueue's own transfer."""
+    if column.is_nested:
+        values, offsets = column.values().numpy(), column.offsets().numpy().tolist()
+    else:  # equal lengths may come back as one regular (count, n) tensor
+        values = column.reshape(-1).numpy()
+        width = values.size // count if count else 0
+        offsets = [width * i for i in range(count + 1)]
+    if len(offsets) != count + 1:
+        raise DataPlaneUnavailable(
+            f"TransferQueue returned {len(offsets) - 1} rows for {count} keys"
+        )
+    return [values[offsets[i] : offsets[i + 1]] for i in range(count)]
 
 
 def _decode_row(
@@ -339,8 +352,8 @@ def _decode_row(
 ) -> dict[str, np.ndarray]:
     row: dict[str, np.ndarray] = {}
     for field, (dtype, shape) in tag["fields"].items():
-        flat = columns[field].contiguous().numpy()
-        if flat.dtype.str != dtype or flat.size != int(np.prod(shape, dtype=np.int64)):
+        flat = columns[field]
+        if flat.dtype.str != dtype or flat.size != math.prod(shape):
             raise DataPlaneCorrupt(
                 f"{partition}/{key!r} field {field!r}: TransferQueue returned "
                 f"{flat.dtype.str}[{flat.size}], the row was put as {dtype}{shape}"

@@ -25,6 +25,7 @@ from rollsafe.engine.protocol import SamplingParams, prompt_digest, seal_prefix
 from rollsafe.engine.staging import PrefixReader, prefix_key, stage_prefixes
 from rollsafe.errors import DataPlaneKeyMissing
 from rollsafe.phases import PHASES, PhaseRequest, SnapshotSpec
+from rollsafe.snapshot import SnapshotStore
 
 pytestmark = pytest.mark.usefixtures("transferqueue")
 
@@ -223,3 +224,39 @@ def test_scenario_cli_runs_on_transferqueue_and_agrees_with_memory(tmp_path: Pat
         assert done.returncode == 0, done.stderr[-2000:]
         outputs[backend] = done.stdout
     assert outputs["transferqueue"] == outputs["memory"]
+
+
+def test_a_controller_actor_keeps_its_rows_in_transferqueue(
+    ray_session: Any, tmp_path: Path
+) -> None:
+    """The controller runs in its own Ray worker process and attaches to the driver's
+    TransferQueue; its snapshot restores here, in another process, into a clean namespace."""
+    from rollsafe.actor import start_controller_actor
+    from rollsafe.scenario import row_content
+
+    ray, run_id = ray_session, "tq-actor"
+    config = RunConfig(run_id=run_id, group_size=2, groups_per_step=2)
+    actor = start_controller_actor(run_id, config, tmp_path, dataplane="transferqueue")
+    try:
+        ray.get(actor.handout.remote([0, 1]))
+        for idx, i in [(0, 0), (0, 1), (1, 0)]:
+            episode = ray.get(actor.dispatch.remote(idx, i))
+            ray.get(actor.seal.remote(idx, i, episode.attempt, row_content(idx, i, 0)))
+        spec = SnapshotSpec(run_id=run_id, seq=1)
+        for phase in PHASES:
+            ray.get(actor.run_phase.remote(PhaseRequest(spec=spec, phase=phase)))
+        backend = ray.get(
+            actor.__ray_call__.remote(lambda service: service.controller.dataplane.name)
+        )
+        assert backend == "transferqueue"
+    finally:
+        ray.get(actor.__ray_call__.remote(lambda service: service.controller.dataplane.clear()))
+        ray.kill(actor)
+    plane = TransferQueueDataPlane()
+    try:
+        restored, plan = Controller.restore(config, SnapshotStore(tmp_path, run_id), plane)
+        assert plan.ready == [0] and sorted(plan.partial) == [1]
+        rows = plane.get(ROLLOUT_PARTITION, [restored.row_key(0, 0), restored.row_key(1, 0)])
+        assert row_digest(rows[restored.row_key(1, 0)]) == row_digest(row_content(1, 0, 0))
+    finally:
+        plane.clear()
