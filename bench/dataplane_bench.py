@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
+from env_bench import table  # the same aligned-table printer
 from snapshot_bench import baseline_write  # the same plain write + fsync baseline
 
 from rollsafe.dataplane import DataPlane
@@ -236,14 +237,6 @@ async def prefix_reads(k: int, repeats: int) -> dict[str, Any]:
     row["gets_ratio"] = row["single_gets"] / row["coalesced_gets"]
     row["wall_ratio"] = row["single_s"] / row["coalesced_s"]
     return row | {"all": runs}
-
-
-def table(rows: list[dict[str, Any]], spec: str) -> None:
-    """``spec``: "header key format; ..." (the header's words joined by _)."""
-    columns = [col.split() for col in spec.split(";")]
-    print("".join(f"{head.replace('_', ' '):>12}" for head, _key, _fmt in columns))
-    for row in rows:
-        print("".join(f"{row[key]:>12{fmt}}" for _head, key, fmt in columns))
 
 
 SPEED = (

@@ -92,6 +92,9 @@ class TransferQueueDataPlane:
     # ---- the protocol ----------------------------------------------------------------------
 
     def put(self, partition: str, rows: Mapping[str, Row]) -> None:
+        # Every row is checked before any is sent. TransferQueue failing part-way through a
+        # batch of several calls (DataPlaneUnavailable) may leave some rows stored: putting the
+        # same rows again is safe, a put replaces whole rows.
         checked = check_rows(partition, rows)
         by_schema: dict[_Schema, list[str]] = {}
         for key, row in checked.items():
@@ -105,9 +108,18 @@ class TransferQueueDataPlane:
         check_partition(partition)
         wanted = key_list(keys)
         unique = list(dict.fromkeys(wanted))
+        batches = [unique[i : i + BATCH_ROWS] for i in range(0, len(unique), BATCH_ROWS)]
+        metas, missing = [], set()
+        for batch in batches:  # every batch checked before any is read: all missing keys named
+            try:
+                metas.append(self._meta(partition, batch))
+            except DataPlaneKeyMissing as exc:
+                missing.update(exc.missing)
+        if missing:
+            raise DataPlaneKeyMissing(partition, missing)
         rows: _Rows = {}
-        for start in range(0, len(unique), BATCH_ROWS):
-            rows.update(self._get_batch(partition, unique[start : start + BATCH_ROWS]))
+        for batch, meta in zip(batches, metas, strict=True):
+            rows.update(self._get_batch(partition, batch, meta))
         return {key: rows[key] for key in wanted}
 
     def list(self, partition: str) -> builtins.list[str]:
@@ -211,8 +223,8 @@ class TransferQueueDataPlane:
             )
         return meta
 
-    def _get_batch(self, partition: str, keys: Sequence[str]) -> _Rows:
-        meta = self._meta(partition, keys)
+    def _get_batch(self, partition: str, keys: Sequence[str], meta: Any = None) -> _Rows:
+        meta = meta if meta is not None else self._meta(partition, keys)
         groups: dict[_Schema, builtins.list[int]] = {}
         for position, tag in enumerate(meta.custom_meta):
             groups.setdefault(_tag_schema(tag), []).append(position)

@@ -106,6 +106,11 @@ def test_a_read_names_every_missing_key_and_never_returns_short(planes: Any) -> 
     with pytest.raises(DataPlaneKeyMissing):
         plane.delete("p", ["x", "nope"])
     assert plane.list("p") == ["x", "y"]  # the delete that named a missing key deleted nothing
+    many = {f"m{i:03d}": {"v": np.array([i])} for i in range(2 * BATCH_ROWS)}
+    plane.put("m", many)
+    with pytest.raises(DataPlaneKeyMissing) as info:  # missing keys in both batches of the read
+        plane.get("m", ["lost-1", *many, "lost-3"][: BATCH_ROWS + 1] + ["lost-2", "lost-3"])
+    assert info.value.missing == ["lost-1", "lost-2", "lost-3"]
 
 
 def test_a_key_whose_put_never_finished_is_missing(planes: Any) -> None:

@@ -235,8 +235,14 @@ async def test_single_key_batch_that_fails_is_not_read_again() -> None:
 # -- cancellation -------------------------------------------------------------------------------
 
 
-async def test_caller_cancelled_before_the_read_does_not_disturb_the_others() -> None:
+@pytest.mark.parametrize(
+    ("fail_batches", "sizes"), [(False, [10]), (True, [10] + [1] * 10)], ids=["read", "fallback"]
+)
+async def test_caller_cancelled_before_the_read_does_not_disturb_the_others(
+    fail_batches: bool, sizes: list[int]
+) -> None:
     plane = CountingPlane(10)
+    plane.fail_batches = fail_batches
     batcher = ReadBatcher(plane, PART, window_s=WINDOW)
     tasks = [asyncio.create_task(batcher.read(key(i))) for i in range(10)]
     await asyncio.sleep(0)  # every task has joined the window
@@ -246,7 +252,7 @@ async def test_caller_cancelled_before_the_read_does_not_disturb_the_others() ->
     for i, got in enumerate(results):
         if i != 3:
             assert_row(got, i)
-    assert plane.sizes() == [10]
+    assert plane.sizes() == sizes
     assert batcher.stats.rows == 9
 
 
@@ -266,21 +272,6 @@ async def test_caller_cancelled_while_the_read_is_in_flight_does_not_disturb_the
     assert_row(results[2], 1)
     assert_row(results[3], 2)
     assert plane.calls == [[key(0), key(1), key(2)]]
-
-
-async def test_caller_cancelled_before_a_failed_batch_does_not_disturb_the_fallback() -> None:
-    plane = CountingPlane(5)
-    plane.fail_batches = True
-    batcher = ReadBatcher(plane, PART, window_s=WINDOW)
-    tasks = [asyncio.create_task(batcher.read(key(i))) for i in range(5)]
-    await asyncio.sleep(0)
-    tasks[2].cancel()
-    results = await asyncio.gather(*tasks, return_exceptions=True)
-    assert isinstance(results[2], asyncio.CancelledError)
-    for i, got in enumerate(results):
-        if i != 2:
-            assert_row(got, i)
-    assert plane.sizes() == [5] + [1] * 5
 
 
 # -- arguments ----------------------------------------------------------------------------------
