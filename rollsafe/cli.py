@@ -318,5 +318,48 @@ def ls_command(
     snapshots_list(root, run)
 
 
+@app.command("verify")
+def verify_command(
+    directory: Annotated[Path, typer.Argument(help="a run's --out directory (evidence files)")],
+    against: Annotated[
+        Path | None,
+        typer.Option(help="a reference run's directory: every rollout's tokens must match"),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object, no table")] = False,
+) -> None:
+    """Check a run's evidence files alone: no prompt skipped, every trained group trained once
+    and whole, no rollout in two steps, no environment mutation applied twice (and, with
+    --against, the same tokens as the reference run).
+
+    Exit 0: every check passed. 1: a violation (named). 2: missing or malformed evidence.
+    """
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from rollsafe.evidence import Evidence
+    from rollsafe.verify import all_ok, verify
+
+    try:
+        evidence = Evidence.read(directory)
+        reference = Evidence.read(against) if against is not None else None
+    except RollsafeError as exc:
+        _fail(exc, 2)
+    checks = verify(evidence, reference)
+    if as_json:
+        payload = {"ok": all_ok(checks), "checks": [c.model_dump() for c in checks]}
+        sys.stdout.write(json.dumps(payload) + "\n")
+    else:
+        table = Table(title=f"rollsafe verify {directory}")
+        for column in ("check", "result", "detail"):
+            table.add_column(column)
+        for check in checks:
+            verdict = "[green]ok[/green]" if check.ok else "[red]VIOLATED[/red]"
+            table.add_row(check.name, verdict, check.detail)
+        Console(width=140).print(table)
+    raise typer.Exit(0 if all_ok(checks) else 1)
+
+
 def main() -> None:  # pragma: no cover - console entry point
     app()
