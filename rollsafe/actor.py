@@ -20,6 +20,7 @@ from rollsafe.dataplane import Row, make_dataplane
 from rollsafe.errors import InvalidInput, TransientError
 from rollsafe.faults import fault_point, register
 from rollsafe.ids import EpisodeId, validate_run_id
+from rollsafe.participants import Participants
 from rollsafe.snapshot import FAULT_POINTS, SnapshotStore
 
 if TYPE_CHECKING:
@@ -48,11 +49,13 @@ class ControllerService(CheckpointOps):
         snapshot_root: Path | str,
         dataplane: str = "memory",
         keep_latest_k: int = 2,
+        participants: Participants | None = None,
     ) -> None:
         store = SnapshotStore(
             Path(snapshot_root), config.run_id, keep_latest_k, fault_hook=_store_fault
         )
-        super().__init__(Controller(config, make_dataplane(dataplane)), store)
+        controller = Controller(config, make_dataplane(dataplane))
+        super().__init__(controller, store, participants=participants)
 
     def handout(self, groups: Sequence[int]) -> None:
         with self.barrier:

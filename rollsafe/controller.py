@@ -62,6 +62,11 @@ class Captured:
     counts: dict[str, int]
 
 
+# Restores a snapshot's environment episodes (as attempt n + 1), given the snapshot and the
+# data plane it was just loaded into; returns attempt n of each restored episode -> instance.
+RestoreEnvironments = Callable[[SnapshotReader, DataPlane], Mapping[EpisodeId, str]]
+
+
 class Controller:
     def __init__(self, config: RunConfig, dataplane: DataPlane) -> None:
         self.config = config
@@ -208,10 +213,12 @@ class Controller:
         dataplane: DataPlane,
         restored_episodes: Mapping[EpisodeId, str] | None = None,
         accept: Callable[[SnapshotManifest], str | None] | None = None,
+        environments: RestoreEnvironments | None = None,
     ) -> tuple[Controller, RestorePlan]:
         """Restore from the newest snapshot that verifies into ``dataplane`` (empty).
 
-        ``restored_episodes`` maps each episode an environment restored to its instance.
+        ``restored_episodes`` maps each episode an environment restored to its instance;
+        ``environments`` restores them itself (``rollsafe.participants``) once the rows verified.
         The new controller is returned only if every check passed; on any error the snapshot
         directory is unchanged and ``dataplane`` (which may hold imported rows) is discarded
         by the caller.
@@ -220,7 +227,10 @@ class Controller:
         controller = cls(config, dataplane)
         controller._load(reader)
         controller._verify_rows()
-        plan = controller._restart(reader, dict(restored_episodes or {}))
+        restored = dict(restored_episodes or {})
+        if environments is not None:  # after the rows verified: the envs need their prefixes
+            restored.update(environments(reader, controller.dataplane))
+        plan = controller._restart(reader, restored)
         return controller, plan
 
     def _load(self, reader: SnapshotReader) -> None:

@@ -27,6 +27,7 @@ from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import InvalidInput, TransientError
 from rollsafe.faults import fault_point
 from rollsafe.gate import AdmissionGate, GateCounters
+from rollsafe.participants import ENVS_DIR, RECORD_FILE, Participants
 from rollsafe.phases import (
     PHASES,
     Phase,
@@ -103,7 +104,11 @@ class _Record:
 
 class CheckpointOps:
     def __init__(
-        self, controller: Controller, store: SnapshotStore, gate: AdmissionGate | None = None
+        self,
+        controller: Controller,
+        store: SnapshotStore,
+        gate: AdmissionGate | None = None,
+        participants: Participants | None = None,
     ) -> None:
         if store.run_id != controller.config.run_id:
             raise InvalidInput(
@@ -112,6 +117,8 @@ class CheckpointOps:
         self.controller = controller
         self.store = store
         self.gate = gate or AdmissionGate()
+        # The run's environments and engines; None: phases 3-7 have nothing to do.
+        self.participants = participants
         # Held by capture and by every call that changes the controller's state
         # (rollsafe.actor.ControllerService), so a capture sees the run standing still.
         self.barrier = threading.Lock()
@@ -147,7 +154,11 @@ class CheckpointOps:
                 return record.aborted.model_copy(update={"replayed": True})
             with self._meta:
                 record.resumed = True
-                change = self.gate.open(spec.checkpoint_id)
+            try:
+                resumed = self._resume_participants(spec.checkpoint_id)
+            finally:
+                with self._meta:
+                    change = self.gate.open(spec.checkpoint_id)
             entry = self._entry(spec.checkpoint_id)
             if entry is not None:
                 with entry.lock:
@@ -158,7 +169,7 @@ class CheckpointOps:
             discarded = "draft discarded" if entry else "no draft to discard"
             self._effect(ABORT, entry is not None or change.changed)
             record.aborted = self._result(
-                spec, Phase.RESUME, f"aborted: {discarded}; admission {change.detail}"
+                spec, Phase.RESUME, f"aborted: {discarded}; {resumed}admission {change.detail}"
             )
             return record.aborted
 
@@ -169,9 +180,13 @@ class CheckpointOps:
         if phase is Phase.RESUME:
             with self._meta:
                 record.resumed = True
-                change = self.gate.open(cid)
-            self._effect(phase, change.changed)
-            return self._result(spec, phase, f"admission {change.detail}")
+            try:
+                resumed = self._resume_participants(cid)
+            finally:  # admission reopens even when an instance could not be reached (lease)
+                with self._meta:
+                    change = self.gate.open(cid)
+                self._effect(phase, change.changed)
+            return self._result(spec, phase, f"{resumed}admission {change.detail}")
         if phase is Phase.PUBLISH:
             return self._publish(spec, self._entry(cid))
         if phase is Phase.CLOSE_ADMISSION:
@@ -187,7 +202,52 @@ class CheckpointOps:
         entry = self._require_open(spec)
         if phase is Phase.CAPTURE:
             return self._capture(spec, entry)
-        return self._result(spec, phase, _NOTHING[phase])
+        if self.participants is None:
+            return self._result(spec, phase, _NOTHING[phase])
+        return self._participant_phase(spec, phase, entry, self.participants)
+
+    def _participant_phase(
+        self, spec: SnapshotSpec, phase: Phase, entry: _Open, participants: Participants
+    ) -> PhaseResult:
+        cid = spec.checkpoint_id
+        if phase is Phase.RETIRE_DROPPED:
+            with self.barrier:
+                retirements = self.controller.ledger.retirements()
+            count = participants.retire(retirements)
+            with self.barrier:
+                self.controller.ledger.mark_retired(r.episode for r in retirements)
+            return self._result(spec, phase, f"{count} abandoned attempts retired")
+        if phase is Phase.PREPARE_ENVS:
+            prepared = participants.prepare(cid)
+            parked = sum(len(i.parked) for i in prepared.instances.values())
+            restarts = sum(len(i.restarts) for i in prepared.instances.values())
+            summary = f"{len(prepared.instances)} instances parked {parked} episodes"
+            return self._result(
+                spec, phase, f"{summary}, {restarts} to restart", {"parked": parked}
+            )
+        if phase is Phase.DRAIN:
+            stragglers = participants.drain(cid)
+            summary = f"{len(stragglers)} replies still out after the drain (restarted)"
+            return self._result(spec, phase, summary, {"stragglers": len(stragglers)})
+        if phase is Phase.CUT_GENERATION:
+            cut = participants.cut(cid, self.controller.dataplane)
+            summary = f"{len(cut.staged)} calls cut and staged, {len(cut.refused)} at turn level"
+            return self._result(spec, phase, summary, {"cut": len(cut.staged)})
+        with entry.lock:  # COMMIT_ENVS writes into the draft
+            self._check_usable(entry)
+            committed = participants.commit(cid, entry.draft.path)
+            if RECORD_FILE not in entry.draft.files:  # a retried commit records once
+                entry.draft.record(ENVS_DIR)
+                entry.draft.write_json(RECORD_FILE, committed)
+        episodes = sum(len(c.committed) for c in committed.committed.instances.values())
+        return self._result(
+            spec, phase, f"{episodes} episodes committed", {"committed_episodes": episodes}
+        )
+
+    def _resume_participants(self, checkpoint_id: str) -> str:
+        if self.participants is None:
+            return ""
+        return self.participants.resume(checkpoint_id) + "; "
 
     def _open_draft(self, spec: SnapshotSpec, record: _Record) -> PhaseResult:
         cid = spec.checkpoint_id
@@ -278,16 +338,27 @@ class CheckpointOps:
                     f"restore {request.restore_id}: checkpoint {self._open.spec.checkpoint_id} "
                     "is open; it must finish or abort first"
                 )
+        environments, outcomes = (
+            self.participants.restorer(request.restore_id)
+            if self.participants is not None
+            else (None, [])
+        )
         with self.barrier:
             current = self.controller
             fresh = make_dataplane(current.dataplane.name)
             try:
-                restored, plan = Controller.restore(current.config, self.store, fresh)
+                restored, plan = Controller.restore(
+                    current.config, self.store, fresh, environments=environments
+                )
             except BaseException:
                 fresh.clear()  # a remote data plane would keep a half-import forever
+                if self.participants is not None and outcomes and outcomes[-1].ok:
+                    self.participants.abandon_restore(request.restore_id, outcomes[-1])
                 raise
             self.controller = restored
             current.dataplane.clear()  # replaced by the snapshot's rows
+        if self.participants is not None and outcomes:
+            self.participants.resume_restored(request.restore_id)
         with self._meta:
             self._restores[request.restore_id] = plan
         return plan

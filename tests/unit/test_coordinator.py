@@ -10,7 +10,7 @@ from rollsafe.config import RunConfig
 from rollsafe.controller import ROLLOUT_PARTITION, Controller
 from rollsafe.coordinator import ABORT, CheckpointOps, CheckpointRefused, SnapshotLost
 from rollsafe.dataplane import make_dataplane
-from rollsafe.errors import InvalidInput, LedgerInvariantViolation
+from rollsafe.errors import EnvUnavailable, InvalidInput, LedgerInvariantViolation
 from rollsafe.faults import ENV_VAR, InjectedFault, arm, disarm_all
 from rollsafe.phases import PHASES, Phase, PhaseRequest, SnapshotSpec
 from rollsafe.scenario import row_content
@@ -310,3 +310,32 @@ def test_next_seq_skips_published_and_seen_checkpoints(ops, tmp_path):
     ops.abort(SnapshotSpec(run_id=RUN, seq=2))  # ended without a snapshot: its id is spent
     assert ops.next_seq() == 3
     assert ControllerService(config(), tmp_path).next_seq() == 2  # a fresh one sees the disk
+
+
+class FlakyParticipants:
+    """Environments that cannot be reached on the first resume (the protocol's lease would
+    reopen them); records every resume asked for."""
+
+    def __init__(self) -> None:
+        self.resumes: list[str] = []
+
+    def resume(self, checkpoint_id: str) -> str:
+        self.resumes.append(checkpoint_id)
+        if len(self.resumes) == 1:
+            raise EnvUnavailable("w0: connection refused")
+        return "2 instances resumed"
+
+
+def test_admission_reopens_even_when_the_environments_cannot_be_resumed(tmp_path):
+    flaky = FlakyParticipants()
+    ops = busy(ControllerService(config(), tmp_path, participants=flaky))
+    run(ops, Phase.OPEN)
+    run(ops, Phase.CLOSE_ADMISSION)
+    with pytest.raises(EnvUnavailable):
+        run(ops, Phase.RESUME)
+    assert ops.status().gate_open  # episodes may be dispatched; parked instances answer 409
+    again = run(ops, Phase.RESUME)  # Temporal retries the phase: the environments now resume
+    assert "2 instances resumed" in again.summary and not again.replayed
+    assert flaky.resumes == [SPEC.checkpoint_id] * 2
+    ops.abort(SnapshotSpec(run_id=RUN, seq=2))
+    assert flaky.resumes[-1] == SnapshotSpec(run_id=RUN, seq=2).checkpoint_id

@@ -1,0 +1,1 @@
+"""The reference async RL run (issue 7)."""

@@ -1,0 +1,298 @@
+"""A run's environments and engines in a snapshot's phases and in a restore (DESIGN.md sections
+5 and 6): the work of phases 3-7 and 9 that the coordinator (``CheckpointOps``) hands over when
+the run has participants.
+
+The run's dispatcher sends ``/episodes/run`` calls on :attr:`Participants.loop` and records
+each in :attr:`Participants.pending` until its reply arrives; this object uses the same loop,
+so the drain waits on the dispatcher's own record. What one checkpoint's phases hand each other
+(the inventory, the cut, the commit) is kept here per checkpoint id; the coordinator makes each
+phase run once per checkpoint id, and the environment protocol replays each operation too.
+
+The snapshot gets ``envs/<instance>/...`` (what each instance exported, each file hashed into
+the manifest) and ``participants.json`` (the committed scope per instance, which calls were cut
+and staged): what a restore needs to bring the episodes back as attempt n + 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollsafe.controller import RestoreEnvironments
+from rollsafe.dataplane import DataPlane
+from rollsafe.engine.protocol import CutRefusal, Engine
+from rollsafe.engine.staging import StagedCut, cut_and_stage, load_prefixes
+from rollsafe.env.drain import PendingReplies
+from rollsafe.env.fleet import EnvFleet
+from rollsafe.env.fleet_rules import FleetCommitted, FleetPrepared, FleetRestored
+from rollsafe.env.protocol import EpisodeRef
+from rollsafe.errors import InvalidInput, InvariantError
+from rollsafe.ids import EpisodeId, RolloutId
+from rollsafe.ledger import Retirement
+from rollsafe.loop import LoopThread
+from rollsafe.snapshot import SnapshotReader
+
+RECORD_FILE = "participants.json"
+ENVS_DIR = "envs"
+
+
+class EnvironmentsNotRestored(InvariantError):
+    """A restore's environments failed to bring back the snapshot's episodes; the run must not
+    start from it (the fleet already undid what it restored)."""
+
+
+class ParticipantOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    park_deadline_s: float = Field(default=30.0, gt=0, description="prepare: parked by then")
+    drain_timeout_s: float = Field(default=10.0, ge=0, description="replies on the wire")
+    recut_for_s: float = Field(
+        default=0.2,
+        ge=0,
+        description="calls not started yet when first cut are tried again this long",
+    )
+    restore_deadline_s: float = Field(default=60.0, gt=0)
+
+
+class ParticipantsRecord(BaseModel):
+    """``participants.json``: what the snapshot's environments and engines committed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format_version: Literal[1] = 1
+    committed: FleetCommitted
+    staged: dict[str, int] = Field(description="cut call id -> prefix tokens staged")
+    refused: dict[str, str] = Field(description="call id -> why it was not cut (turn level)")
+    stragglers: tuple[EpisodeRef, ...] = Field(description="replies still out after the drain")
+
+
+@dataclass
+class _Checkpoint:
+    prepared: FleetPrepared | None = None
+    stragglers: list[EpisodeRef] = field(default_factory=list)
+    cut: StagedCut | None = None
+    committed: FleetCommitted | None = None
+
+
+def to_ref(episode: EpisodeId) -> EpisodeRef:
+    return EpisodeRef(rollout_id=episode.rollout.key, attempt=episode.attempt)
+
+
+def to_episode(ref: EpisodeRef) -> EpisodeId:
+    return EpisodeId(RolloutId.parse(ref.rollout_id), ref.attempt)
+
+
+class Participants:
+    def __init__(
+        self,
+        fleet: EnvFleet,
+        engines: Mapping[str, Engine],
+        *,
+        loop: LoopThread,
+        pending: PendingReplies | None = None,
+        options: ParticipantOptions | None = None,
+    ) -> None:
+        self.fleet = fleet
+        self.engines = dict(engines)
+        self.loop = loop
+        self.pending = pending if pending is not None else PendingReplies()
+        self.options = options or ParticipantOptions()
+        self._checkpoints: dict[str, _Checkpoint] = {}
+
+    # ---- the snapshot's phases ------------------------------------------------------------
+
+    def retire(self, retirements: Sequence[Retirement]) -> int:
+        """Phase 3: environments refuse abandoned attempts from now on (on the instance that
+        ran them; everywhere when the owner is not known)."""
+        by_instance: dict[str, list[EpisodeRef]] = {}
+        for retirement in retirements:
+            owners = [retirement.owner] if retirement.owner else list(self.fleet.names)
+            for name in owners:
+                by_instance.setdefault(name, []).append(to_ref(retirement.episode))
+        if not by_instance:
+            return 0
+        counts = self.loop.run(self.fleet.retire_all(by_instance))
+        return sum(counts.values())
+
+    def prepare(self, checkpoint_id: str) -> FleetPrepared:
+        """Phase 4: every instance parks at a turn boundary (or none stays parked)."""
+        deadline = time.time() + self.options.park_deadline_s
+        prepared = self.loop.run(self.fleet.prepare_all(checkpoint_id, deadline))
+        self._state(checkpoint_id).prepared = prepared
+        return prepared
+
+    def drain(self, checkpoint_id: str) -> list[EpisodeRef]:
+        """Phase 5: wait for the replies on the wire outside the commit scope (O(pending)).
+        Those still out at the timeout are stragglers: not in the snapshot, so restarted."""
+        prepared = self._prepared(checkpoint_id, "drain")
+        scope = {p.episode.key for inv in prepared.instances.values() for p in inv.parked}
+
+        async def wait() -> list[EpisodeRef]:
+            return await self.pending.wait_outside(scope, self.options.drain_timeout_s)
+
+        stragglers = self.loop.run(wait())
+        self._state(checkpoint_id).stragglers = stragglers
+        return stragglers
+
+    def cut(self, checkpoint_id: str, dataplane: DataPlane) -> StagedCut:
+        """Phase 6: freeze the parked episodes' calls still generating and stage their
+        prefixes; a call no engine could cut is committed at turn level."""
+        prepared = self._prepared(checkpoint_id, "cut_generation")
+        calls = [
+            p.model_call_id
+            for inv in prepared.instances.values()
+            for p in inv.parked
+            if p.activity == "generating" and p.model_call_id is not None
+        ]
+        cut = self.loop.run(self._cut_everywhere(calls, dataplane)) if calls else _NO_CUT
+        self._state(checkpoint_id).cut = cut
+        return cut
+
+    def commit(self, checkpoint_id: str, snapshot_dir: Path) -> ParticipantsRecord:
+        """Phase 7: each instance exports its parked episodes into ``<snapshot>/envs``."""
+        state = self._state(checkpoint_id)
+        prepared = self._prepared(checkpoint_id, "commit_envs")
+        scope = {name: [p.episode for p in inv.parked] for name, inv in prepared.instances.items()}
+        dest = snapshot_dir / ENVS_DIR
+        committed = self.loop.run(self.fleet.commit_all(checkpoint_id, scope, dest))
+        state.committed = committed
+        cut = state.cut or _NO_CUT
+        return ParticipantsRecord(
+            committed=committed,
+            staged=dict(cut.staged),
+            refused={r.call_id: r.reason for r in cut.refused},
+            stragglers=tuple(state.stragglers),
+        )
+
+    def resume(self, checkpoint_id: str) -> str:
+        """Phase 9 (and abort): environments resume, frozen calls go on. Every exit path."""
+        state = self._checkpoints.get(checkpoint_id)
+        frozen = list(state.cut.staged) if state is not None and state.cut is not None else []
+
+        async def resume_all() -> None:
+            await self.fleet.resume_all(checkpoint_id)
+            if frozen:
+                await asyncio.gather(*(e.release(frozen) for e in self.engines.values()))
+
+        self.loop.run(resume_all())
+        self._checkpoints.pop(checkpoint_id, None)  # kept until done: a retry releases too
+        return f"{len(self.fleet.names)} instances resumed, {len(frozen)} cut calls released"
+
+    # ---- restore ---------------------------------------------------------------------------
+
+    def restore(
+        self,
+        restore_id: str,
+        snapshot_dir: Path,
+        record: ParticipantsRecord,
+        dataplane: DataPlane,
+    ) -> FleetRestored:
+        """Bring the committed episodes back as attempt n + 1 on their instances, with the
+        staged prefixes of their cut calls (read from the restored data plane). All or
+        nothing: on failure no instance keeps any (see :class:`FleetRestored`)."""
+        scope = {name: list(c.committed) for name, c in record.committed.instances.items()}
+        prefixes = load_prefixes(dataplane, record.staged) if record.staged else {}
+        as_json = {call: p.model_dump(mode="json") for call, p in prefixes.items()}
+        deadline = time.time() + self.options.restore_deadline_s
+        return self.loop.run(
+            self.fleet.restore_all(
+                restore_id,
+                record.committed.checkpoint_id,
+                snapshot_dir / ENVS_DIR,
+                scope,
+                as_json,
+                deadline,
+            )
+        )
+
+    def resume_restored(self, restore_id: str) -> None:
+        self.loop.run(self.fleet.resume_all(restore_id))
+
+    def abandon_restore(self, restore_id: str, restored: FleetRestored) -> None:
+        """The controller's restore failed after the environments restored: they must not keep
+        the n + 1 attempts (retired: refused until forgotten), and resume."""
+        refs = {name: list(refs) for name, refs in restored.restored.items() if refs}
+
+        async def undo() -> None:
+            try:
+                if refs:
+                    await self.fleet.retire_all(refs)
+            finally:
+                await self.fleet.resume_all(restore_id)
+
+        self.loop.run(undo())
+
+    def restorer(self, restore_id: str) -> tuple[RestoreEnvironments, list[FleetRestored]]:
+        """For ``Controller.restore(environments=...)``: restores the snapshot's committed
+        episodes and returns attempt n of each -> its instance. The outcomes are appended to
+        the list returned beside it (for :meth:`resume_restored` / :meth:`abandon_restore`).
+        A snapshot taken without participants restores none."""
+        outcomes: list[FleetRestored] = []
+
+        def restore(reader: SnapshotReader, dataplane: DataPlane) -> dict[EpisodeId, str]:
+            if RECORD_FILE not in reader.manifest.files:
+                return {}
+            record = reader.read_json(RECORD_FILE, ParticipantsRecord)
+            outcome = self.restore(restore_id, reader.path, record, dataplane)
+            outcomes.append(outcome)
+            if not outcome.ok:
+                errors = "; ".join(f"{name}: {why}" for name, why in sorted(outcome.errors.items()))
+                raise EnvironmentsNotRestored(
+                    f"restore {restore_id}: environments could not restore snapshot "
+                    f"{reader.name} (nothing restored was kept; the n + 1 attempts are "
+                    f"retired): {errors}"
+                )
+            return {
+                to_episode(EpisodeRef(rollout_id=ref.rollout_id, attempt=ref.attempt - 1)): name
+                for name, refs in outcome.restored.items()
+                for ref in refs
+            }
+
+        return restore, outcomes
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    async def _cut_everywhere(self, calls: list[str], dataplane: DataPlane) -> StagedCut:
+        """Cut on every engine (an engine refuses a call it does not hold), again for a moment
+        those not started yet, and merge: staged by one, or refused by all."""
+        staged: dict[str, int] = {}
+        reasons: dict[str, CutRefusal] = {}
+        handoffs = 0
+        give_up = time.monotonic() + self.options.recut_for_s
+        remaining = list(calls)
+        while remaining:
+            for engine in self.engines.values():
+                result = await cut_and_stage(engine, remaining, dataplane)
+                staged.update(result.staged)
+                handoffs += result.handoffs
+                for refusal in result.refused:
+                    if refusal.call_id not in staged and refusal.reason != "unknown_call":
+                        reasons[refusal.call_id] = refusal
+            remaining = [c for c in remaining if c not in staged]
+            if not remaining or time.monotonic() >= give_up:
+                break
+            await asyncio.sleep(0.01)
+        refused = tuple(
+            reasons.get(call) or CutRefusal(call_id=call, reason="unknown_call")
+            for call in calls
+            if call not in staged
+        )
+        return StagedCut(staged=staged, refused=refused, handoffs=handoffs)
+
+    def _state(self, checkpoint_id: str) -> _Checkpoint:
+        return self._checkpoints.setdefault(checkpoint_id, _Checkpoint())
+
+    def _prepared(self, checkpoint_id: str, phase: str) -> FleetPrepared:
+        prepared = self._state(checkpoint_id).prepared
+        if prepared is None:
+            raise InvalidInput(f"{phase} of {checkpoint_id}: the environments were not prepared")
+        return prepared
+
+
+_NO_CUT = StagedCut(staged={}, refused=(), handoffs=0)
