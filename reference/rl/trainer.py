@@ -55,7 +55,7 @@ def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> list[float]
     values = [float(r) for r in rewards]
     if not all(math.isfinite(r) for r in values):
         raise InvalidInput(f"rewards must be finite, got {values}")
-    if len(values) == 1:
+    if all(r == values[0] for r in values):
         return [0.0] * len(values)
     mean = sum(values) / len(values)
     std = math.sqrt(sum((r - mean) ** 2 for r in values) / len(values))
