@@ -220,15 +220,15 @@ class PolicyTrainer:
 
     def save(self, directory: Path) -> TrainerCheckpointManifest:
         """Write a checkpoint into ``directory``, which must not exist or be empty."""
-        directory = Path(directory)
-        prepare_empty_directory(directory)
         weights = {name: _array(t) for name, t in self.model.state_dict().items()}
         optimizer: dict[str, np.ndarray] = {}
         for name, param in self.model.named_parameters():
             state = self.optimizer.state.get(param, {})
-            if self.step and set(state) != set(_STATE):
+            if self.step and set(state) != set(_STATE):  # every parameter gets a gradient
                 raise InvalidInput(f"optimizer state of {name} has {sorted(state)}")
             optimizer.update({f"{name}.{key}": _array(state[key]) for key in sorted(state)})
+        directory = Path(directory)
+        prepare_empty_directory(directory)
         files = {
             WEIGHTS_FILE: _write(directory / WEIGHTS_FILE, weights),
             OPTIMIZER_FILE: _write(directory / OPTIMIZER_FILE, optimizer),
@@ -286,15 +286,19 @@ class PolicyTrainer:
                 f"this trainer uses {(lr, BETAS, EPS, WEIGHT_DECAY)}"
             )
         trainer = cls(config, 0, lr=lr)
+        shapes = {name: t.shape for name, t in trainer.model.state_dict().items()}
+        weights = _tensors(contents, WEIGHTS_FILE, shapes)
         params = dict(trainer.model.named_parameters())
-        weights = _tensors(contents, WEIGHTS_FILE, {n: p.shape for n, p in params.items()})
-        state_shapes: dict[str, tuple[int, ...]] = {}
-        if manifest.step:  # AdamW holds no state before its first step
-            for name, param in params.items():
-                shape = tuple(param.shape)
-                state_shapes.update({f"{name}.{key}": shape for key in ("exp_avg", "exp_avg_sq")})
-                state_shapes[f"{name}.step"] = ()
-        state = _tensors(contents, OPTIMIZER_FILE, state_shapes)
+        state = _tensors(
+            contents,
+            OPTIMIZER_FILE,
+            {
+                f"{name}.{key}": () if key == "step" else param.shape
+                for name, param in params.items()
+                for key in _STATE
+                if manifest.step  # AdamW holds no state before its first step
+            },
+        )
         trainer.model.load_state_dict(weights, strict=True)
         # Through load_state_dict, keyed by the optimizer's parameter index, so AdamW places
         # and types its own state as it would have built it.
@@ -326,7 +330,8 @@ def _write(path: Path, arrays: Mapping[str, np.ndarray]) -> CheckpointFile:
 def _read_manifest(directory: Path) -> TrainerCheckpointManifest:
     source = directory / MANIFEST_FILE
     try:
-        raw: Any = json.loads(source.read_bytes())
+        data = source.read_bytes()
+        raw: Any = json.loads(data)
     except FileNotFoundError:
         raise SnapshotCorrupt(f"{source}: missing (no checkpoint, or one cut short)") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -342,7 +347,7 @@ def _read_manifest(directory: Path) -> TrainerCheckpointManifest:
     if unknown := sorted(set(raw) - set(TrainerCheckpointManifest.model_fields)):
         raise SnapshotCorrupt(f"{source}: unknown fields {', '.join(unknown)}")
     try:
-        return TrainerCheckpointManifest.model_validate_json(source.read_bytes(), strict=True)
+        return TrainerCheckpointManifest.model_validate_json(data, strict=True)
     except ValidationError as exc:
         raise SnapshotCorrupt(f"{source}: {exc}") from None
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 import httpx
+import torch
 import uvicorn
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.applications import Starlette
@@ -40,6 +41,7 @@ from rollsafe.engine.protocol import (
     StreamEvent,
     TokenEvent,
 )
+from rollsafe.engine.weights import WeightUpdatable, decode_weights, encode_weights
 from rollsafe.errors import (
     EngineUnavailable,
     InvalidInput,
@@ -185,6 +187,16 @@ def engine_app(engine: Engine, token: str, *, heartbeat_s: float = HEARTBEAT_S) 
         body = await _parse(request, ReleaseBody)
         return JSONResponse({"released": await engine.release(body.call_ids)})
 
+    async def weights(request: Request) -> Response:
+        if not isinstance(engine, WeightUpdatable):
+            raise InvalidInput(f"{type(engine).__name__} does not take weight updates")
+        try:
+            version = int(request.query_params["version"])
+        except (KeyError, ValueError):
+            raise InvalidInput("POST /v1/weights?version=<int>: version missing") from None
+        await engine.update_weights(decode_weights(await request.body()), version)
+        return JSONResponse({"weight_version": version})
+
     return Starlette(
         routes=[
             Route("/v1/health", health, methods=["GET"]),
@@ -193,6 +205,7 @@ def engine_app(engine: Engine, token: str, *, heartbeat_s: float = HEARTBEAT_S) 
             Route("/v1/resume", guarded(resume), methods=["POST"]),
             Route("/v1/cut", guarded(cut), methods=["POST"]),
             Route("/v1/release", guarded(release), methods=["POST"]),
+            Route("/v1/weights", guarded(weights), methods=["POST"]),
         ]
     )
 
@@ -281,6 +294,17 @@ class EngineClient:
 
     async def info(self) -> EngineInfo:
         return EngineInfo.model_validate_json(await self._call("GET", "/v1/info", None))
+
+    async def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load ``weights`` as ``version`` (newer than the engine's) between two tokens."""
+        try:
+            response = await self._http.post(
+                "/v1/weights", params={"version": version}, content=encode_weights(weights)
+            )
+        except httpx.TransportError as exc:
+            raise self._unavailable(exc) from exc
+        if response.status_code != 200:
+            raise self._error(response.status_code, response.content)
 
     async def aclose(self) -> None:
         await self._http.aclose()

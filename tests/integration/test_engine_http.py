@@ -296,3 +296,40 @@ async def test_sigterm_closes_the_engine_and_ends_streams(tmp_path: Path) -> Non
         assert "Finished server process" in server.err.read_text()
     finally:
         server.stop()
+
+
+@bounded
+async def test_new_weights_over_http_serve_the_same_tokens_as_in_process(tmp_path: Path) -> None:
+    """A trainer's push: the server then generates exactly what an in-process engine with the
+    same weights generates, tagged with the new version; stale or malformed uploads change
+    nothing. Its own server: the module's shared one must keep its seed's weights."""
+    import torch
+
+    server = await asyncio.to_thread(_start_server, tmp_path)
+    try:
+        async with EngineClient(server.url, TOKEN, timeout=30) as remote, local_engine() as local:
+            generator = torch.Generator().manual_seed(7)
+            trained = {
+                name: value + 0.05 * torch.randn(value.shape, generator=generator)
+                for name, value in local.model.state_dict().items()
+            }
+            before = await run(remote, requests(1)[0])
+            await remote.update_weights(trained, 1)
+            await local.update_weights(trained, 1)
+            assert (await remote.info()).weight_version == 1
+            reqs = requests(3)
+            here = [await run(local, r) for r in reqs]
+            there = [await run(remote, r) for r in reqs]
+            assert [c.tokens for c in there] == [c.tokens for c in here]
+            assert [c.logprobs for c in there] == [c.logprobs for c in here]
+            assert all(set(c.weight_versions) == {1} for c in there)
+            assert before.tokens != there[0].tokens or before.logprobs != there[0].logprobs
+            with pytest.raises(InvalidInput, match="not newer"):
+                await remote.update_weights(trained, 1)
+            response = await remote._http.post(
+                "/v1/weights", params={"version": 2}, content=b"not safetensors"
+            )
+            assert response.status_code == 422
+            assert (await remote.info()).weight_version == 1
+    finally:
+        server.stop()
