@@ -14,26 +14,20 @@ step are a function of the rows trained.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from pathlib import Path
+from typing import Any, Protocol
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from reference.rl.rollouts import row_from_result, samples_from_row, task_for, tokens_sha256
+from reference.rl.controller import Endpoints, RunController
+from reference.rl.rollouts import samples_from_row, tokens_sha256
 from reference.rl.trainer import PolicyTrainer, StepResult
-from rollsafe.actor import ControllerService
 from rollsafe.config import RunConfig
-from rollsafe.controller import ROLLOUT_PARTITION
 from rollsafe.engine.http import EngineClient
 from rollsafe.engine.model import ModelConfig
-from rollsafe.env.client import EnvClient
-from rollsafe.env.fleet import EnvFleet
-from rollsafe.env.protocol import RunEpisode
 from rollsafe.evidence import (
     FAULTS,
     HANDED_OUT,
@@ -49,9 +43,7 @@ from rollsafe.evidence import (
     read_lines,
     write_report,
 )
-from rollsafe.ids import EpisodeId
 from rollsafe.loop import LoopThread
-from rollsafe.participants import ParticipantOptions, Participants, to_ref
 from rollsafe.phases import (
     PHASES,
     PhaseRequest,
@@ -79,76 +71,92 @@ class RunSettings(BaseModel):
     model: ModelConfig = ModelConfig()
 
 
-class Endpoints(BaseModel):
-    """Where the run's servers listen (one engine, environment instances by name)."""
+class Controller(Protocol):
+    """What the run asks of its controller: a :class:`RunController` here, or the run's Ray
+    actor through a proxy (the same methods, each a remote call)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    def handout(self, groups: Sequence[int]) -> None: ...
+    def generate(self, groups: Sequence[int]) -> int: ...
+    def wait_sealed(self, groups: Sequence[int], timeout_s: float) -> None: ...
+    def claim(self, groups: Sequence[int], step: int) -> None: ...
+    def rows(self, keys: Sequence[str]) -> dict[str, Any]: ...
+    def rollouts(self, groups: Sequence[int]) -> list[tuple[int, int, str, int]]: ...
+    def commit_step(self, groups: Sequence[int]) -> None: ...
+    def loader_position(self) -> int: ...
+    def close(self) -> None: ...
 
-    engine_url: str
-    engine_token: str
-    envs: dict[str, str]
-    env_token: str
+
+def run_config(settings: RunSettings) -> RunConfig:
+    return RunConfig(
+        run_id=settings.run_id,
+        group_size=settings.group_size,
+        groups_per_step=settings.groups_per_step,
+        sampler="in_order",
+        staleness_window=0,
+        restore_level=settings.restore_level,
+    )
 
 
 class ReferenceRun:
-    def __init__(self, settings: RunSettings, endpoints: Endpoints, root: Path, out: Path):
+    """The trainer side of the run, and the evidence it leaves in ``out``. The controller is
+    made here (in process) unless one is given (the run's actor, through a proxy)."""
+
+    def __init__(
+        self,
+        settings: RunSettings,
+        endpoints: Endpoints,
+        root: Path,
+        out: Path,
+        controller: Controller | None = None,
+    ) -> None:
         self.settings, self.root, self.out = settings, root, out
         out.mkdir(parents=True, exist_ok=True)
-        self.loop = LoopThread()
-        self.fleet, self.engine = self.loop.run(_clients(endpoints))
-        self.instances = sorted(endpoints.envs)
-        self.participants = Participants(
-            self.fleet, {"engine": self.engine}, loop=self.loop, options=ParticipantOptions()
+        self.local = (
+            RunController(run_config(settings), root / SNAPSHOTS_DIR, endpoints, settings.turns)
+            if controller is None
+            else None
         )
-        config = RunConfig(
-            run_id=settings.run_id,
-            group_size=settings.group_size,
-            groups_per_step=settings.groups_per_step,
-            sampler="in_order",
-            staleness_window=0,
-            restore_level=settings.restore_level,
-        )
-        self.service = ControllerService(
-            config, root / SNAPSHOTS_DIR, keep_latest_k=8, participants=self.participants
-        )
+        chosen = self.local if self.local is not None else controller
+        assert chosen is not None
+        self.controller: Controller = chosen
+        # The trainer's own connection to the engine, for pushing weights.
+        self.loop = LoopThread("rollsafe-trainer")
+        self.engine = EngineClient(endpoints.engine_url, endpoints.engine_token)
         self.trainer = PolicyTrainer(settings.model, settings.seed, lr=settings.lr)
         self.step = 0
         self.snapshots: list[PhaseResult] = []
-        self._running: list[Future[None]] = []
 
     # ---- lifecycle -------------------------------------------------------------------------
+
+    def resume_from(self, plan: RestorePlan, restore_id: str) -> None:
+        """After the controller restored ``plan``: the trainer from the checkpoint of the
+        snapshot's weight version, the engine given those weights, and the evidence of the
+        steps committed after the snapshot rolled back."""
+        version = plan.weight_version
+        self.trainer = PolicyTrainer.load(
+            self.root / TRAINER_DIR / f"v{version:06d}", self.settings.model, lr=self.settings.lr
+        )
+        self.step = version  # step s commits weight version s + 1
+        if version > 0:
+            self.loop.run(self.engine.update_weights(self.trainer.weights(), version))
+        _roll_back(self.out, first_undone_step=version)
+        _set_aside_checkpoints(self.root / TRAINER_DIR, newer_than=version, tag=restore_id)
 
     @classmethod
     def restored(
         cls, settings: RunSettings, endpoints: Endpoints, root: Path, out: Path
     ) -> tuple[ReferenceRun, RestorePlan]:
-        """A run continued from its newest snapshot: the controller (and the environments'
-        episodes) from the snapshot, the trainer from the checkpoint of the snapshot's weight
-        version; steps committed after it are rolled back in the evidence."""
+        """A run continued from its newest snapshot, in process."""
         run = cls(settings, endpoints, root, out)
-        restore = RestoreRequest(run_id=settings.run_id, restore_id=f"r-{uuid.uuid4().hex[:8]}")
-        plan = run.service.restore(restore)
-        version = plan.weight_version
-        run.trainer = PolicyTrainer.load(
-            root / TRAINER_DIR / f"v{version:06d}", settings.model, lr=settings.lr
-        )
-        run.step = version  # step s commits weight version s + 1
-        if version > 0:
-            run.loop.run(run.engine.update_weights(run.trainer.weights(), version))
-        _roll_back(out, first_undone_step=version)
-        _set_aside_checkpoints(root / TRAINER_DIR, newer_than=version, tag=restore.restore_id)
+        assert run.local is not None
+        restore_id = f"r-{uuid.uuid4().hex[:8]}"
+        plan = run.local.restore(RestoreRequest(run_id=settings.run_id, restore_id=restore_id))
+        run.resume_from(plan, restore_id)
         return run, plan
 
     def close(self) -> None:
-        """Stop: episodes still running are cancelled (a crashed run's are lost anyway)."""
-        for future in self._running:
-            future.cancel()
-
-        async def close_clients() -> None:
-            await self.fleet.aclose()
-            await self.engine.aclose()
-
-        self.loop.run(close_clients())
+        self.controller.close()
+        self.loop.run(self.engine.aclose())
         self.loop.close()
 
     # ---- the run ---------------------------------------------------------------------------
@@ -162,18 +170,20 @@ class ReferenceRun:
         results: list[StepResult] = []
         while self.step < last:
             groups = self._groups(self.step)
-            running = self._generate(groups)
+            self.controller.generate(groups)
             if during is not None:
                 during(self.step)
-            for future in running:
-                future.result(timeout=300)
+            self.controller.wait_sealed(groups, timeout_s=300)
             results.append(self._train(groups))
         return results
 
     def snapshot(self) -> PhaseResult:
-        seq = self.service.next_seq()
-        spec = SnapshotSpec(run_id=self.settings.run_id, seq=seq, anchor_step=self.step)
-        results = [self.service.run_phase(PhaseRequest(spec=spec, phase=p)) for p in PHASES]
+        """The ten phases, in process (the demo has Temporal workflows run them)."""
+        assert self.local is not None
+        spec = SnapshotSpec(
+            run_id=self.settings.run_id, seq=self.local.next_seq(), anchor_step=self.step
+        )
+        results = [self.local.run_phase(PhaseRequest(spec=spec, phase=p)) for p in PHASES]
         self.snapshots.append(results[-1])
         return results[-1]
 
@@ -184,14 +194,13 @@ class ReferenceRun:
         """Write handed_out.jsonl and report.json from the controller's final state."""
         (self.out / FAULTS).touch()  # a run without faults says so with an empty file
         trained = {row.group_idx for row in read_lines(self.out / TRAINED, TrainedRow)}
-        position = self.service.controller.loader_position
         lines = [
             HandedOut(
                 group_idx=idx,
                 group_id=f"{self.settings.run_id}-{idx}",
                 status="trained" if idx in trained else "owed",
             )
-            for idx in range(position)
+            for idx in range(self.controller.loader_position())
         ]
         _write_lines(self.out / HANDED_OUT, lines)
         report = RunReport(
@@ -208,72 +217,23 @@ class ReferenceRun:
         write_report(self.out / REPORT, report)
         return report
 
-    # ---- generation ------------------------------------------------------------------------
+    # ---- steps -----------------------------------------------------------------------------
 
     def _groups(self, step: int) -> list[int]:
         size = self.settings.groups_per_step
         groups = list(range(step * size, (step + 1) * size))
-        position = self.service.controller.loader_position
-        fresh = [idx for idx in groups if idx >= position]
+        fresh = [idx for idx in groups if idx >= self.controller.loader_position()]
         if fresh:
-            self.service.handout(fresh)
+            self.controller.handout(fresh)
         return groups
 
-    def _generate(self, groups: Sequence[int]) -> list[Future[None]]:
-        ledger = self.service.controller.ledger
-        self._running = [
-            asyncio.run_coroutine_threadsafe(self._episode(idx, i), self.loop.loop)
-            for idx in groups
-            for i in ledger.unsealed(idx)
-        ]
-        return self._running
-
-    def _instance(self, idx: int, i: int) -> str:
-        return self.instances[(idx * self.settings.group_size + i) % len(self.instances)]
-
-    async def _episode(self, idx: int, i: int) -> None:
-        """Dispatch through the gate (waiting while a snapshot holds it closed), run, seal;
-        the reply is marked done after the seal, so a drain never loses it."""
-        owner = self.service.controller.ledger.owner(idx, i) or self._instance(idx, i)
-        while (episode := await asyncio.to_thread(self.service.dispatch, idx, i, owner)) is None:
-            await asyncio.sleep(0.02)
-        await self._run_episode(idx, i, episode, owner)
-
-    async def _run_episode(self, idx: int, i: int, episode: EpisodeId, owner: str) -> None:
-        ref = to_ref(episode)
-        task = task_for(idx, self.settings.turns)
-        self.participants.pending.add(ref, owner)
-        try:
-            run = RunEpisode(episode=ref, task=task.model_dump())
-            result = await self.fleet.run_episode(owner, run, max_wait_s=120)
-            row = row_from_result(result, task)
-            mutations = [
-                {
-                    "instance": owner,
-                    "rollout_id": ref.rollout_id,
-                    "turn": m["turn"],
-                    "call_id": m["call_id"],
-                }
-                for m in result.info["mutations"]
-            ]
-            row["mutations"] = np.frombuffer(json.dumps(mutations).encode(), np.uint8)
-            await asyncio.to_thread(self.service.seal, idx, i, episode.attempt, row)
-        finally:
-            self.participants.pending.done(ref)
-
-    # ---- training --------------------------------------------------------------------------
-
     def _train(self, groups: Sequence[int]) -> StepResult:
-        controller = self.service.controller
-        self.service.claim(groups, self.step)
-        keyed = {
-            idx: [(controller.row_key(idx, i), i) for i in range(self.settings.group_size)]
-            for idx in groups
-        }
-        keys = [key for pairs in keyed.values() for key, _ in pairs]
-        rows = controller.dataplane.get(ROLLOUT_PARTITION, keys)
+        self.controller.claim(groups, self.step)
+        rollouts = self.controller.rollouts(groups)
+        rows = self.controller.rows([key for _, _, key, _ in rollouts])
+        samples = {key: samples_from_row(key, rows[key]) for _, _, key, _ in rollouts}
         batch = [
-            [s for key, _ in keyed[idx] for s in samples_from_row(key, rows[key])] for idx in groups
+            [s for idx, _, key, _ in rollouts if idx == g for s in samples[key]] for g in groups
         ]
         result = self.trainer.train_step(batch)
         self.loop.run(self.engine.update_weights(self.trainer.weights(), result.weight_version))
@@ -283,29 +243,23 @@ class ReferenceRun:
                 step=self.step,
                 group_idx=idx,
                 rollout_id=key,
-                attempt=controller.ledger.attempt(idx, i),
+                attempt=attempt,
                 n_tokens=int(rows[key]["tokens"].size),
                 tokens_sha256=tokens_sha256(rows[key]),
                 restored_prefix_tokens=int(rows[key]["restored_prefix_tokens"]),
             )
-            for idx in groups
-            for key, i in keyed[idx]
+            for idx, _, key, attempt in rollouts
         ]
         mutations = [
             EnvMutation.model_validate(m)
-            for key in keys
+            for _, _, key, _ in rollouts
             for m in json.loads(bytes(rows[key]["mutations"]))
         ]
-        self.service.commit_step(groups)
+        self.controller.commit_step(groups)
         _append(self.out / TRAINED, trained)
         _append(self.out / MUTATIONS, mutations)
         self.step += 1
         return result
-
-
-async def _clients(endpoints: Endpoints) -> tuple[EnvFleet, EngineClient]:
-    clients = {name: EnvClient(url, endpoints.env_token) for name, url in endpoints.envs.items()}
-    return EnvFleet(clients), EngineClient(endpoints.engine_url, endpoints.engine_token)
 
 
 def _append(path: Path, lines: Sequence[BaseModel]) -> None:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from reference.rl.run import Endpoints, ReferenceRun, RunSettings
+from reference.rl.controller import Endpoints
+from reference.rl.run import ReferenceRun, RunSettings
 from rollsafe.evidence import TRAINED, Evidence, FaultRecord, TrainedRow, read_lines
 from rollsafe.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
 from rollsafe.verify import verify

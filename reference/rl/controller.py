@@ -1,0 +1,167 @@
+"""The reference run's controller: the run's ledger, replay index, data plane and admission
+gate (``ControllerService``), its environments and engine (``Participants``), and the
+dispatcher that drives episodes through the gate. Built from plain arguments, so it runs in
+this process or as the run's named Ray actor, where the checkpoint workers find it.
+
+The dispatcher lives here, beside the participants, on purpose: a snapshot's drain waits on
+the dispatcher's own record of replies on the wire (``Participants.pending``), which must be
+on the same event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from reference.rl.rollouts import row_from_result, task_for
+from rollsafe.actor import ControllerService
+from rollsafe.config import RunConfig
+from rollsafe.controller import ROLLOUT_PARTITION
+from rollsafe.engine.http import EngineClient
+from rollsafe.env.client import EnvClient
+from rollsafe.env.fleet import EnvFleet
+from rollsafe.env.protocol import RunEpisode
+from rollsafe.ids import EpisodeId
+from rollsafe.loop import LoopThread
+from rollsafe.participants import ParticipantOptions, Participants, to_ref
+from rollsafe.states import AttemptState
+
+
+class Endpoints(BaseModel):
+    """Where the run's servers listen (one engine, environment instances by name)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine_url: str
+    engine_token: str
+    envs: dict[str, str]
+    env_token: str
+
+
+class RunController(ControllerService):
+    def __init__(
+        self,
+        config: RunConfig,
+        snapshot_root: Path | str,
+        endpoints: Endpoints,
+        turns: int,
+        keep_latest_k: int = 8,
+    ) -> None:
+        self.loop = LoopThread()
+        self.fleet, self.engine = self.loop.run(_clients(endpoints))
+        self.instances = sorted(endpoints.envs)
+        self.turns = turns
+        participants = Participants(
+            self.fleet, {"engine": self.engine}, loop=self.loop, options=ParticipantOptions()
+        )
+        super().__init__(
+            config, snapshot_root, keep_latest_k=keep_latest_k, participants=participants
+        )
+        self._running: list[Future[None]] = []
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def generate(self, groups: Sequence[int]) -> int:
+        """Start an episode for every unsealed sibling of ``groups``; returns how many."""
+        with self.barrier:
+            todo = [(idx, i) for idx in groups for i in self.controller.ledger.unsealed(idx)]
+        self._running = [f for f in self._running if not f.done()]
+        self._running += [
+            asyncio.run_coroutine_threadsafe(self._episode(idx, i), self.loop.loop)
+            for idx, i in todo
+        ]
+        return len(todo)
+
+    def wait_sealed(self, groups: Sequence[int], timeout_s: float) -> None:
+        """Until every rollout of ``groups`` is sealed; an episode's failure is raised."""
+        for future in list(self._running):
+            future.result(timeout=timeout_s)
+        with self.barrier:
+            for idx in groups:
+                states = self.controller.ledger.states(idx)
+                if any(state != AttemptState.SEALED for state in states):
+                    raise RuntimeError(f"group {idx} not sealed after its episodes: {states}")
+
+    def rows(self, keys: Sequence[str]) -> dict[str, dict[str, np.ndarray]]:
+        with self.barrier:
+            return self.controller.dataplane.get(ROLLOUT_PARTITION, keys)
+
+    def rollouts(self, groups: Sequence[int]) -> list[tuple[int, int, str, int]]:
+        """(group, sibling, rollout id, attempt) of every rollout of ``groups``."""
+        with self.barrier:
+            ledger = self.controller.ledger
+            return [
+                (idx, i, self.controller.row_key(idx, i), ledger.attempt(idx, i))
+                for idx in groups
+                for i in range(self.controller.config.group_size)
+            ]
+
+    def loader_position(self) -> int:
+        with self.barrier:
+            return self.controller.loader_position
+
+    def close(self) -> None:
+        """Cancel the episodes still running and close the clients (a crashed run's episodes
+        are lost anyway: the environments' own copies come back from the snapshot)."""
+        for future in self._running:
+            future.cancel()
+
+        async def close_clients() -> None:
+            await self.fleet.aclose()
+            await self.engine.aclose()
+
+        self.loop.run(close_clients())
+        self.loop.close()
+
+    def _instance(self, idx: int, i: int) -> str:
+        return self.instances[(idx * self.controller.config.group_size + i) % len(self.instances)]
+
+    async def _episode(self, idx: int, i: int) -> None:
+        """Dispatch through the gate (waiting while a snapshot holds it closed), run, seal;
+        the reply is marked done after the seal, so a drain never loses it."""
+        owner = await asyncio.to_thread(self._owner, idx, i)
+        while (episode := await asyncio.to_thread(self.dispatch, idx, i, owner)) is None:
+            await asyncio.sleep(0.02)
+        await self._run_episode(idx, i, episode, owner)
+
+    def _owner(self, idx: int, i: int) -> str:
+        with self.barrier:  # a restored episode continues on the instance that holds it
+            return self.controller.ledger.owner(idx, i) or self._instance(idx, i)
+
+    async def _run_episode(self, idx: int, i: int, episode: EpisodeId, owner: str) -> None:
+        ref = to_ref(episode)
+        task = task_for(idx, self.turns)
+        pending = self.participants.pending if self.participants is not None else None
+        if pending is not None:
+            pending.add(ref, owner)
+        try:
+            run = RunEpisode(episode=ref, task=task.model_dump())
+            result = await self.fleet.run_episode(owner, run, max_wait_s=120)
+            row = row_from_result(result, task)
+            mutations = [_mutation(owner, ref.rollout_id, m) for m in result.info["mutations"]]
+            row["mutations"] = np.frombuffer(json.dumps(mutations).encode(), np.uint8)
+            await asyncio.to_thread(self.seal, idx, i, episode.attempt, row)
+        finally:
+            if pending is not None:
+                pending.done(ref)
+
+
+def _mutation(instance: str, rollout_id: str, applied: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "instance": instance,
+        "rollout_id": rollout_id,
+        "turn": applied["turn"],
+        "call_id": applied["call_id"],
+    }
+
+
+async def _clients(endpoints: Endpoints) -> tuple[EnvFleet, EngineClient]:
+    clients = {name: EnvClient(url, endpoints.env_token) for name, url in endpoints.envs.items()}
+    return EnvFleet(clients), EngineClient(endpoints.engine_url, endpoints.engine_token)
