@@ -26,10 +26,10 @@ lint: setup
 	$(BIN)/ruff format --check rollsafe workflows activities workers reference tests bench
 	$(BIN)/mypy
 
-# Until the demo issue lands, the main job is the checkpoint / crash / restore scenario below:
-# a real snapshot on disk, every in-memory object dropped, restored and verified row by row.
+# The reference RL run on every real part, with three faults, restored and verified
+# (docs/demo.md). Evidence files land in demo-out/.
 demo: setup
-	$(BIN)/rollsafe scenario run tests/scenarios/s4_two_batches_in_flight.json
+	$(BIN)/rollsafe demo --out demo-out
 
 bench: setup
 	$(BIN)/python bench/snapshot_bench.py

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from rollsafe.coordinator import CheckpointOps
-from rollsafe.errors import TransientError
+from rollsafe.errors import RollsafeError, TransientError
 from rollsafe.phases import PhaseRequest, PhaseResult, RestorePlan, RestoreRequest, SnapshotSpec
 
 
@@ -63,6 +63,12 @@ class RayController:
         try:
             actor = get_controller_actor(self.run_id)
             return await getattr(actor, method).remote(*args)
+        except ray.exceptions.RayTaskError as exc:
+            # The controller raised: its own error, with its own class (transient or not),
+            # not Ray's wrapper around it.
+            if isinstance(exc.cause, RollsafeError):
+                raise exc.cause from None
+            raise
         except (ray.exceptions.RayActorError, ValueError) as exc:
             raise ControllerUnavailable(
                 f"controller actor of run {self.run_id!r} unavailable: {exc}"

@@ -50,12 +50,16 @@ class ControllerService(CheckpointOps):
         dataplane: str = "memory",
         keep_latest_k: int = 2,
         participants: Participants | None = None,
+        *,
+        awaiting_restore: bool = False,
     ) -> None:
         store = SnapshotStore(
             Path(snapshot_root), config.run_id, keep_latest_k, fault_hook=_store_fault
         )
         controller = Controller(config, make_dataplane(dataplane))
-        super().__init__(controller, store, participants=participants)
+        super().__init__(
+            controller, store, participants=participants, awaiting_restore=awaiting_restore
+        )
 
     def handout(self, groups: Sequence[int]) -> None:
         with self.barrier:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import tempfile
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -335,9 +335,6 @@ def verify_command(
     """
     import json
 
-    from rich.console import Console
-    from rich.table import Table
-
     from rollsafe.evidence import Evidence
     from rollsafe.verify import all_ok, verify
 
@@ -351,13 +348,62 @@ def verify_command(
         payload = {"ok": all_ok(checks), "checks": [c.model_dump() for c in checks]}
         sys.stdout.write(json.dumps(payload) + "\n")
     else:
-        table = Table(title=f"rollsafe verify {directory}")
-        for column in ("check", "result", "detail"):
-            table.add_column(column)
-        for check in checks:
-            verdict = "[green]ok[/green]" if check.ok else "[red]VIOLATED[/red]"
-            table.add_row(check.name, verdict, check.detail)
-        Console(width=140).print(table)
+        _print_checks(checks, f"rollsafe verify {directory}")
+    raise typer.Exit(0 if all_ok(checks) else 1)
+
+
+def _print_checks(checks: list[Any], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in ("check", "result", "detail"):
+        table.add_column(column)
+    for check in checks:
+        verdict = "[green]ok[/green]" if check.ok else "[red]VIOLATED[/red]"
+        table.add_row(check.name, verdict, check.detail)
+    Console(width=140).print(table)
+
+
+@app.command("demo")
+def demo_command(
+    out: Annotated[Path, typer.Option(help="evidence files and the run's work directory")] = Path(
+        "demo-out"
+    ),
+    steps: Annotated[int, typer.Option(help="optimizer steps")] = 6,
+    seed: Annotated[int, typer.Option(help="model, task and sampling seed")] = 0,
+    restore_level: Annotated[
+        str, typer.Option(help="prefix | turn | sibling | prompt_group")
+    ] = "prefix",
+    fault: Annotated[
+        list[str] | None,
+        typer.Option(help="KIND@WHERE, repeatable: coordinator@<phase>, run@step<k>, env@prepare"),
+    ] = None,
+    no_faults: Annotated[bool, typer.Option("--no-faults", help="inject nothing")] = False,
+    interval_s: Annotated[float, typer.Option(help="seconds between periodic snapshots")] = 3.0,
+) -> None:
+    """Run the reference RL run on every real part (Temporal, Ray, engine and environment
+    servers, a checkpoint worker), inject faults, restore, and verify the evidence.
+
+    Exit 0: the run finished and every check passed. 1: a check failed. 2: bad options or a
+    part that could not start."""
+    from reference.rl.demo import DEFAULT_FAULTS, DemoOptions, Fault, run_demo
+    from rollsafe.verify import all_ok
+
+    try:
+        chosen = () if no_faults else tuple(fault if fault else DEFAULT_FAULTS)
+        options = DemoOptions(
+            out=out,
+            steps=steps,
+            seed=seed,
+            restore_level=restore_level,
+            faults=tuple(Fault.parse(f) for f in chosen),
+            interval_s=interval_s,
+        )
+        checks = run_demo(options, say=lambda line: typer.echo(line))
+    except (RollsafeError, ValueError) as exc:
+        _fail(exc, 2)
+    _print_checks(checks, f"rollsafe verify {out}")
     raise typer.Exit(0 if all_ok(checks) else 1)
 
 

@@ -61,6 +61,11 @@ class SnapshotLost(TransientError):
     ``open`` under a new seq. Transient, so the supervisor counts it as such."""
 
 
+class AwaitingRestore(TransientError):
+    """A controller started to be restored takes no snapshot until it is: a snapshot of its
+    empty state would become the newest one and hide the run's real state from the restore."""
+
+
 class CheckpointRefused(InvalidInput):
     """A phase the checkpoint may not run: another checkpoint is open, or this one was
     already aborted or resumed. Retrying cannot help."""
@@ -109,6 +114,8 @@ class CheckpointOps:
         store: SnapshotStore,
         gate: AdmissionGate | None = None,
         participants: Participants | None = None,
+        *,
+        awaiting_restore: bool = False,
     ) -> None:
         if store.run_id != controller.config.run_id:
             raise InvalidInput(
@@ -119,6 +126,7 @@ class CheckpointOps:
         self.gate = gate or AdmissionGate()
         # The run's environments and engines; None: phases 3-7 have nothing to do.
         self.participants = participants
+        self._awaiting_restore = awaiting_restore
         # Held by capture and by every call that changes the controller's state
         # (rollsafe.actor.ControllerService), so a capture sees the run standing still.
         self.barrier = threading.Lock()
@@ -252,6 +260,11 @@ class CheckpointOps:
     def _open_draft(self, spec: SnapshotSpec, record: _Record) -> PhaseResult:
         cid = spec.checkpoint_id
         with self._meta:
+            if self._awaiting_restore:
+                raise AwaitingRestore(
+                    f"checkpoint {cid}: the controller of run {self.store.run_id} was started "
+                    "to be restored and takes no snapshot until it is"
+                )
             if record.resumed:  # a stray late attempt would hold a draft nobody finishes
                 raise CheckpointRefused(f"checkpoint {cid} already ended: it may not open again")
             current = self._open
@@ -361,6 +374,7 @@ class CheckpointOps:
             self.participants.resume_restored(request.restore_id)
         with self._meta:
             self._restores[request.restore_id] = plan
+            self._awaiting_restore = False
         return plan
 
     def next_seq(self) -> int:

@@ -28,11 +28,12 @@ from rollsafe.controller import RestoreEnvironments
 from rollsafe.dataplane import DataPlane
 from rollsafe.engine.protocol import CutRefusal, Engine
 from rollsafe.engine.staging import StagedCut, cut_and_stage, load_prefixes
+from rollsafe.env.client import EnvRefused
 from rollsafe.env.drain import PendingReplies
 from rollsafe.env.fleet import EnvFleet
 from rollsafe.env.fleet_rules import FleetCommitted, FleetPrepared, FleetRestored
 from rollsafe.env.protocol import EpisodeRef
-from rollsafe.errors import InvalidInput, InvariantError
+from rollsafe.errors import InvalidInput, InvariantError, TransientError
 from rollsafe.ids import EpisodeId, RolloutId
 from rollsafe.ledger import Retirement
 from rollsafe.loop import LoopThread
@@ -40,6 +41,11 @@ from rollsafe.snapshot import SnapshotReader
 
 RECORD_FILE = "participants.json"
 ENVS_DIR = "envs"
+
+
+class CheckpointSpent(TransientError):
+    """This checkpoint id can no longer park the environments (a failed prepare resumed them,
+    and a resumed id is refused forever); a new snapshot can."""
 
 
 class EnvironmentsNotRestored(InvariantError):
@@ -123,7 +129,17 @@ class Participants:
     def prepare(self, checkpoint_id: str) -> FleetPrepared:
         """Phase 4: every instance parks at a turn boundary (or none stays parked)."""
         deadline = time.time() + self.options.park_deadline_s
-        prepared = self.loop.run(self.fleet.prepare_all(checkpoint_id, deadline))
+        try:
+            prepared = self.loop.run(self.fleet.prepare_all(checkpoint_id, deadline))
+        except EnvRefused as exc:
+            if exc.reason != "checkpoint_resumed":
+                raise
+            # An earlier attempt failed on one instance and resumed the others: they refuse
+            # this id forever. Not the run's fault: the next snapshot, under a new id, can.
+            raise CheckpointSpent(
+                f"{checkpoint_id}: an earlier prepare failed and resumed the instances, which "
+                f"now refuse this checkpoint id; take the snapshot again ({exc})"
+            ) from exc
         self._state(checkpoint_id).prepared = prepared
         return prepared
 

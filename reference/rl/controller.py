@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -53,6 +54,8 @@ class RunController(ControllerService):
         endpoints: Endpoints,
         turns: int,
         keep_latest_k: int = 8,
+        *,
+        awaiting_restore: bool = False,
     ) -> None:
         self.loop = LoopThread()
         self.fleet, self.engine = self.loop.run(_clients(endpoints))
@@ -62,9 +65,14 @@ class RunController(ControllerService):
             self.fleet, {"engine": self.engine}, loop=self.loop, options=ParticipantOptions()
         )
         super().__init__(
-            config, snapshot_root, keep_latest_k=keep_latest_k, participants=participants
+            config,
+            snapshot_root,
+            keep_latest_k=keep_latest_k,
+            participants=participants,
+            awaiting_restore=awaiting_restore,
         )
         self._running: list[Future[None]] = []
+        self._dispatcher = _Dispatcher(self)
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -74,20 +82,34 @@ class RunController(ControllerService):
             todo = [(idx, i) for idx in groups for i in self.controller.ledger.unsealed(idx)]
         self._running = [f for f in self._running if not f.done()]
         self._running += [
-            asyncio.run_coroutine_threadsafe(self._episode(idx, i), self.loop.loop)
+            asyncio.run_coroutine_threadsafe(self._dispatcher.episode(idx, i), self.loop.loop)
             for idx, i in todo
         ]
         return len(todo)
 
     def wait_sealed(self, groups: Sequence[int], timeout_s: float) -> None:
         """Until every rollout of ``groups`` is sealed; an episode's failure is raised."""
+        deadline = time.monotonic() + timeout_s
         for future in list(self._running):
-            future.result(timeout=timeout_s)
+            try:
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise TimeoutError(self._stuck(groups, timeout_s)) from None
         with self.barrier:
             for idx in groups:
                 states = self.controller.ledger.states(idx)
                 if any(state != AttemptState.SEALED for state in states):
                     raise RuntimeError(f"group {idx} not sealed after its episodes: {states}")
+
+    def _stuck(self, groups: Sequence[int], timeout_s: float) -> str:
+        status = self.status()
+        with self.barrier:
+            states = {idx: [s.name for s in self.controller.ledger.states(idx)] for idx in groups}
+        return (
+            f"episodes of groups {list(groups)} not finished after {timeout_s:g}s: {states}; "
+            f"admission {'open' if status.gate_open else f'closed by {status.gate_holder}'}, "
+            f"open checkpoint {status.open_checkpoint}"
+        )
 
     def rows(self, keys: Sequence[str]) -> dict[str, dict[str, np.ndarray]]:
         with self.barrier:
@@ -120,34 +142,46 @@ class RunController(ControllerService):
         self.loop.run(close_clients())
         self.loop.close()
 
-    def _instance(self, idx: int, i: int) -> str:
-        return self.instances[(idx * self.controller.config.group_size + i) % len(self.instances)]
-
-    async def _episode(self, idx: int, i: int) -> None:
-        """Dispatch through the gate (waiting while a snapshot holds it closed), run, seal;
-        the reply is marked done after the seal, so a drain never loses it."""
-        owner = await asyncio.to_thread(self._owner, idx, i)
-        while (episode := await asyncio.to_thread(self.dispatch, idx, i, owner)) is None:
-            await asyncio.sleep(0.02)
-        await self._run_episode(idx, i, episode, owner)
-
-    def _owner(self, idx: int, i: int) -> str:
+    def owner(self, idx: int, i: int) -> str:
         with self.barrier:  # a restored episode continues on the instance that holds it
             return self.controller.ledger.owner(idx, i) or self._instance(idx, i)
 
+    def _instance(self, idx: int, i: int) -> str:
+        return self.instances[(idx * self.controller.config.group_size + i) % len(self.instances)]
+
+
+class _Dispatcher:
+    """The run's episodes as coroutines on the participants' loop. Not methods of
+    :class:`RunController` on purpose: Ray makes an actor with any ``async def`` method an
+    asyncio actor whose synchronous methods all share one thread, so one blocking call (a
+    trainer waiting for its episodes) would stall the checkpoint phases behind it."""
+
+    def __init__(self, run: RunController) -> None:
+        self.run = run
+
+    async def episode(self, idx: int, i: int) -> None:
+        """Dispatch through the gate (waiting while a snapshot holds it closed), run, seal;
+        the reply is marked done after the seal, so a drain never loses it."""
+        run = self.run
+        owner = await asyncio.to_thread(run.owner, idx, i)
+        while (episode := await asyncio.to_thread(run.dispatch, idx, i, owner)) is None:
+            await asyncio.sleep(0.02)
+        await self._run_episode(idx, i, episode, owner)
+
     async def _run_episode(self, idx: int, i: int, episode: EpisodeId, owner: str) -> None:
+        run = self.run
         ref = to_ref(episode)
-        task = task_for(idx, self.turns)
-        pending = self.participants.pending if self.participants is not None else None
+        task = task_for(idx, run.turns)
+        pending = run.participants.pending if run.participants is not None else None
         if pending is not None:
             pending.add(ref, owner)
         try:
-            run = RunEpisode(episode=ref, task=task.model_dump())
-            result = await self.fleet.run_episode(owner, run, max_wait_s=120)
+            request = RunEpisode(episode=ref, task=task.model_dump())
+            result = await run.fleet.run_episode(owner, request, max_wait_s=120)
             row = row_from_result(result, task)
             mutations = [_mutation(owner, ref.rollout_id, m) for m in result.info["mutations"]]
             row["mutations"] = np.frombuffer(json.dumps(mutations).encode(), np.uint8)
-            await asyncio.to_thread(self.seal, idx, i, episode.attempt, row)
+            await asyncio.to_thread(run.seal, idx, i, episode.attempt, row)
         finally:
             if pending is not None:
                 pending.done(ref)

@@ -68,6 +68,7 @@ class RunSettings(BaseModel):
     turns: int = Field(default=4, ge=1, le=16)
     restore_level: str = "prefix"
     lr: float = Field(default=0.02, gt=0)
+    episode_timeout_s: float = Field(default=120.0, gt=0, description="a step's episodes")
     model: ModelConfig = ModelConfig()
 
 
@@ -156,6 +157,10 @@ class ReferenceRun:
 
     def close(self) -> None:
         self.controller.close()
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Drop the trainer's own connections only (the controller went down with a crash)."""
         self.loop.run(self.engine.aclose())
         self.loop.close()
 
@@ -168,12 +173,15 @@ class ReferenceRun:
         the step's episodes are under way (a test takes a snapshot or crashes there)."""
         last = self.settings.steps if until_step is None else until_step
         results: list[StepResult] = []
+        initial = self.root / TRAINER_DIR / f"v{0:06d}"
+        if self.step == 0 and not initial.exists():  # anchors a snapshot before any step
+            self.trainer.save(initial)
         while self.step < last:
             groups = self._groups(self.step)
             self.controller.generate(groups)
             if during is not None:
                 during(self.step)
-            self.controller.wait_sealed(groups, timeout_s=300)
+            self.controller.wait_sealed(groups, timeout_s=self.settings.episode_timeout_s)
             results.append(self._train(groups))
         return results
 
@@ -190,7 +198,7 @@ class ReferenceRun:
     def record_fault(self, fault: FaultRecord) -> None:
         _append(self.out / FAULTS, [fault])
 
-    def finish(self) -> RunReport:
+    def finish(self, totals: dict[str, float] | None = None) -> RunReport:
         """Write handed_out.jsonl and report.json from the controller's final state."""
         (self.out / FAULTS).touch()  # a run without faults says so with an empty file
         trained = {row.group_idx for row in read_lines(self.out / TRAINED, TrainedRow)}
@@ -212,7 +220,7 @@ class ReferenceRun:
             sampler="in_order",
             restore_level=self.settings.restore_level,
             deterministic=True,
-            totals={"snapshots": float(len(self.snapshots))},
+            totals=totals if totals is not None else {"snapshots": float(len(self.snapshots))},
         )
         write_report(self.out / REPORT, report)
         return report

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from reference.rl.controller import Endpoints
 from reference.rl.run import ReferenceRun, RunSettings
+from reference.rl.servers import RunServers
 from rollsafe.evidence import TRAINED, Evidence, FaultRecord, TrainedRow, read_lines
-from rollsafe.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
 from rollsafe.verify import verify
 
 ENGINE_TOKEN, ENV_TOKEN = "rr-engine", "rr-env"
@@ -25,47 +24,22 @@ class Crash(Exception):
     """The whole run is killed here (servers SIGKILLed, the run's objects dropped)."""
 
 
-class Servers:
-    def __init__(self, logs: Path) -> None:
-        self.logs, self.started, self.generation = logs, [], 0
-
-    def start(self) -> Endpoints:
-        self.generation += 1
-        args = ["engine", "serve", "--port", "0", "--token", ENGINE_TOKEN]
-        args += ["--seed", str(SETTINGS.seed), "--model", "dense"]
-        engine = self._start(args, ENGINE_BANNER.format(kind="dense"), "engine")
-        envs = {}
-        for name in INSTANCES:
-            args = ["env", "serve", "workplace", "--port", "0", "--token", ENV_TOKEN]
-            args += ["--engine-url", engine.url, "--engine-token", ENGINE_TOKEN]
-            args += ["--instance", name, "--lease-grace-s", "2"]
-            banner = ENV_BANNER.format(name="workplace", instance=name)
-            envs[name] = self._start(args, banner, name).url
-        return Endpoints(
-            engine_url=engine.url, engine_token=ENGINE_TOKEN, envs=envs, env_token=ENV_TOKEN
-        )
-
-    def _start(self, args: list[str], banner: str, name: str) -> ServedProcess:
-        server = start_served(args, banner, self.logs / f"{name}-{self.generation}")
-        self.started.append(server)
-        return server
-
-    def crash(self) -> None:
-        for server in self.started:
-            server.crash()
-
-
 @pytest.fixture
-def servers(tmp_path: Path) -> Iterator[Servers]:
-    running = Servers(tmp_path / "logs")
+def servers(tmp_path: Path) -> Iterator[RunServers]:
+    running = RunServers(
+        tmp_path / "logs",
+        INSTANCES,
+        seed=SETTINGS.seed,
+        engine_token=ENGINE_TOKEN,
+        env_token=ENV_TOKEN,
+    )
     try:
         yield running
     finally:
-        for server in running.started:
-            server.stop()
+        running.stop()
 
 
-def uninterrupted(servers: Servers, root: Path) -> Path:
+def uninterrupted(servers: RunServers, root: Path) -> Path:
     run = ReferenceRun(SETTINGS, servers.start(), root, root / "out")
     try:
         run.run()
@@ -77,7 +51,7 @@ def uninterrupted(servers: Servers, root: Path) -> Path:
 
 
 def test_a_run_crashed_and_restored_trains_the_same_tokens_exactly_once(
-    servers: Servers, tmp_path: Path
+    servers: RunServers, tmp_path: Path
 ) -> None:
     reference = uninterrupted(servers, tmp_path / "a")
 

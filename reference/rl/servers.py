@@ -1,0 +1,66 @@
+"""The reference run's server processes: one ``rollsafe engine serve`` and the workplace
+environment instances, each ``rollsafe env serve``; started fresh, killed by pid (a crash is
+SIGKILL), stopped by pid at the end."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from reference.rl.controller import Endpoints
+from rollsafe.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
+
+
+class RunServers:
+    def __init__(
+        self,
+        logs: Path,
+        instances: Sequence[str],
+        *,
+        seed: int,
+        engine_token: str,
+        env_token: str,
+        env_faults: Mapping[str, str] | None = None,
+    ) -> None:
+        self.logs, self.instances, self.seed = logs, tuple(instances), seed
+        self.engine_token, self.env_token = engine_token, env_token
+        self.env_faults = dict(env_faults or {})  # instance -> --faults spec, first start only
+        self.started: list[ServedProcess] = []
+        self.current: list[ServedProcess] = []
+        self.generation = 0
+
+    def start(self) -> Endpoints:
+        self.generation += 1
+        self.current = []
+        args = ["engine", "serve", "--port", "0", "--token", self.engine_token]
+        args += ["--seed", str(self.seed), "--model", "dense"]
+        engine = self._start(args, ENGINE_BANNER.format(kind="dense"), "engine")
+        envs = {}
+        for name in self.instances:
+            args = ["env", "serve", "workplace", "--port", "0", "--token", self.env_token]
+            args += ["--engine-url", engine.url, "--engine-token", self.engine_token]
+            args += ["--instance", name, "--lease-grace-s", "5"]
+            if self.generation == 1 and name in self.env_faults:
+                args += ["--faults", self.env_faults[name]]
+            banner = ENV_BANNER.format(name="workplace", instance=name)
+            envs[name] = self._start(args, banner, name).url
+        return Endpoints(
+            engine_url=engine.url,
+            engine_token=self.engine_token,
+            envs=envs,
+            env_token=self.env_token,
+        )
+
+    def _start(self, args: list[str], banner: str, name: str) -> ServedProcess:
+        server = start_served(args, banner, self.logs / f"{name}-{self.generation}")
+        self.started.append(server)
+        self.current.append(server)
+        return server
+
+    def crash(self) -> None:
+        for server in self.current:
+            server.crash()
+
+    def stop(self) -> None:
+        for server in self.started:
+            server.stop()
