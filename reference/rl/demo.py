@@ -48,7 +48,9 @@ from rollsafe.snapshot import SnapshotStore
 from rollsafe.verify import Check, verify
 
 INSTANCES = ("w0", "w1", "w2")
-DEMO_TURNS = 8  # long enough episodes that a snapshot finds calls mid-generation
+# Calls long enough, and enough of them at once, that a snapshot taken while a step generates
+# finds calls mid-generation to cut (prepare and drain come first, and calls go on meanwhile).
+DEMO_TURNS, DEMO_GROUP_SIZE, DEMO_CALL_TOKENS = 6, 4, 48
 DEFAULT_FAULTS = ("coordinator@capture", "run@step3", "env@prepare")
 WORKER_BANNER = r"rollsafe worker: run '(\S+)'"
 _FAULT = re.compile(r"(coordinator|run|env)@(\S+)")
@@ -114,6 +116,7 @@ class DemoOptions(BaseModel):
             seed=self.seed,
             steps=self.steps,
             turns=DEMO_TURNS,
+            group_size=DEMO_GROUP_SIZE,
             restore_level=self.restore_level,
         )
 
@@ -265,6 +268,7 @@ class Demo:
                 seed=self.settings.seed,
                 engine_token=self.tokens[0],
                 env_token=self.tokens[1],
+                max_tokens=DEMO_CALL_TOKENS,
             )
             stack.callback(servers.stop)
             stack.callback(self.stop_workers)

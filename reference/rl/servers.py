@@ -21,10 +21,12 @@ class RunServers:
         engine_token: str,
         env_token: str,
         env_faults: Mapping[str, str] | None = None,
+        max_tokens: int = 12,
     ) -> None:
         self.logs, self.instances, self.seed = logs, tuple(instances), seed
         self.engine_token, self.env_token = engine_token, env_token
         self.env_faults = dict(env_faults or {})  # instance -> --faults spec, first start only
+        self.max_tokens = max_tokens  # per policy call
         self.started: list[ServedProcess] = []
         self.current: list[ServedProcess] = []
         self.generation = 0
@@ -40,6 +42,7 @@ class RunServers:
             args = ["env", "serve", "workplace", "--port", "0", "--token", self.env_token]
             args += ["--engine-url", engine.url, "--engine-token", self.engine_token]
             args += ["--instance", name, "--lease-grace-s", "5"]
+            args += ["--max-tokens", str(self.max_tokens)]
             if self.generation == 1 and name in self.env_faults:
                 args += ["--faults", self.env_faults[name]]
             banner = ENV_BANNER.format(name="workplace", instance=name)

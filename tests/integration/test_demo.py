@@ -42,6 +42,6 @@ def test_the_demo_with_its_faults_trains_what_an_unfaulted_run_trains(tmp_path: 
     assert against.returncode == 0, against.stdout
     assert all(check["ok"] for check in json.loads(against.stdout)["checks"])
     evidence = Evidence.read(tmp_path / "faulted")
-    assert len(evidence.trained) == int(STEPS) * 2 * 2  # steps x groups x rollouts
+    assert len(evidence.trained) == int(STEPS) * 2 * 4  # steps x groups x rollouts
     # The run was killed with calls mid-generation: some resumed from their staged prefixes.
     assert sum(row.restored_prefix_tokens for row in evidence.trained) > 0

@@ -44,6 +44,7 @@ async def serve(
     lease_grace_s: float = 30.0,
     tool_wait_s: float = 5.0,
     faults: FaultSwitches | None = None,
+    max_tokens: int = 12,
 ) -> None:
     """Serve one workplace instance until SIGINT/SIGTERM."""
     # Imported here: the toolkit is only needed to serve, not to use the pure calendar.
@@ -55,7 +56,10 @@ async def serve(
     name = instance or default_instance()
     engine = EngineClient(engine_url, engine_token)
     participant = Participant(
-        name, WorkplaceEnv(engine), lease_grace_s=lease_grace_s, tool_wait_s=tool_wait_s
+        name,
+        WorkplaceEnv(engine, max_tokens=max_tokens),
+        lease_grace_s=lease_grace_s,
+        tool_wait_s=tool_wait_s,
     )
     app = FaultMiddleware(participant_app(participant, token), token, faults)
     # lifespan on: the app's lifespan runs the participant's lease watcher (a lease must run
