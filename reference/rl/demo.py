@@ -257,6 +257,7 @@ class Demo:
                 log_to_driver=False,
             )
             stack.callback(ray.shutdown)
+            self.temporal = dev.settings()
             env = {
                 "TEMPORAL_ADDRESS": dev.address,
                 "TEMPORAL_NAMESPACE": dev.namespace,
@@ -342,24 +343,27 @@ class Demo:
                 return
 
     def _env_fault(self, endpoints: Endpoints, checkpointer: Any) -> None:
-        """w1 answers 503 to the checkpoint protocol while a snapshot prepares: the prepare
-        fails on w1, the other instances are resumed, and that snapshot fails (a resumed
-        checkpoint id is never accepted again, so its prepare cannot simply be retried). The
-        next snapshot, once w1 answers again, publishes."""
+        """w1 answers 503 to the checkpoint protocol until a snapshot's prepare failed on it
+        (its workflow is then in ``resume``, retrying w1's resume): the other instances were
+        resumed and refuse that checkpoint id forever, so the snapshot fails (transient) and
+        the next one, once w1 answers again, publishes."""
         url = endpoints.envs["w1"]
         headers = {"authorization": f"Bearer {endpoints.env_token}"}
         httpx.post(f"{url}/faults", json={"unavailable": True}, headers=headers).raise_for_status()
         at = self.elapsed()
-        self.say(f"[fault] environment w1 fails its checkpoint calls for 2 s ({at:.1f}s)")
-        # Healed on a timer, not after the snapshot: the failed snapshot's resume phase is
-        # retried until w1 answers (the other instances already resumed).
-        heal = threading.Timer(
-            2.0, lambda: httpx.post(f"{url}/faults", json={}, headers=headers).raise_for_status()
+        self.say(f"[fault] environment w1 fails its checkpoint calls ({at:.1f}s)")
+        outcomes: list[Any] = []
+        snapshot = threading.Thread(
+            target=lambda: outcomes.append(asyncio.run(checkpointer.snapshot_now(timeout=120)))
         )
-        heal.start()
-        failed = asyncio.run(checkpointer.snapshot_now(timeout=120))
+        snapshot.start()
+        try:
+            asyncio.run(self._until_a_snapshot_resumes())
+        finally:
+            httpx.post(f"{url}/faults", json={}, headers=headers).raise_for_status()
+            snapshot.join()
+        failed = outcomes[0]
         self.say(f"[snapshot] {failed.seq} {failed.status}: {failed.reason[:90]}")
-        heal.join()
         again = asyncio.run(checkpointer.snapshot_now(timeout=120))
         self.say(f"[snapshot] {again.seq} {again.status} ({self.elapsed():.1f}s)")
         recovered = f"snapshot {failed.seq} {failed.status}; snapshot {again.seq} {again.status}"
@@ -372,6 +376,18 @@ class Demo:
                 recovery_s=self.elapsed() - at,
             )
         )
+
+    async def _until_a_snapshot_resumes(self, timeout_s: float = 60.0) -> None:
+        from rollsafe.inspect import inspect_run
+        from rollsafe.temporal.connect import connect
+
+        client = await connect(self.temporal)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            view = await inspect_run(client, self.settings.run_id)
+            if any(snapshot.phase == "resume" for snapshot in view.snapshots):
+                return
+            await asyncio.sleep(0.1)
 
     def _recover(
         self, run: ReferenceRun, servers: RunServers, env: dict[str, str], dev: Any
