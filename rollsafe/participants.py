@@ -175,7 +175,8 @@ class Participants:
         state = self._state(checkpoint_id)
         prepared = self._prepared(checkpoint_id, "commit_envs")
         scope = {name: [p.episode for p in inv.parked] for name, inv in prepared.instances.items()}
-        dest = snapshot_dir / ENVS_DIR
+        # Absolute: the environment servers write there themselves, from their own cwd.
+        dest = snapshot_dir.resolve() / ENVS_DIR
         committed = self.loop.run(self.fleet.commit_all(checkpoint_id, scope, dest))
         state.committed = committed
         cut = state.cut or _NO_CUT
@@ -220,7 +221,7 @@ class Participants:
             self.fleet.restore_all(
                 restore_id,
                 record.committed.checkpoint_id,
-                snapshot_dir / ENVS_DIR,
+                snapshot_dir.resolve() / ENVS_DIR,
                 scope,
                 as_json,
                 deadline,

@@ -158,7 +158,7 @@ class Demo:
     def __init__(self, options: DemoOptions, say: Callable[[str], None]) -> None:
         self.options, self.say = options, say
         self.settings = options.settings()
-        self.work = options.out / "work"
+        self.work = options.out.resolve() / "work"
         self.started = time.monotonic()
         self.tokens = (uuid.uuid4().hex, uuid.uuid4().hex)
         self.workers: list[ServedProcess] = []

@@ -15,8 +15,13 @@ STEPS = "4"
 
 
 def demo(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    command = rollsafe_command("demo", "--steps", STEPS, "--seed", "3", "--out", str(out), *extra)
-    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+    # A relative --out, as `make demo` passes one: the environment servers, in their own
+    # working directories, must still be told absolute paths.
+    relative = out.relative_to(out.parent)
+    command = rollsafe_command("demo", "--steps", STEPS, "--seed", "3", "--out", str(relative))
+    return subprocess.run(
+        [*command, *extra], capture_output=True, text=True, timeout=600, cwd=out.parent
+    )
 
 
 def test_the_demo_with_its_faults_trains_what_an_unfaulted_run_trains(tmp_path: Path) -> None:
