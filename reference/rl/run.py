@@ -46,6 +46,7 @@ from rollsafe.evidence import (
 from rollsafe.loop import LoopThread
 from rollsafe.phases import (
     PHASES,
+    Phase,
     PhaseRequest,
     PhaseResult,
     RestorePlan,
@@ -185,15 +186,15 @@ class ReferenceRun:
             results.append(self._train(groups))
         return results
 
-    def snapshot(self) -> PhaseResult:
+    def snapshot(self) -> dict[Phase, PhaseResult]:
         """The ten phases, in process (the demo has Temporal workflows run them)."""
         assert self.local is not None
         spec = SnapshotSpec(
             run_id=self.settings.run_id, seq=self.local.next_seq(), anchor_step=self.step
         )
-        results = [self.local.run_phase(PhaseRequest(spec=spec, phase=p)) for p in PHASES]
-        self.snapshots.append(results[-1])
-        return results[-1]
+        results = {p: self.local.run_phase(PhaseRequest(spec=spec, phase=p)) for p in PHASES}
+        self.snapshots.append(results[Phase.PUBLISH])
+        return results
 
     def record_fault(self, fault: FaultRecord) -> None:
         _append(self.out / FAULTS, [fault])

@@ -5,6 +5,7 @@ in a later step, a restore onto fresh servers, and the evidence of the restored 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from reference.rl.run import ReferenceRun, RunSettings
 from reference.rl.servers import RunServers
 from rollsafe.evidence import TRAINED, Evidence, FaultRecord, TrainedRow, read_lines
+from rollsafe.phases import Phase
 from rollsafe.verify import verify
 
 ENGINE_TOKEN, ENV_TOKEN = "rr-engine", "rr-env"
@@ -32,6 +34,7 @@ def servers(tmp_path: Path) -> Iterator[RunServers]:
         seed=SETTINGS.seed,
         engine_token=ENGINE_TOKEN,
         env_token=ENV_TOKEN,
+        max_tokens=48,  # calls long enough to be caught mid-generation
     )
     try:
         yield running
@@ -59,8 +62,12 @@ def test_a_run_crashed_and_restored_trains_the_same_tokens_exactly_once(
     first = ReferenceRun(SETTINGS, servers.start(), root, out)
 
     def faults(step: int) -> None:
-        if step == 1:
-            first.snapshot()  # mid-generation: episodes parked, calls cut
+        if step == 1:  # mid-generation: episodes parked, calls cut (until one is)
+            while first.loop.run(first.engine.info()).active == 0:
+                time.sleep(0.01)
+            for _ in range(4):
+                if first.snapshot()[Phase.CUT_GENERATION].counts["cut"]:
+                    break
         if step == 2:
             servers.crash()
             raise Crash
@@ -70,7 +77,7 @@ def test_a_run_crashed_and_restored_trains_the_same_tokens_exactly_once(
             first.run(during=faults)
     finally:
         first.close()
-    assert [r.published is not None for r in first.snapshots] == [True]
+    assert all(r.published is not None for r in first.snapshots)
     assert {row.step for row in read_lines(out / TRAINED, TrainedRow)} == {0, 1}
 
     second, plan = ReferenceRun.restored(SETTINGS, servers.start(), root, out)
