@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, Literal, TypeVar
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -146,14 +146,23 @@ def _read_report(path: Path) -> RunReport:
         ) from None
 
 
-def append_lines(handle: IO[str], lines: Iterable[_Line]) -> None:
+def append_lines(path: Path, lines: Iterable[_Line]) -> None:
     """One JSON object a line, flushed: a killed writer leaves whole lines behind."""
-    for line in lines:
-        handle.write(line.model_dump_json() + "\n")
-    handle.flush()
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.writelines(line.model_dump_json() + "\n" for line in lines)
+        handle.flush()
+
+
+def replace_lines(path: Path, lines: Iterable[_Line]) -> None:
+    """``path`` holding exactly ``lines``, replaced whole (temporary file, then rename)."""
+    _replace(path, "".join(line.model_dump_json() + "\n" for line in lines))
 
 
 def write_report(path: Path, report: RunReport) -> None:
+    _replace(path, json.dumps(report.model_dump(mode="json"), indent=2) + "\n")
+
+
+def _replace(path: Path, text: str) -> None:
     temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")
+    temporary.write_text(text, encoding="utf-8")
     temporary.replace(path)

@@ -124,8 +124,8 @@ class DemoOptions(BaseModel):
 class ActorController:
     """The run's controller actor, called like a :class:`RunController` in this process."""
 
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
+    def __init__(self, handle: Any, name: str) -> None:
+        self.handle, self.name = handle, name
 
     def __getattr__(self, method: str) -> Callable[..., Any]:
         import ray
@@ -143,12 +143,11 @@ class ActorController:
         """As a crash would: no goodbye. Returns once the run's actor name is free again."""
         import ray
 
-        name = self.handle._ray_actor_name if hasattr(self.handle, "_ray_actor_name") else None
         ray.kill(self.handle)
         deadline = time.monotonic() + 30
-        while name and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             try:
-                ray.get_actor(name, namespace=NAMESPACE)
+                ray.get_actor(self.name, namespace=NAMESPACE)
             except ValueError:
                 return
             time.sleep(0.1)
@@ -187,7 +186,7 @@ class Demo:
             awaiting_restore=awaiting_restore,
         )
         ray.get(handle.status.remote())  # constructed, or its error raised here
-        return ActorController(handle)
+        return ActorController(handle, actor_name(self.settings.run_id))
 
     def start_worker(self, env: dict[str, str], fault: str | None = None) -> ServedProcess:
         extra = {ENV_VAR: fault} if fault else {}

@@ -40,7 +40,9 @@ from rollsafe.evidence import (
     HandedOut,
     RunReport,
     TrainedRow,
+    append_lines,
     read_lines,
+    replace_lines,
     write_report,
 )
 from rollsafe.loop import LoopThread
@@ -197,7 +199,7 @@ class ReferenceRun:
         return results
 
     def record_fault(self, fault: FaultRecord) -> None:
-        _append(self.out / FAULTS, [fault])
+        append_lines(self.out / FAULTS, [fault])
 
     def finish(self, totals: dict[str, float] | None = None) -> RunReport:
         """Write handed_out.jsonl and report.json from the controller's final state."""
@@ -211,7 +213,7 @@ class ReferenceRun:
             )
             for idx in range(self.controller.loader_position())
         ]
-        _write_lines(self.out / HANDED_OUT, lines)
+        replace_lines(self.out / HANDED_OUT, lines)
         report = RunReport(
             run_id=self.settings.run_id,
             seed=self.settings.seed,
@@ -265,22 +267,10 @@ class ReferenceRun:
             for m in json.loads(bytes(rows[key]["mutations"]))
         ]
         self.controller.commit_step(groups)
-        _append(self.out / TRAINED, trained)
-        _append(self.out / MUTATIONS, mutations)
+        append_lines(self.out / TRAINED, trained)
+        append_lines(self.out / MUTATIONS, mutations)
         self.step += 1
         return result
-
-
-def _append(path: Path, lines: Sequence[BaseModel]) -> None:
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.writelines(line.model_dump_json() + "\n" for line in lines)
-        handle.flush()
-
-
-def _write_lines(path: Path, lines: Sequence[BaseModel]) -> None:
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text("".join(line.model_dump_json() + "\n" for line in lines))
-    temporary.replace(path)
 
 
 def _roll_back(out: Path, first_undone_step: int) -> None:
@@ -293,11 +283,11 @@ def _roll_back(out: Path, first_undone_step: int) -> None:
     if not undone:
         return
     gone = {row.rollout_id for row in undone}
-    _write_lines(out / TRAINED, [row for row in rows if row.step < first_undone_step])
-    _append(out / ROLLED_BACK, undone)
+    replace_lines(out / TRAINED, [row for row in rows if row.step < first_undone_step])
+    append_lines(out / ROLLED_BACK, undone)
     if (out / MUTATIONS).exists():
         kept = [m for m in read_lines(out / MUTATIONS, EnvMutation) if m.rollout_id not in gone]
-        _write_lines(out / MUTATIONS, kept)
+        replace_lines(out / MUTATIONS, kept)
 
 
 def _set_aside_checkpoints(directory: Path, newer_than: int, tag: str) -> None:
