@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict
 
+from rollsafe import metrics
 from rollsafe.controller import Captured, Controller
 from rollsafe.dataplane import make_dataplane
+from rollsafe.env.protocol import EpisodeRef
 from rollsafe.errors import InvalidInput, TransientError
 from rollsafe.faults import fault_point
 from rollsafe.gate import AdmissionGate, GateCounters
-from rollsafe.participants import ENVS_DIR, RECORD_FILE, Participants
+from rollsafe.participants import ENVS_DIR, RECORD_FILE, Participants, to_episode
 from rollsafe.phases import (
     PHASES,
     Phase,
@@ -44,6 +46,7 @@ from rollsafe.snapshot import (
     SnapshotStore,
     verify_snapshot,
 )
+from rollsafe.states import RestoreLevel
 
 ABORT = "abort"  # the key of abort's lock and effect counter, beside the phases
 _KEEP_CHECKPOINTS = 16  # stored results kept for this many recent checkpoint ids
@@ -135,6 +138,7 @@ class CheckpointOps:
         self._records: OrderedDict[str, _Record] = OrderedDict()
         self.effects: dict[str, int] = {str(key): 0 for key in (*PHASES, ABORT)}
         self._restores: dict[str, RestorePlan] = {}
+        metrics.configure_metrics()  # where the instruments record: OTEL_METRICS_EXPORTER
 
     # ---- checkpoint phases -----------------------------------------------------------------
 
@@ -149,7 +153,8 @@ class CheckpointOps:
                     f"checkpoint {spec.checkpoint_id} was aborted: {phase} refused"
                 )
             fault_point(f"phase.{phase}.before")
-            result = self._run(spec, phase, record)
+            with metrics.timed_phase(spec.run_id, phase):
+                result = self._run(spec, phase, record)
             fault_point(f"phase.{phase}.after")
             record.results[phase] = result
             return result
@@ -167,6 +172,7 @@ class CheckpointOps:
             finally:
                 with self._meta:
                     change = self.gate.open(spec.checkpoint_id)
+                metrics.admission_reopened(spec.run_id, spec.checkpoint_id, change)
             entry = self._entry(spec.checkpoint_id)
             if entry is not None:
                 with entry.lock:
@@ -193,6 +199,7 @@ class CheckpointOps:
             finally:  # admission reopens even when an instance could not be reached (lease)
                 with self._meta:
                     change = self.gate.open(cid)
+                metrics.admission_reopened(spec.run_id, cid, change)
                 self._effect(phase, change.changed)
             return self._result(spec, phase, f"{resumed}admission {change.detail}")
         if phase is Phase.PUBLISH:
@@ -205,6 +212,7 @@ class CheckpointOps:
                     )
                 self._require_open(spec)
                 change = self.gate.close(cid)
+            metrics.admission_closed(spec.run_id, cid, change)
             self._effect(phase, change.changed)
             return self._result(spec, phase, f"admission {change.detail}")
         entry = self._require_open(spec)
@@ -238,12 +246,18 @@ class CheckpointOps:
             summary = f"{len(stragglers)} replies still out after the drain (restarted)"
             return self._result(spec, phase, summary, {"stragglers": len(stragglers)})
         if phase is Phase.CUT_GENERATION:
-            cut = participants.cut(cid, self.controller.dataplane)
-            summary = f"{len(cut.staged)} calls cut and staged, {len(cut.refused)} at turn level"
-            return self._result(spec, phase, summary, {"cut": len(cut.staged)})
+            cut = participants.cut(cid, self.controller.dataplane, self._level_of)
+            metrics.record_cut(spec.run_id, cut)
+            outcomes = metrics.cut_outcomes(cut)
+            summary = (
+                f"{outcomes['cut']} calls cut and staged, {outcomes['skipped']} skipped "
+                f"(finished, not started, or a coarser restore level), {outcomes['failed']} "
+                "could not be cut (turn level)"
+            )
+            return self._result(spec, phase, summary, outcomes)
         with entry.lock:  # COMMIT_ENVS writes into the draft
             self._check_usable(entry)
-            committed = participants.commit(cid, entry.draft.path)
+            committed = participants.commit(cid, entry.draft.path, self._level_of)
             if RECORD_FILE not in entry.draft.files:  # a retried commit records once
                 entry.draft.record(ENVS_DIR)
                 entry.draft.write_json(RECORD_FILE, committed)
@@ -251,6 +265,14 @@ class CheckpointOps:
         return self._result(
             spec, phase, f"{episodes} episodes committed", {"committed_episodes": episodes}
         )
+
+    def _level_of(self, ref: EpisodeRef) -> RestoreLevel:
+        """The restore level of a parked episode's group; an episode of a group the ledger
+        does not hold is kept whole (the restore then names it as not owned by the run)."""
+        idx = to_episode(ref).rollout.group.idx
+        with self.barrier:
+            ledger = self.controller.ledger
+            return ledger.level(idx) if idx in ledger else RestoreLevel.PREFIX
 
     def _resume_participants(self, checkpoint_id: str) -> str:
         if self.participants is None:
@@ -318,6 +340,8 @@ class CheckpointOps:
                     self._open = None
         if published is None:
             published = self._find_published(spec)
+        if entry is not None:  # this process wrote the draft (also if a failed try renamed it)
+            metrics.record_capture_bytes(spec.run_id, published.manifest)
         info = _info(published)
         how = "reused the earlier publish of" if published.reused else "published"
         return self._result(spec, Phase.PUBLISH, f"{how} {info.name}", info.counts, info)
@@ -371,7 +395,9 @@ class CheckpointOps:
             self.controller = restored
             current.dataplane.clear()  # replaced by the snapshot's rows
         if self.participants is not None and outcomes:
-            self.participants.resume_restored(request.restore_id)
+            tokens = self.participants.resume_restored(request.restore_id)
+            metrics.record_restored_prefix_tokens(self.store.run_id, tokens)
+        metrics.record_restore(self.store.run_id, plan, restored.config.group_size)
         with self._meta:
             self._restores[request.restore_id] = plan
             self._awaiting_restore = False

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -38,6 +38,7 @@ from rollsafe.ids import EpisodeId, RolloutId
 from rollsafe.ledger import Retirement
 from rollsafe.loop import LoopThread
 from rollsafe.snapshot import SnapshotReader
+from rollsafe.states import RestoreLevel
 
 RECORD_FILE = "participants.json"
 ENVS_DIR = "envs"
@@ -86,6 +87,17 @@ class _Checkpoint:
     committed: FleetCommitted | None = None
 
 
+# The restore level of a parked episode's group (the ledger's, looked up by the coordinator):
+# what its snapshot must hold. ``prefix``: the episode and its cut call's prefix; ``turn``: the
+# episode only (its call regenerates from the turn's start); ``sibling`` / ``prompt_group``:
+# nothing (the rollout is generated again from scratch).
+LevelOf = Callable[[EpisodeRef], RestoreLevel]
+
+
+def _every_level(_: EpisodeRef) -> RestoreLevel:
+    return RestoreLevel.PREFIX
+
+
 def to_ref(episode: EpisodeId) -> EpisodeRef:
     return EpisodeRef(rollout_id=episode.rollout.key, attempt=episode.attempt)
 
@@ -110,6 +122,7 @@ class Participants:
         self.pending = pending if pending is not None else PendingReplies()
         self.options = options or ParticipantOptions()
         self._checkpoints: dict[str, _Checkpoint] = {}
+        self._prefix_tokens: dict[str, int] = {}  # restore id -> staged tokens handed back
 
     # ---- the snapshot's phases ------------------------------------------------------------
 
@@ -156,25 +169,37 @@ class Participants:
         self._state(checkpoint_id).stragglers = stragglers
         return stragglers
 
-    def cut(self, checkpoint_id: str, dataplane: DataPlane) -> StagedCut:
+    def cut(
+        self, checkpoint_id: str, dataplane: DataPlane, level_of: LevelOf = _every_level
+    ) -> StagedCut:
         """Phase 6: freeze the parked episodes' calls still generating and stage their
-        prefixes; a call no engine could cut is committed at turn level."""
+        prefixes; a call no engine could cut is committed at turn level. Only episodes whose
+        level is ``prefix`` are cut (at any other level the prefix would never be used)."""
         prepared = self._prepared(checkpoint_id, "cut_generation")
-        calls = [
-            p.model_call_id
+        generating = [
+            (p.model_call_id, level_of(p.episode))
             for inv in prepared.instances.values()
             for p in inv.parked
             if p.activity == "generating" and p.model_call_id is not None
         ]
+        calls = [call for call, level in generating if level == RestoreLevel.PREFIX]
         cut = self.loop.run(self._cut_everywhere(calls, dataplane)) if calls else _NO_CUT
+        skipped = tuple(call for call, level in generating if level != RestoreLevel.PREFIX)
+        cut = cut.model_copy(update={"skipped": skipped})
         self._state(checkpoint_id).cut = cut
         return cut
 
-    def commit(self, checkpoint_id: str, snapshot_dir: Path) -> ParticipantsRecord:
-        """Phase 7: each instance exports its parked episodes into ``<snapshot>/envs``."""
+    def commit(
+        self, checkpoint_id: str, snapshot_dir: Path, level_of: LevelOf = _every_level
+    ) -> ParticipantsRecord:
+        """Phase 7: each instance exports its parked episodes into ``<snapshot>/envs`` (those
+        whose level restores episodes: ``turn`` or ``prefix``)."""
         state = self._state(checkpoint_id)
         prepared = self._prepared(checkpoint_id, "commit_envs")
-        scope = {name: [p.episode for p in inv.parked] for name, inv in prepared.instances.items()}
+        scope = {
+            name: [p.episode for p in inv.parked if level_of(p.episode) >= RestoreLevel.TURN]
+            for name, inv in prepared.instances.items()
+        }
         # Absolute: the environment servers write there themselves, from their own cwd.
         dest = snapshot_dir.resolve() / ENVS_DIR
         committed = self.loop.run(self.fleet.commit_all(checkpoint_id, scope, dest))
@@ -215,6 +240,7 @@ class Participants:
         nothing: on failure no instance keeps any (see :class:`FleetRestored`)."""
         scope = {name: list(c.committed) for name, c in record.committed.instances.items()}
         prefixes = load_prefixes(dataplane, record.staged) if record.staged else {}
+        self._prefix_tokens[restore_id] = sum(len(p.tokens) for p in prefixes.values())
         as_json = {call: p.model_dump(mode="json") for call, p in prefixes.items()}
         deadline = time.time() + self.options.restore_deadline_s
         return self.loop.run(
@@ -228,12 +254,16 @@ class Participants:
             )
         )
 
-    def resume_restored(self, restore_id: str) -> None:
+    def resume_restored(self, restore_id: str) -> int:
+        """The restore succeeded: the environments resume. Returns the tokens of the staged
+        prefixes the restored calls continue from."""
         self.loop.run(self.fleet.resume_all(restore_id))
+        return self._prefix_tokens.pop(restore_id, 0)
 
     def abandon_restore(self, restore_id: str, restored: FleetRestored) -> None:
         """The controller's restore failed after the environments restored: they must not keep
         the n + 1 attempts (retired: refused until forgotten), and resume."""
+        self._prefix_tokens.pop(restore_id, None)
         refs = {name: list(refs) for name, refs in restored.restored.items() if refs}
 
         async def undo() -> None:

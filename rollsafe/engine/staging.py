@@ -81,6 +81,8 @@ class StagedCut(BaseModel):
     staged: dict[str, int]  # call id -> prefix tokens staged
     refused: tuple[CutRefusal, ...]
     handoffs: int
+    # Not cut on purpose: their groups restore at a coarser level than ``prefix``.
+    skipped: tuple[str, ...] = ()
 
 
 async def cut_and_stage(engine: Engine, call_ids: Sequence[str], dataplane: DataPlane) -> StagedCut:

@@ -7,6 +7,8 @@ Switches (``--faults`` or ``ROLLSAFE_ENV_FAULTS`` at start, a comma-separated sp
 replaces every switch; ``GET /faults`` reads them):
 
 ``slow_prepare:S``   sleep S seconds before the toolkit sees a prepare
+``slow_run:S``       sleep S seconds before the toolkit sees an ``/episodes/run`` (its episodes
+                     start, and finish, later than the other instances')
 ``unavailable``      503 ``EnvUnavailable`` for every ``/checkpoint/v1`` endpoint
 ``die_on:OP``        ``os._exit(137)`` when OP arrives, before the toolkit sees it
 ``die_after:OP``     ``os._exit(137)`` after the toolkit did OP, before its reply goes out
@@ -48,6 +50,7 @@ class FaultSwitches(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     slow_prepare: float = Field(default=0.0, ge=0.0, le=600.0)
+    slow_run: float = Field(default=0.0, ge=0.0, le=600.0)
     unavailable: bool = False
     die_on: FaultOp | None = None
     die_after: FaultOp | None = None
@@ -117,6 +120,8 @@ class FaultMiddleware:
             receive = await self._note_id(receive)
         if op == "prepare" and s.slow_prepare:
             await asyncio.sleep(s.slow_prepare)
+        if op == "run" and s.slow_run:
+            await asyncio.sleep(s.slow_run)
         if op == "resume" and s.lose_resume and self._authorized(scope):
             reply = ResumeReply(phase="idle", resumed=True)
             await JSONResponse(reply.model_dump())(scope, receive, send)

@@ -1,0 +1,276 @@
+"""Each restore level's fallback, end to end on the reference run's real processes: a snapshot
+is taken while a step generates, everything is killed, fresh servers are started and the run is
+restored from that snapshot and finished. Every run must pass ``rollsafe verify`` against an
+uninterrupted run with the same seed (same tokens for every rollout), and each level must have
+resumed exactly as finely as it promises:
+
+- ``prefix``: an episode resumed on its instance continues its cut call from the staged prefix;
+- ``turn``: an episode resumed on its instance regenerates only its interrupted turn (the earlier
+  turns' mutations keep the old attempt's call ids, nothing comes from a prefix);
+- ``sibling``: the siblings sealed at the snapshot are kept as they were; only the others run
+  again, from scratch;
+- ``prompt_group``: a group caught half sealed is generated again whole.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from reference.rl.run import SNAPSHOTS_DIR, ReferenceRun, RunSettings
+from reference.rl.servers import RunServers
+from rollsafe.capture import CapturedState
+from rollsafe.evidence import Evidence, TrainedRow
+from rollsafe.ledger import Ledger
+from rollsafe.phases import Phase, PhaseResult, RestorePlan
+from rollsafe.snapshot import SnapshotStore
+from rollsafe.states import AttemptState
+from rollsafe.verify import verify
+
+INSTANCES = ("w0", "w1", "w2")
+BASE = RunSettings(run_id="lv", seed=11, steps=2, group_size=4, groups_per_step=2, turns=4)
+CRASH_STEP = 1
+
+
+class Crash(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture
+def servers(logs: Path, request: pytest.FixtureRequest) -> Iterator[RunServers]:
+    running = RunServers(
+        logs / request.node.name,
+        INSTANCES,
+        seed=BASE.seed,
+        engine_token="lv-engine",
+        env_token="lv-env",
+        max_tokens=48,  # calls long enough to be caught mid-generation
+        # Before the crash, w2's episodes start late: while they run, their groups' other
+        # siblings are already sealed (the state the sibling levels are about).
+        env_faults={"w2": "slow_run:1.5"},
+    )
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(logs: Path, tmp_path_factory: pytest.TempPathFactory) -> Evidence:
+    """The uninterrupted run every level must match token for token."""
+    root = tmp_path_factory.mktemp("reference")
+    servers = RunServers(
+        logs / "reference", INSTANCES, seed=BASE.seed, engine_token="e", env_token="v",
+        max_tokens=48,
+    )  # fmt: skip
+    try:
+        run = ReferenceRun(BASE, servers.start(), root, root / "out")
+        try:
+            run.run()
+            run.finish()
+        finally:
+            run.close()
+    finally:
+        servers.stop()
+    return Evidence.read(root / "out")
+
+
+def snapshot_ledger(root: Path) -> Ledger:
+    """The ledger as the newest published snapshot holds it."""
+    reader = SnapshotStore(root / SNAPSHOTS_DIR, BASE.run_id).select()
+    return Ledger.restore(*CapturedState.read(reader).ledger, reader.name)
+
+
+def mixed_groups(ledger: Ledger) -> list[int]:
+    """Groups with some siblings sealed and some not."""
+    mixed = []
+    for idx in ledger.groups():
+        sealed = [s == AttemptState.SEALED for s in ledger.states(idx)]
+        if any(sealed) and not all(sealed):
+            mixed.append(idx)
+    return mixed
+
+
+Ready = Callable[[ReferenceRun], bool]
+Caught = Callable[[dict[Phase, PhaseResult], Path], bool]
+
+
+def calls_generating(run: ReferenceRun) -> bool:
+    return run.loop.run(run.engine.info()).active > 0
+
+
+def some_sibling_sealed(run: ReferenceRun) -> bool:
+    assert run.local is not None
+    with run.local.barrier:
+        return bool(mixed_groups(run.local.controller.ledger))
+
+
+def crashed_and_restored(
+    level: str, servers: RunServers, root: Path, ready: Ready, caught: Caught
+) -> tuple[RestorePlan, Ledger, Evidence]:
+    """Snapshots during step CRASH_STEP until one ``caught`` what the level needs (taken once
+    ``ready``), then everything killed; restored on fresh servers and run to the end."""
+    settings = BASE.model_copy(update={"restore_level": level})
+    out = root / "out"
+    first = ReferenceRun(settings, servers.start(), root, out)
+
+    def during(step: int) -> None:
+        if step != CRASH_STEP:
+            return
+        for _ in range(6):
+            deadline = time.monotonic() + 20
+            while not ready(first) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if caught(first.snapshot(), root):
+                servers.crash()
+                raise Crash
+        pytest.fail(f"no snapshot caught what level {level} needs in 6 tries")
+
+    try:
+        with pytest.raises(Crash):
+            first.run(during=during)
+    finally:
+        first.close()
+    at_snapshot = snapshot_ledger(root)
+    second, plan = ReferenceRun.restored(settings, servers.start(), root, out)
+    try:
+        second.run()
+        second.finish()
+    finally:
+        second.close()
+    return plan, at_snapshot, Evidence.read(out)
+
+
+def assert_same_tokens_once(evidence: Evidence, reference: Evidence) -> None:
+    checks = verify(evidence, reference)
+    assert all(c.ok for c in checks), [c for c in checks if not c.ok]
+
+
+def rows_by_rollout(evidence: Evidence) -> dict[str, TrainedRow]:
+    return {row.rollout_id: row for row in evidence.trained}
+
+
+def call_ids(evidence: Evidence, rollout_id: str) -> dict[int, str]:
+    return {m.turn: m.call_id for m in evidence.mutations if m.rollout_id == rollout_id}
+
+
+def resumed_rollouts(plan: RestorePlan, ledger: Ledger) -> list[tuple[str, int]]:
+    """(rollout id, attempt at the snapshot) of every episode resumed on its instance."""
+    return [
+        (ledger.rollout_id(idx, i).key, ledger.attempt(idx, i))
+        for idx, group in plan.partial.items()
+        for i in group.resumed
+    ]
+
+
+def test_prefix_level_resumes_the_cut_call_mid_way(
+    servers: RunServers, tmp_path: Path, reference: Evidence
+) -> None:
+    plan, ledger, evidence = crashed_and_restored(
+        "prefix",
+        servers,
+        tmp_path,
+        calls_generating,
+        lambda results, _: results[Phase.CUT_GENERATION].counts["cut"] > 0,
+    )
+    assert_same_tokens_once(evidence, reference)
+    resumed = resumed_rollouts(plan, ledger)
+    assert resumed
+    rows = rows_by_rollout(evidence)
+    assert all(rows[rid].attempt == attempt + 1 for rid, attempt in resumed)
+    assert sum(rows[rid].restored_prefix_tokens for rid, _ in resumed) > 0
+
+
+def mid_call_after_a_turn(results: dict[Phase, PhaseResult], root: Path) -> bool:
+    """The snapshot committed an episode with a turn done and its next call in flight, and
+    cut no call (turn level: calls in flight are skipped, never cut)."""
+    cut = results[Phase.CUT_GENERATION].counts
+    if cut["cut"] or not cut["skipped"]:
+        return False
+    snapshot = SnapshotStore(root / SNAPSHOTS_DIR, BASE.run_id).select().path
+    for records in snapshot.glob("envs/*/*/records-*.jsonl"):
+        for line in records.read_text().splitlines():
+            state = json.loads(line)["state"]
+            if state["turn"] >= 1 and state["in_flight"] is not None:
+                return True
+    return False
+
+
+def test_turn_level_regenerates_only_the_interrupted_turn(
+    servers: RunServers, tmp_path: Path, reference: Evidence
+) -> None:
+    plan, ledger, evidence = crashed_and_restored(
+        "turn",
+        servers,
+        tmp_path,
+        calls_generating,
+        mid_call_after_a_turn,
+    )
+    assert_same_tokens_once(evidence, reference)
+    assert all(row.restored_prefix_tokens == 0 for row in evidence.trained)
+    resumed = resumed_rollouts(plan, ledger)
+    assert resumed
+    rows = rows_by_rollout(evidence)
+    split = 0
+    for rid, attempt in resumed:
+        assert rows[rid].attempt == attempt + 1
+        old, new = f"{rid}-a{attempt}" if attempt else rid, f"{rid}-a{attempt + 1}"
+        ids = call_ids(evidence, rid)
+        old_turns = sorted(t for t, call in ids.items() if call.startswith(f"{old}/"))
+        new_turns = sorted(t for t, call in ids.items() if call.startswith(f"{new}/"))
+        # Turns done before the snapshot stay done; only what follows ran again.
+        assert old_turns == list(range(len(old_turns)))
+        assert new_turns == list(range(len(old_turns), BASE.turns))
+        split += bool(old_turns) and bool(new_turns)
+    assert split, "no resumed episode kept earlier turns and regenerated a later one"
+
+
+def sibling_sealed_at_snapshot(results: dict[Phase, PhaseResult], root: Path) -> bool:
+    return bool(mixed_groups(snapshot_ledger(root)))
+
+
+def test_sibling_level_keeps_the_sealed_siblings(
+    servers: RunServers, tmp_path: Path, reference: Evidence
+) -> None:
+    plan, ledger, evidence = crashed_and_restored(
+        "sibling", servers, tmp_path, some_sibling_sealed, sibling_sealed_at_snapshot
+    )
+    assert_same_tokens_once(evidence, reference)
+    assert not resumed_rollouts(plan, ledger)  # no episode comes back from an environment
+    assert all(row.restored_prefix_tokens == 0 for row in evidence.trained)
+    rows = rows_by_rollout(evidence)
+    for idx in mixed_groups(ledger):
+        states = ledger.states(idx)
+        sealed = [i for i, s in enumerate(states) if s == AttemptState.SEALED]
+        assert plan.partial[idx].restored == sealed
+        for i, state in enumerate(states):
+            row = rows[ledger.rollout_id(idx, i).key]
+            if state == AttemptState.SEALED:
+                assert row.attempt == ledger.attempt(idx, i)  # kept, not generated again
+            else:
+                assert row.attempt > ledger.attempt(idx, i)
+
+
+def test_prompt_group_level_regenerates_the_whole_group(
+    servers: RunServers, tmp_path: Path, reference: Evidence
+) -> None:
+    plan, ledger, evidence = crashed_and_restored(
+        "prompt_group", servers, tmp_path, some_sibling_sealed, sibling_sealed_at_snapshot
+    )
+    assert_same_tokens_once(evidence, reference)
+    assert not resumed_rollouts(plan, ledger)
+    rows = rows_by_rollout(evidence)
+    for idx in mixed_groups(ledger):
+        assert plan.partial[idx].restored == []
+        assert plan.partial[idx].regenerate == list(range(BASE.group_size))
+        for i in range(BASE.group_size):  # sealed ones too: a new attempt, the same tokens
+            assert rows[ledger.rollout_id(idx, i).key].attempt == ledger.attempt(idx, i) + 1
