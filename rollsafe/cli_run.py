@@ -58,6 +58,23 @@ def register_run_commands(app: typer.Typer, fail: Callable[[Exception, int], NoR
         restore_level: Annotated[
             str, typer.Option(help="prefix | turn | sibling | prompt_group")
         ] = "prefix",
+        sampler: Annotated[
+            str | None,
+            typer.Option(
+                help="windowed (default) | in_order | weight_fifo: which ready groups train"
+            ),
+        ] = None,
+        deterministic: Annotated[
+            bool,
+            typer.Option(
+                "--deterministic",
+                help="in-order sampler, no generation ahead: two runs with one seed train the "
+                "same tokens (compare them with verify --against)",
+            ),
+        ] = False,
+        checkpoint_every: Annotated[
+            int, typer.Option(help="steps between trainer checkpoints (a restore's anchors)")
+        ] = 2,
         fault: Annotated[
             list[str] | None,
             typer.Option(
@@ -72,7 +89,8 @@ def register_run_commands(app: typer.Typer, fail: Callable[[Exception, int], NoR
 
         Exit 0: the run finished and every check passed. 1: a check failed. 2: bad options or a
         part that could not start."""
-        from reference.rl.demo import DEFAULT_FAULTS, DemoOptions, Fault, run_demo
+        from reference.rl.demo import run_demo
+        from reference.rl.demo_options import DEFAULT_FAULTS, DemoOptions, Fault
         from rollsafe.verify import all_ok
 
         try:
@@ -82,6 +100,9 @@ def register_run_commands(app: typer.Typer, fail: Callable[[Exception, int], NoR
                 steps=steps,
                 seed=seed,
                 restore_level=restore_level,
+                sampler=sampler,
+                deterministic=deterministic,
+                checkpoint_every=checkpoint_every,
                 faults=tuple(Fault.parse(f) for f in chosen),
                 interval_s=interval_s,
             )

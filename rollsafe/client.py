@@ -16,7 +16,7 @@ learns that its run is no longer being checkpointed at its next step, not from a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Self, TypeVar
@@ -242,15 +242,20 @@ class Checkpointer:
         async with self._supervisor() as (handle, _):
             await handle.signal(SnapshotSupervisor.stop)
 
-    async def restore(self, restore_id: str) -> RestorePlan:
+    async def restore(
+        self, restore_id: str, weight_versions: Sequence[int] | None = None
+    ) -> RestorePlan:
         """Restore the run's controller from its newest snapshot that verifies, through the
         RestoreRun workflow (DESIGN.md section 6). Idempotent per ``restore_id``: a retried
         restore returns the first plan. Needs no supervisor: a trainer restores before
-        :meth:`start`. A snapshot that cannot be restored raises :class:`RestoreFailed`
-        naming the error; the run refuses to start rather than start from nothing."""
+        :meth:`start`. ``weight_versions``: those the trainer holds checkpoints of; only a
+        snapshot taken at one of them is restored (None: any). A snapshot that cannot be
+        restored raises :class:`RestoreFailed` naming the error; the run refuses to start
+        rather than start from nothing."""
         if self._client is None:
             self._client = await connect(self._settings)
-        request = RestoreRequest(run_id=self.run_id, restore_id=restore_id)
+        anchors = tuple(weight_versions) if weight_versions is not None else None
+        request = RestoreRequest(run_id=self.run_id, restore_id=restore_id, weight_versions=anchors)
         try:
             return await self._client.execute_workflow(
                 RestoreRun.run,

@@ -41,8 +41,10 @@ from rollsafe.phases import (
     SnapshotSpec,
 )
 from rollsafe.snapshot import (
+    Accept,
     PublishedSnapshot,
     SnapshotDraft,
+    SnapshotManifest,
     SnapshotStore,
     verify_snapshot,
 )
@@ -385,7 +387,11 @@ class CheckpointOps:
             fresh = make_dataplane(current.dataplane.name)
             try:
                 restored, plan = Controller.restore(
-                    current.config, self.store, fresh, environments=environments
+                    current.config,
+                    self.store,
+                    fresh,
+                    accept=_anchored(request.weight_versions),
+                    environments=environments,
                 )
             except BaseException:
                 fresh.clear()  # a remote data plane would keep a half-import forever
@@ -479,6 +485,20 @@ class CheckpointOps:
             counts=counts or {},
             published=published,
         )
+
+
+def _anchored(versions: tuple[int, ...] | None) -> Accept | None:
+    """Accepts a snapshot only at a weight version the trainer holds a checkpoint of."""
+    if versions is None:
+        return None
+    held = set(versions)
+
+    def accept(manifest: SnapshotManifest) -> str | None:
+        if manifest.weight_version in held:
+            return None
+        return f"no trainer checkpoint of its weight version {manifest.weight_version}"
+
+    return accept
 
 
 def _info(published: PublishedSnapshot) -> PublishedSnapshotInfo:

@@ -28,11 +28,11 @@ from rollsafe.errors import InvalidInput
 SHA256 = r"^[0-9a-f]{64}$"
 
 
-class _Line(BaseModel):
+class JsonLine(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class TrainedRow(_Line):
+class TrainedRow(JsonLine):
     step: int = Field(ge=0)
     group_idx: int = Field(ge=0)
     rollout_id: str = Field(min_length=1)
@@ -42,20 +42,20 @@ class TrainedRow(_Line):
     restored_prefix_tokens: int = Field(ge=0)
 
 
-class HandedOut(_Line):
+class HandedOut(JsonLine):
     group_idx: int = Field(ge=0)
     group_id: str = Field(min_length=1)
     status: Literal["trained", "evicted", "owed"]
 
 
-class EnvMutation(_Line):
+class EnvMutation(JsonLine):
     instance: str = Field(min_length=1)
     rollout_id: str = Field(min_length=1)
     turn: int = Field(ge=0)
     call_id: str = Field(min_length=1)
 
 
-class FaultRecord(_Line):
+class FaultRecord(JsonLine):
     kind: str = Field(description="coordinator | run | env")
     where: str = Field(description="the phase, step or operation it hit")
     at_s: float = Field(ge=0, description="seconds since the run started")
@@ -63,7 +63,7 @@ class FaultRecord(_Line):
     recovery_s: float | None = Field(default=None, ge=0)
 
 
-class RunReport(_Line):
+class RunReport(JsonLine):
     run_id: str
     seed: int
     steps: int = Field(ge=0)
@@ -82,7 +82,7 @@ TRAINED, ROLLED_BACK, HANDED_OUT = (
 )
 MUTATIONS, FAULTS, REPORT = "env_mutations.jsonl", "faults.jsonl", "report.json"
 
-Line = TypeVar("Line", bound=_Line)
+Line = TypeVar("Line", bound=JsonLine)
 
 
 class EvidenceError(InvalidInput):
@@ -146,14 +146,14 @@ def _read_report(path: Path) -> RunReport:
         ) from None
 
 
-def append_lines(path: Path, lines: Iterable[_Line]) -> None:
+def append_lines(path: Path, lines: Iterable[JsonLine]) -> None:
     """One JSON object a line, flushed: a killed writer leaves whole lines behind."""
     with open(path, "a", encoding="utf-8") as handle:
         handle.writelines(line.model_dump_json() + "\n" for line in lines)
         handle.flush()
 
 
-def replace_lines(path: Path, lines: Iterable[_Line]) -> None:
+def replace_lines(path: Path, lines: Iterable[JsonLine]) -> None:
     """``path`` holding exactly ``lines``, replaced whole (temporary file, then rename)."""
     _replace(path, "".join(line.model_dump_json() + "\n" for line in lines))
 

@@ -121,3 +121,6 @@ class RestoreRequest(BaseModel):
 
     run_id: str
     restore_id: str  # idempotency key: a retried restore returns the first plan
+    # Weight versions the trainer holds checkpoints of: only a snapshot taken at one of them
+    # is restored (its rows and the trainer's weights must describe the same steps). None: any.
+    weight_versions: tuple[int, ...] | None = None

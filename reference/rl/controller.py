@@ -32,7 +32,7 @@ from rollsafe.env.protocol import RunEpisode
 from rollsafe.ids import EpisodeId
 from rollsafe.loop import LoopThread
 from rollsafe.participants import ParticipantOptions, Participants, to_ref
-from rollsafe.states import AttemptState
+from rollsafe.states import GroupState
 
 
 class Endpoints(BaseModel):
@@ -71,42 +71,73 @@ class RunController(ControllerService):
             participants=participants,
             awaiting_restore=awaiting_restore,
         )
-        self._running: list[Future[None]] = []
+        self._running: dict[tuple[int, int], Future[None]] = {}
         self._dispatcher = _Dispatcher(self)
 
     # ---- generation ------------------------------------------------------------------------
 
-    def generate(self, groups: Sequence[int]) -> int:
-        """Start an episode for every unsealed sibling of ``groups``; returns how many."""
+    def generate(self) -> int:
+        """Start an episode for every unsealed sibling of the groups the run owns that has
+        none running here; returns how many were started."""
         with self.barrier:
-            todo = [(idx, i) for idx in groups for i in self.controller.ledger.unsealed(idx)]
-        self._running = [f for f in self._running if not f.done()]
-        self._running += [
-            asyncio.run_coroutine_threadsafe(self._dispatcher.episode(idx, i), self.loop.loop)
-            for idx, i in todo
-        ]
+            ledger = self.controller.ledger
+            todo = [(idx, i) for idx in ledger.groups() for i in ledger.unsealed(idx)]
+        self._running = {
+            key: future
+            for key, future in self._running.items()
+            if not future.done() or future.exception() is not None
+        }
+        todo = [key for key in todo if key not in self._running]
+        for idx, i in todo:
+            coroutine = self._dispatcher.episode(idx, i)
+            self._running[(idx, i)] = asyncio.run_coroutine_threadsafe(coroutine, self.loop.loop)
         return len(todo)
 
-    def wait_sealed(self, groups: Sequence[int], timeout_s: float) -> None:
-        """Until every rollout of ``groups`` is sealed; an episode's failure is raised."""
-        deadline = time.monotonic() + timeout_s
-        for future in list(self._running):
-            try:
-                future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                raise TimeoutError(self._stuck(groups, timeout_s)) from None
+    def owned(self) -> int:
+        """Groups handed out and neither trained nor evicted."""
         with self.barrier:
-            for idx in groups:
-                states = self.controller.ledger.states(idx)
-                if any(state != AttemptState.SEALED for state in states):
-                    raise RuntimeError(f"group {idx} not sealed after its episodes: {states}")
+            return len(self.controller.index)
 
-    def _stuck(self, groups: Sequence[int], timeout_s: float) -> str:
+    def next_groups(self, timeout_s: float) -> tuple[list[int], list[int]]:
+        """Wait until the sampler picks a step's groups; returns them and the READY groups
+        evicted meanwhile (past the windowed sampler's staleness window: it never picks
+        them). An episode's failure is raised here."""
+        deadline = time.monotonic() + timeout_s
+        evicted: list[int] = []
+        while True:
+            for future in self._running.values():
+                if future.done() and future.exception() is not None:
+                    future.result()
+            with self.barrier:
+                evicted += self._evict_stale()
+                picked = self.controller.select()
+            if picked:
+                return picked, evicted
+            if time.monotonic() >= deadline:
+                raise TimeoutError(self._stuck(timeout_s))
+            time.sleep(0.02)
+
+    def _evict_stale(self) -> list[int]:
+        controller = self.controller
+        if controller.config.sampler != "windowed":
+            return []  # the gated samplers train a group however old it is
+        window, version = controller.config.staleness_window, controller.weight_version
+        stale = [
+            idx
+            for idx, state, start in controller.index.rows()
+            if state == GroupState.READY and version - start > window
+        ]
+        for idx in stale:
+            controller.evict(idx)
+        return stale
+
+    def _stuck(self, timeout_s: float) -> str:
         status = self.status()
         with self.barrier:
-            states = {idx: [s.name for s in self.controller.ledger.states(idx)] for idx in groups}
+            ledger = self.controller.ledger
+            states = {idx: [s.name for s in ledger.states(idx)] for idx in ledger.groups()}
         return (
-            f"episodes of groups {list(groups)} not finished after {timeout_s:g}s: {states}; "
+            f"no step's groups ready after {timeout_s:g}s: {states}; "
             f"admission {'open' if status.gate_open else f'closed by {status.gate_holder}'}, "
             f"open checkpoint {status.open_checkpoint}"
         )
@@ -132,7 +163,7 @@ class RunController(ControllerService):
     def close(self) -> None:
         """Cancel the episodes still running and close the clients (a crashed run's episodes
         are lost anyway: the environments' own copies come back from the snapshot)."""
-        for future in self._running:
+        for future in self._running.values():
             future.cancel()
 
         async def close_clients() -> None:

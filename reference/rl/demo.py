@@ -22,103 +22,31 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
+import statistics
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from reference.rl.controller import Endpoints, RunController
-from reference.rl.run import ReferenceRun, RunSettings, run_config
+from reference.rl.demo_options import DEMO_CALL_TOKENS, INSTANCES, DemoOptions
+from reference.rl.progress import SnapshotWatch, write_timeline
+from reference.rl.run import ReferenceRun, run_config
 from reference.rl.servers import RunServers
 from rollsafe.actor import NAMESPACE, actor_name
-from rollsafe.errors import InvalidInput
 from rollsafe.evidence import Evidence, FaultRecord
 from rollsafe.faults import ENV_VAR
-from rollsafe.phases import PHASES
 from rollsafe.served import ServedProcess, rollsafe_command
 from rollsafe.snapshot import SnapshotStore
+from rollsafe.timeline import Span
 from rollsafe.verify import Check, verify
 
-INSTANCES = ("w0", "w1", "w2")
-# Calls long enough, and enough of them at once, that a snapshot taken while a step generates
-# finds calls mid-generation to cut (prepare and drain come first, and calls go on meanwhile).
-DEMO_TURNS, DEMO_GROUP_SIZE, DEMO_CALL_TOKENS = 6, 4, 48
-DEFAULT_FAULTS = ("coordinator@capture", "run@step3", "env@prepare")
 WORKER_BANNER = r"rollsafe worker: run '(\S+)'"
-_FAULT = re.compile(r"(coordinator|run|env)@(\S+)")
-
-
-class Fault(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    kind: Literal["coordinator", "run", "env"]
-    where: str
-
-    @classmethod
-    def parse(cls, text: str) -> Fault:
-        match = _FAULT.fullmatch(text)
-        if match is None:
-            raise InvalidInput(
-                f"fault {text!r}: expected KIND@WHERE, KIND one of coordinator, run, env"
-            )
-        kind, where = match.groups()
-        phases = [p.value for p in PHASES]
-        if kind == "coordinator" and where not in phases:
-            raise InvalidInput(f"fault {text!r}: the phase must be one of {', '.join(phases)}")
-        if kind == "run" and not re.fullmatch(r"step[1-9][0-9]*", where):
-            raise InvalidInput(f"fault {text!r}: expected run@step<k>, k >= 1")
-        if kind == "env" and where != "prepare":
-            raise InvalidInput(f"fault {text!r}: only env@prepare is available")
-        return cls.model_validate({"kind": kind, "where": where})
-
-    def __str__(self) -> str:
-        return f"{self.kind}@{self.where}"
-
-
-class DemoOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    out: Path
-    steps: int = Field(default=6, ge=1)
-    seed: int = 0
-    restore_level: Literal["prefix", "turn", "sibling", "prompt_group"] = "prefix"
-    faults: tuple[Fault, ...] = tuple(Fault.parse(f) for f in DEFAULT_FAULTS)
-    interval_s: float = Field(default=3.0, gt=0)
-
-    @field_validator("faults")
-    @classmethod
-    def _one_each(cls, faults: tuple[Fault, ...]) -> tuple[Fault, ...]:
-        kinds = [f.kind for f in faults]
-        if len(set(kinds)) != len(kinds):
-            raise ValueError("at most one fault of each kind")
-        return faults
-
-    @model_validator(mode="after")
-    def _crash_within_the_run(self) -> DemoOptions:
-        for fault in self.faults:
-            if fault.kind == "run" and int(fault.where[4:]) > self.steps:
-                raise ValueError(f"{fault}: the run has only {self.steps} steps")
-        return self
-
-    def settings(self) -> RunSettings:
-        # The run id is the seed's: rollouts are named after it, and sampling is keyed by the
-        # rollout, so two runs with one seed can be compared rollout by rollout (--against).
-        return RunSettings(
-            run_id=f"demo-s{self.seed}",
-            seed=self.seed,
-            steps=self.steps,
-            turns=DEMO_TURNS,
-            group_size=DEMO_GROUP_SIZE,
-            restore_level=self.restore_level,
-        )
 
 
 class ActorController:
@@ -158,7 +86,8 @@ class Demo:
         self.options, self.say = options, say
         self.settings = options.settings()
         self.work = options.out.resolve() / "work"
-        self.started = time.monotonic()
+        self.started, self.t0_unix = time.monotonic(), time.time()
+        self.spans: list[Span] = []  # steps and faults, for the timeline
         self.tokens = (uuid.uuid4().hex, uuid.uuid4().hex)
         self.workers: list[ServedProcess] = []
         self.faults = {f.kind: f for f in options.faults}
@@ -292,19 +221,42 @@ class Demo:
             stack.enter_context(self.worker_watch(env))
             crash = self.faults.get("run")
             crash_step = int(crash.where[4:]) - 1 if crash else None  # run@step<k>: 1-based
-            while True:
-                try:
-                    self._steps(run, checkpointer, endpoints, crash_step)
-                    break
-                except _Crash:
-                    run = self._recover(run, servers, env, dev)
-                    crash_step = None
-            for fault in self.pending_faults:
-                run.record_fault(fault)
-            published = SnapshotStore(self.work / "snapshots", self.settings.run_id).list()
-            run.finish(totals={"snapshots_published": float(len(published))})
-            run.close()
+            with SnapshotWatch(
+                self.temporal, self.settings.run_id, self.t0_unix, self.say
+            ) as watch:
+                while True:
+                    try:
+                        self._steps(run, checkpointer, endpoints, crash_step)
+                        break
+                    except _Crash:
+                        run = self._recover(run, servers, env, dev)
+                        crash_step = None
+            self._finish(run, watch.parks)
         return verify(Evidence.read(self.options.out))
+
+    def _finish(self, run: ReferenceRun, parks: list[float]) -> None:
+        """The faults, handed_out.jsonl, report.json and timeline.png."""
+        for fault in self.pending_faults:
+            run.record_fault(fault)
+            end = fault.at_s + (fault.recovery_s or 0.0)
+            label = f"{fault.kind}@{fault.where}"
+            self.spans.append(Span(kind="fault", label=label, start_s=fault.at_s, end_s=end))
+        published = SnapshotStore(self.work / "snapshots", self.settings.run_id).list()
+        totals = {
+            "snapshots_published": float(len(published)),
+            "snapshots_parked": float(len(parks)),
+            "park_s_max": max(parks, default=0.0),
+            "park_s_median": statistics.median(parks) if parks else 0.0,
+            "seconds": self.elapsed(),
+        }
+        run.finish(totals=totals)
+        run.close()
+        mode = "deterministic" if self.settings.deterministic else f"{self.settings.sampler}"
+        title = f"rollsafe demo: run {self.settings.run_id}, {mode}, {run.step} steps"
+        path = write_timeline(
+            self.temporal, self.settings.run_id, self.t0_unix, self.spans, self.options.out, title
+        )
+        self.say(f"[done] {run.step} steps in {self.elapsed():.1f}s; timeline: {path}")
 
     def _steps(
         self, run: ReferenceRun, checkpointer: Any, endpoints: Endpoints, crash_step: int | None
@@ -317,12 +269,16 @@ class Demo:
                 raise _Crash
 
         while run.step < run.settings.steps:
-            step = run.step
+            step, began = run.step, self.elapsed()
             results = run.run(until_step=step + 1, during=during)
-            result = results[-1]
+            result, ended = results[-1], self.elapsed()
+            label = f"step {step + 1}"
+            self.spans.append(Span(kind="step", label=label, start_s=began, end_s=ended))
+            rollouts = run.step * self.settings.groups_per_step * self.settings.group_size
             self.say(
                 f"[step {step + 1}/{run.settings.steps}] loss {result.loss:+.4f}, reward "
-                f"{result.mean_reward:.2f}, {result.n_tokens} tokens ({self.elapsed():.1f}s)"
+                f"{result.mean_reward:.2f}, {result.n_tokens} tokens, "
+                f"{rollouts / ended:.2f} rollouts/s ({ended:.1f}s)"
             )
 
     def _snapshot_mid_generation(self, run: ReferenceRun, checkpointer: Any) -> None:
@@ -364,7 +320,6 @@ class Demo:
         failed = outcomes[0]
         self.say(f"[snapshot] {failed.seq} {failed.status}: {failed.reason[:90]}")
         again = asyncio.run(checkpointer.snapshot_now(timeout=120))
-        self.say(f"[snapshot] {again.seq} {again.status} ({self.elapsed():.1f}s)")
         recovered = f"snapshot {failed.seq} {failed.status}; snapshot {again.seq} {again.status}"
         self.record(
             FaultRecord(
@@ -407,14 +362,15 @@ class Demo:
         controller = self.start_actor(endpoints, awaiting_restore=True)
         self.start_worker(env)
         self.crashed = False
-        restore_id = f"restore-{uuid.uuid4().hex[:6]}"
+        restore_id = f"r-{uuid.uuid4().hex[:6]}"
         checkpointer = Checkpointer(
             self.settings.run_id,
             settings=dev.settings(),
             interval_s=self.options.interval_s,
             max_consecutive_failures=10,
         )
-        plan = asyncio.run(checkpointer.restore(restore_id))
+        # Only a snapshot at a weight version the trainer checkpointed can be restored.
+        plan = asyncio.run(checkpointer.restore(restore_id, weight_versions=run.anchors()))
         restored = ReferenceRun(self.settings, endpoints, self.work, self.options.out, controller)
         restored.resume_from(plan, restore_id)
         asyncio.run(checkpointer.start())

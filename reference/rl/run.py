@@ -1,15 +1,20 @@
-"""The reference RL run, in one process (issue 7, first part): prompts handed out through the
-controller, episodes dispatched through the admission gate to workplace environments, rows
-sealed into the data plane, GRPO steps on the engine's policy, new weights pushed to the engine
-server, a trainer checkpoint per step, and snapshots whose phases park, cut and commit the
-environments. A run restored from a snapshot continues from it and rolls back the steps
-committed after it, so the evidence files describe one lineage.
+"""The reference RL run: prompts handed out through the controller, episodes dispatched through
+the admission gate to workplace environments, rows sealed into the data plane, GRPO steps on
+the engine's policy, new weights pushed to the engine server, a trainer checkpoint every
+``checkpoint_every`` steps, and snapshots whose phases park, cut and commit the environments.
+A run restored from a snapshot continues from it and rolls back the steps committed after it,
+so the evidence files describe one lineage.
 
-Deterministic mode (the only one here yet): step s trains groups ``[s * G, (s + 1) * G)``,
-generated with the weights of step s (no lag), so two runs with the same seed train the same
-tokens whatever crashes and restores happen in between: sampling noise is a function of
-``(rollout, turn, position)``, a resumed call continues exactly, and the weights after each
-step are a function of the rows trained.
+Asynchronous by default: ``ahead_steps`` steps' worth of groups generate while the trainer
+trains, the engine takes new weights between two tokens of the calls in flight, and the
+sampler picks each step's groups among those ready (``windowed``: within
+``staleness_window`` weight versions; a ready group past it is evicted).
+
+Deterministic mode (``in_order`` sampler, nothing ahead): step s trains groups
+``[s * G, (s + 1) * G)``, generated with the weights of step s (no lag), so two runs with the
+same seed train the same tokens whatever crashes and restores happen in between: sampling
+noise is a function of ``(rollout, turn, position)``, a resumed call continues exactly, and
+the weights after each step are a function of the rows trained.
 """
 
 from __future__ import annotations
@@ -23,9 +28,18 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from reference.rl.controller import Endpoints, RunController
+from reference.rl.lineage import (
+    EVICTED,
+    Evicted,
+    checkpoint_dir,
+    checkpoint_versions,
+    roll_back,
+    set_aside_checkpoints,
+    undo_evictions,
+)
 from reference.rl.rollouts import samples_from_row, tokens_sha256
 from reference.rl.trainer import PolicyTrainer, StepResult
-from rollsafe.config import RunConfig
+from rollsafe.config import RestoreLevelName, RunConfig, SamplerName
 from rollsafe.engine.http import EngineClient
 from rollsafe.engine.model import ModelConfig
 from rollsafe.evidence import (
@@ -33,7 +47,6 @@ from rollsafe.evidence import (
     HANDED_OUT,
     MUTATIONS,
     REPORT,
-    ROLLED_BACK,
     TRAINED,
     EnvMutation,
     FaultRecord,
@@ -69,10 +82,18 @@ class RunSettings(BaseModel):
     group_size: int = Field(default=2, ge=1)
     groups_per_step: int = Field(default=2, ge=1)
     turns: int = Field(default=4, ge=1, le=16)
-    restore_level: str = "prefix"
+    restore_level: RestoreLevelName = "prefix"
+    sampler: SamplerName = "in_order"
+    staleness_window: int = Field(default=0, ge=0, description="windowed: weight versions")
+    ahead_steps: int = Field(default=0, ge=0, description="steps' groups generating ahead")
     lr: float = Field(default=0.02, gt=0)
     episode_timeout_s: float = Field(default=120.0, gt=0, description="a step's episodes")
+    checkpoint_every: int = Field(default=1, ge=1, description="steps between checkpoints")
     model: ModelConfig = ModelConfig()
+
+    @property
+    def deterministic(self) -> bool:
+        return self.sampler == "in_order" and self.ahead_steps == 0
 
 
 class Controller(Protocol):
@@ -80,8 +101,9 @@ class Controller(Protocol):
     actor through a proxy (the same methods, each a remote call)."""
 
     def handout(self, groups: Sequence[int]) -> None: ...
-    def generate(self, groups: Sequence[int]) -> int: ...
-    def wait_sealed(self, groups: Sequence[int], timeout_s: float) -> None: ...
+    def generate(self) -> int: ...
+    def owned(self) -> int: ...
+    def next_groups(self, timeout_s: float) -> tuple[list[int], list[int]]: ...
     def claim(self, groups: Sequence[int], step: int) -> None: ...
     def rows(self, keys: Sequence[str]) -> dict[str, Any]: ...
     def rollouts(self, groups: Sequence[int]) -> list[tuple[int, int, str, int]]: ...
@@ -95,8 +117,8 @@ def run_config(settings: RunSettings) -> RunConfig:
         run_id=settings.run_id,
         group_size=settings.group_size,
         groups_per_step=settings.groups_per_step,
-        sampler="in_order",
-        staleness_window=0,
+        sampler=settings.sampler,
+        staleness_window=settings.staleness_window,
         restore_level=settings.restore_level,
     )
 
@@ -138,13 +160,21 @@ class ReferenceRun:
         steps committed after the snapshot rolled back."""
         version = plan.weight_version
         self.trainer = PolicyTrainer.load(
-            self.root / TRAINER_DIR / f"v{version:06d}", self.settings.model, lr=self.settings.lr
+            checkpoint_dir(self.root / TRAINER_DIR, version),
+            self.settings.model,
+            lr=self.settings.lr,
         )
         self.step = version  # step s commits weight version s + 1
         if version > 0:
             self.loop.run(self.engine.update_weights(self.trainer.weights(), version))
-        _roll_back(self.out, first_undone_step=version)
-        _set_aside_checkpoints(self.root / TRAINER_DIR, newer_than=version, tag=restore_id)
+        roll_back(self.out, first_undone_step=version)
+        owned = {*plan.ready, *plan.partial, *plan.released_claims}
+        undo_evictions(self.root / EVICTED, owned)
+        set_aside_checkpoints(self.root / TRAINER_DIR, newer_than=version, tag=restore_id)
+
+    def anchors(self) -> list[int]:
+        """Weight versions a restore may start from: those with a trainer checkpoint."""
+        return checkpoint_versions(self.root / TRAINER_DIR)
 
     @classmethod
     def restored(
@@ -154,7 +184,10 @@ class ReferenceRun:
         run = cls(settings, endpoints, root, out)
         assert run.local is not None
         restore_id = f"r-{uuid.uuid4().hex[:8]}"
-        plan = run.local.restore(RestoreRequest(run_id=settings.run_id, restore_id=restore_id))
+        request = RestoreRequest(
+            run_id=settings.run_id, restore_id=restore_id, weight_versions=tuple(run.anchors())
+        )
+        plan = run.local.restore(request)
         run.resume_from(plan, restore_id)
         return run, plan
 
@@ -176,15 +209,16 @@ class ReferenceRun:
         the step's episodes are under way (a test takes a snapshot or crashes there)."""
         last = self.settings.steps if until_step is None else until_step
         results: list[StepResult] = []
-        initial = self.root / TRAINER_DIR / f"v{0:06d}"
+        initial = checkpoint_dir(self.root / TRAINER_DIR, 0)
         if self.step == 0 and not initial.exists():  # anchors a snapshot before any step
             self.trainer.save(initial)
         while self.step < last:
-            groups = self._groups(self.step)
-            self.controller.generate(groups)
+            self._top_up()
             if during is not None:
                 during(self.step)
-            self.controller.wait_sealed(groups, timeout_s=self.settings.episode_timeout_s)
+            groups, evicted = self.controller.next_groups(self.settings.episode_timeout_s)
+            evictions = [Evicted(step=self.step, group_idx=idx) for idx in evicted]
+            append_lines(self.root / EVICTED, evictions)
             results.append(self._train(groups))
         return results
 
@@ -205,11 +239,12 @@ class ReferenceRun:
         """Write handed_out.jsonl and report.json from the controller's final state."""
         (self.out / FAULTS).touch()  # a run without faults says so with an empty file
         trained = {row.group_idx for row in read_lines(self.out / TRAINED, TrainedRow)}
+        evicted = {e.group_idx for e in read_lines(self.root / EVICTED, Evicted, optional=True)}
         lines = [
             HandedOut(
                 group_idx=idx,
                 group_id=f"{self.settings.run_id}-{idx}",
-                status="trained" if idx in trained else "owed",
+                status="trained" if idx in trained else "evicted" if idx in evicted else "owed",
             )
             for idx in range(self.controller.loader_position())
         ]
@@ -220,9 +255,9 @@ class ReferenceRun:
             steps=self.step,
             group_size=self.settings.group_size,
             groups_per_step=self.settings.groups_per_step,
-            sampler="in_order",
+            sampler=self.settings.sampler,
             restore_level=self.settings.restore_level,
-            deterministic=True,
+            deterministic=self.settings.deterministic,
             totals=totals if totals is not None else {"snapshots": float(len(self.snapshots))},
         )
         write_report(self.out / REPORT, report)
@@ -230,13 +265,15 @@ class ReferenceRun:
 
     # ---- steps -----------------------------------------------------------------------------
 
-    def _groups(self, step: int) -> list[int]:
+    def _top_up(self) -> None:
+        """Hand out groups until ``1 + ahead_steps`` steps' worth are owned, and start every
+        owned rollout not generating yet (in deterministic mode: exactly this step's)."""
         size = self.settings.groups_per_step
-        groups = list(range(step * size, (step + 1) * size))
-        fresh = [idx for idx in groups if idx >= self.controller.loader_position()]
-        if fresh:
-            self.controller.handout(fresh)
-        return groups
+        wanted = size * (1 + self.settings.ahead_steps) - self.controller.owned()
+        if wanted > 0:
+            position = self.controller.loader_position()
+            self.controller.handout(list(range(position, position + wanted)))
+        self.controller.generate()
 
     def _train(self, groups: Sequence[int]) -> StepResult:
         self.controller.claim(groups, self.step)
@@ -248,7 +285,8 @@ class ReferenceRun:
         ]
         result = self.trainer.train_step(batch)
         self.loop.run(self.engine.update_weights(self.trainer.weights(), result.weight_version))
-        self.trainer.save(self.root / TRAINER_DIR / f"v{result.weight_version:06d}")
+        if result.weight_version % self.settings.checkpoint_every == 0:
+            self.trainer.save(checkpoint_dir(self.root / TRAINER_DIR, result.weight_version))
         trained = [
             TrainedRow(
                 step=self.step,
@@ -271,30 +309,3 @@ class ReferenceRun:
         append_lines(self.out / MUTATIONS, mutations)
         self.step += 1
         return result
-
-
-def _roll_back(out: Path, first_undone_step: int) -> None:
-    """Rows of steps the restore undid move to rolled_back_rows.jsonl; their rollouts'
-    mutations leave env_mutations.jsonl (the rollouts are trained again in this lineage)."""
-    if not (out / TRAINED).exists():
-        return
-    rows = read_lines(out / TRAINED, TrainedRow)
-    undone = [row for row in rows if row.step >= first_undone_step]
-    if not undone:
-        return
-    gone = {row.rollout_id for row in undone}
-    replace_lines(out / TRAINED, [row for row in rows if row.step < first_undone_step])
-    append_lines(out / ROLLED_BACK, undone)
-    if (out / MUTATIONS).exists():
-        kept = [m for m in read_lines(out / MUTATIONS, EnvMutation) if m.rollout_id not in gone]
-        replace_lines(out / MUTATIONS, kept)
-
-
-def _set_aside_checkpoints(directory: Path, newer_than: int, tag: str) -> None:
-    """Trainer checkpoints of the undone steps move to ``rolled-back/<restore>/``: kept for a
-    post-mortem, out of the way of the steps this lineage commits under the same versions."""
-    for checkpoint in sorted(directory.glob("v*")):
-        if int(checkpoint.name[1:]) > newer_than:
-            aside = directory / "rolled-back" / tag
-            aside.mkdir(parents=True, exist_ok=True)
-            checkpoint.rename(aside / checkpoint.name)

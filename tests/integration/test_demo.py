@@ -24,15 +24,30 @@ def demo(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_the_demo_with_its_faults_trains_what_an_unfaulted_run_trains(tmp_path: Path) -> None:
-    faulted = demo(tmp_path / "faulted")
-    assert faulted.returncode == 0, faulted.stdout[-3000:] + faulted.stderr[-3000:]
+def test_the_demo_with_its_default_faults_passes_verification(tmp_path: Path) -> None:
+    """Asynchronous (the default): generation a step ahead, the windowed sampler."""
+    out = tmp_path / "async"
+    run = demo(out)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     for line in ("[fault] checkpoint worker died", "[fault] environment w1", "[restore]"):
-        assert line in faulted.stdout, faulted.stdout
-    faults = [json.loads(line) for line in (tmp_path / "faulted" / "faults.jsonl").open()]
+        assert line in run.stdout, run.stdout
+    assert "parked" in run.stdout  # the snapshots' park windows are shown as they close
+    faults = [json.loads(line) for line in (out / "faults.jsonl").open()]
     assert sorted(f["kind"] for f in faults) == ["coordinator", "env", "run"]
+    report = json.loads((out / "report.json").read_text())
+    assert report["deterministic"] is False and report["sampler"] == "windowed"
+    assert report["totals"]["snapshots_published"] >= 2
+    assert (out / "timeline.png").read_bytes().startswith(b"\x89PNG")
+    evidence = Evidence.read(out)
+    assert len(evidence.trained) == int(STEPS) * 2 * 4  # steps x groups x rollouts
+    # Generation ran ahead of training: groups were handed out beyond those trained.
+    assert len(evidence.handed_out) > int(STEPS) * 2
 
-    clean = demo(tmp_path / "clean", "--no-faults")
+
+def test_deterministic_faulted_and_unfaulted_runs_train_the_same_tokens(tmp_path: Path) -> None:
+    faulted = demo(tmp_path / "faulted", "--deterministic")
+    assert faulted.returncode == 0, faulted.stdout[-3000:] + faulted.stderr[-3000:]
+    clean = demo(tmp_path / "clean", "--deterministic", "--no-faults")
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
     assert (tmp_path / "clean" / "faults.jsonl").read_text() == ""
 
@@ -47,6 +62,7 @@ def test_the_demo_with_its_faults_trains_what_an_unfaulted_run_trains(tmp_path: 
     assert against.returncode == 0, against.stdout
     assert all(check["ok"] for check in json.loads(against.stdout)["checks"])
     evidence = Evidence.read(tmp_path / "faulted")
-    assert len(evidence.trained) == int(STEPS) * 2 * 4  # steps x groups x rollouts
+    assert len(evidence.trained) == int(STEPS) * 2 * 4
+    assert len(evidence.handed_out) == int(STEPS) * 2  # nothing generated ahead
     # The run was killed with calls mid-generation: some resumed from their staged prefixes.
     assert sum(row.restored_prefix_tokens for row in evidence.trained) > 0

@@ -97,3 +97,60 @@ def test_a_run_crashed_and_restored_trains_the_same_tokens_exactly_once(
     assert {row.step for row in evidence.rolled_back} == {1}  # committed after the snapshot
     # The cut path really ran: some rollout resumed a call from its staged prefix.
     assert sum(row.restored_prefix_tokens for row in evidence.trained) > 0
+
+
+ASYNC = SETTINGS.model_copy(
+    update={
+        "run_id": "rr-async",
+        "steps": 4,
+        "sampler": "windowed",
+        "staleness_window": 1,
+        "ahead_steps": 1,
+        "checkpoint_every": 2,
+    }
+)
+
+
+def test_an_async_run_restores_from_a_snapshot_its_trainer_checkpoint_anchors(
+    servers: RunServers, tmp_path: Path
+) -> None:
+    """Generation runs a step ahead of training; the trainer checkpoints every 2 steps, so of
+    the snapshots taken at weight versions 1, 2 and 3 only version 2's can be restored."""
+    assert not ASYNC.deterministic
+    root, out = tmp_path, tmp_path / "out"
+    first = ReferenceRun(ASYNC, servers.start(), root, out)
+
+    def faults(step: int) -> None:
+        if step >= 1:
+            published = first.snapshot()[Phase.PUBLISH].published
+            assert published is not None and published.weight_version == step
+        if step == 3:
+            servers.crash()
+            raise Crash
+
+    try:
+        with pytest.raises(Crash):
+            first.run(during=faults)
+    finally:
+        first.close()
+    assert first.anchors() == [0, 2]
+
+    second, plan = ReferenceRun.restored(ASYNC, servers.start(), root, out)
+    try:
+        assert plan.weight_version == 2
+        assert [why for why in plan.skipped.values()] == [
+            "not accepted: no trainer checkpoint of its weight version 3"
+        ]
+        second.run()
+        report = second.finish()
+    finally:
+        second.close()
+
+    assert report.deterministic is False and report.sampler == "windowed"
+    evidence = Evidence.read(out)
+    checks = verify(evidence)
+    assert all(c.ok for c in checks), [c for c in checks if not c.ok]
+    assert sorted({row.step for row in evidence.trained}) == [0, 1, 2, 3]
+    assert {row.step for row in evidence.rolled_back} == {2}  # committed after version 2
+    # Generation ran ahead: more groups were handed out than the steps trained.
+    assert len(evidence.handed_out) > ASYNC.steps * ASYNC.groups_per_step

@@ -1,0 +1,106 @@
+"""What ``rollsafe demo`` is asked to do: its options and the faults it injects."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from reference.rl.run import RunSettings
+from rollsafe.config import RestoreLevelName, SamplerName
+from rollsafe.errors import InvalidInput
+from rollsafe.phases import PHASES
+
+INSTANCES = ("w0", "w1", "w2")
+# Calls long enough, and enough of them at once, that a snapshot taken while a step generates
+# finds calls mid-generation to cut (prepare and drain come first, and calls go on meanwhile).
+DEMO_TURNS, DEMO_GROUP_SIZE, DEMO_CALL_TOKENS = 6, 4, 48
+DEFAULT_FAULTS = ("coordinator@capture", "run@step3", "env@prepare")
+_FAULT = re.compile(r"(coordinator|run|env)@(\S+)")
+
+
+class Fault(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["coordinator", "run", "env"]
+    where: str
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        match = _FAULT.fullmatch(text)
+        if match is None:
+            raise InvalidInput(
+                f"fault {text!r}: expected KIND@WHERE, KIND one of coordinator, run, env"
+            )
+        kind, where = match.groups()
+        phases = [p.value for p in PHASES]
+        if kind == "coordinator" and where not in phases:
+            raise InvalidInput(f"fault {text!r}: the phase must be one of {', '.join(phases)}")
+        if kind == "run" and not re.fullmatch(r"step[1-9][0-9]*", where):
+            raise InvalidInput(f"fault {text!r}: expected run@step<k>, k >= 1")
+        if kind == "env" and where != "prepare":
+            raise InvalidInput(f"fault {text!r}: only env@prepare is available")
+        return cls.model_validate({"kind": kind, "where": where})
+
+    def __str__(self) -> str:
+        return f"{self.kind}@{self.where}"
+
+
+class DemoOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    out: Path
+    steps: int = Field(default=6, ge=1)
+    seed: int = 0
+    restore_level: RestoreLevelName = "prefix"
+    # Asynchronous unless deterministic: a step's worth of groups generates ahead of training
+    # and the sampler (windowed by default, one weight version of staleness) picks the ready.
+    sampler: SamplerName | None = None
+    deterministic: bool = False
+    checkpoint_every: int = Field(default=2, ge=1, description="trainer checkpoint cadence")
+    faults: tuple[Fault, ...] = tuple(Fault.parse(f) for f in DEFAULT_FAULTS)
+    interval_s: float = Field(default=3.0, gt=0)
+
+    @field_validator("faults")
+    @classmethod
+    def _one_each(cls, faults: tuple[Fault, ...]) -> tuple[Fault, ...]:
+        kinds = [f.kind for f in faults]
+        if len(set(kinds)) != len(kinds):
+            raise ValueError("at most one fault of each kind")
+        return faults
+
+    @model_validator(mode="after")
+    def _deterministic_is_in_order(self) -> DemoOptions:
+        if self.deterministic and self.sampler not in (None, "in_order"):
+            raise ValueError(
+                f"--deterministic trains in dataset order: it cannot use sampler {self.sampler}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _crash_within_the_run(self) -> DemoOptions:
+        for fault in self.faults:
+            if fault.kind == "run" and int(fault.where[4:]) > self.steps:
+                raise ValueError(f"{fault}: the run has only {self.steps} steps")
+        return self
+
+    def settings(self) -> RunSettings:
+        # The run id is the seed's: rollouts are named after it, and sampling is keyed by the
+        # rollout, so two runs with one seed can be compared rollout by rollout (--against).
+        return RunSettings(
+            run_id=f"demo-s{self.seed}",
+            seed=self.seed,
+            steps=self.steps,
+            turns=DEMO_TURNS,
+            group_size=DEMO_GROUP_SIZE,
+            restore_level=self.restore_level,
+            checkpoint_every=self.checkpoint_every,
+            **self._pacing(),
+        )
+
+    def _pacing(self) -> dict[str, object]:
+        if self.deterministic:
+            return {"sampler": "in_order", "staleness_window": 0, "ahead_steps": 0}
+        return {"sampler": self.sampler or "windowed", "staleness_window": 1, "ahead_steps": 1}
