@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint bench demo clean
+.PHONY: setup test lint bench demo soak clean
 
 setup: $(STAMP)
 
@@ -31,12 +31,19 @@ lint: setup
 demo: setup
 	$(BIN)/rollsafe demo --out demo-out
 
+# Not in CI: the demo under randomized faults, seeds, samplers and restore levels; every run is
+# verified and the table goes to docs/soak.md. RUNS=n for more.
+RUNS ?= 8
+soak: setup
+	$(BIN)/python bench/soak.py --runs $(RUNS)
+
 bench: setup
 	$(BIN)/python bench/snapshot_bench.py
 	$(BIN)/python bench/orchestration_bench.py
 	$(BIN)/python bench/engine_bench.py
 	$(BIN)/python bench/env_bench.py
 	$(BIN)/python bench/dataplane_bench.py
+	$(BIN)/python bench/run_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

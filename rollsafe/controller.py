@@ -13,7 +13,7 @@ group's restart rule and returns a :class:`RestorePlan` saying what is owed and 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from rollsafe.buffer import ReplayIndex, make_sampler
 from rollsafe.capture import (
@@ -62,9 +62,21 @@ class Captured:
     counts: dict[str, int]
 
 
-# Restores a snapshot's environment episodes (as attempt n + 1), given the snapshot and the
-# data plane it was just loaded into; returns attempt n of each restored episode -> instance.
-RestoreEnvironments = Callable[[SnapshotReader, DataPlane], Mapping[EpisodeId, str]]
+@dataclass(frozen=True)
+class EnvironmentsRestored:
+    """What a restore's environments did with the snapshot's episodes."""
+
+    # Attempt n of each episode an instance restored (as attempt n + 1) -> that instance.
+    episodes: Mapping[EpisodeId, str]
+    # Attempt n of each episode the environments could not restore: its attempt n + 1 is
+    # retired (refused forever), so the rollout restarts from scratch as attempt n + 2.
+    refused: frozenset[EpisodeId] = frozenset()
+    errors: Mapping[str, str] = field(default_factory=dict)  # instance -> why it failed
+
+
+# Restores a snapshot's environment episodes, given the snapshot and the data plane it was
+# just loaded into (the staged prefixes are read from it).
+RestoreEnvironments = Callable[[SnapshotReader, DataPlane], EnvironmentsRestored]
 
 
 class Controller:
@@ -227,19 +239,20 @@ class Controller:
         controller = cls(config, dataplane)
         controller._load(reader)
         controller._verify_rows()
-        restored = dict(restored_episodes or {})
+        envs = EnvironmentsRestored(dict(restored_episodes or {}))
         if environments is not None:  # after the rows verified: the envs need their prefixes
-            restored.update(environments(reader, controller.dataplane))
-        plan = controller._restart(reader, restored)
+            envs = environments(reader, controller.dataplane)
+            envs = replace(envs, episodes={**(restored_episodes or {}), **envs.episodes})
+        plan = controller._restart(reader, envs)
         return controller, plan
 
     def _load(self, reader: SnapshotReader) -> None:
         state = CapturedState.read(reader)
-        for field in ("run_id", "group_size", "sampler"):
-            saved, configured = getattr(state.config, field), getattr(self.config, field)
+        for name in ("run_id", "group_size", "sampler"):
+            saved, configured = getattr(state.config, name), getattr(self.config, name)
             if saved != configured:
                 raise TopologyMismatch(
-                    f"snapshot {reader.name} was taken with {field}={saved!r}; "
+                    f"snapshot {reader.name} was taken with {name}={saved!r}; "
                     f"this run has {configured!r}"
                 )
         self.ledger = Ledger.restore(*state.ledger, f"{reader.name}/{LEDGER_FILE}")
@@ -266,10 +279,13 @@ class Controller:
                 if row_digest(rows[key]) != self.ledger.digest(idx, i):
                     raise RowMismatch(idx, i, key, "restored row differs from its sealed digest")
 
-    def _restart(self, reader: SnapshotReader, restored: dict[EpisodeId, str]) -> RestorePlan:
+    def _restart(self, reader: SnapshotReader, envs: EnvironmentsRestored) -> RestorePlan:
         released = self.index.release_claims()
+        refused: dict[int, set[int]] = {}
+        for episode in envs.refused:
+            refused.setdefault(episode.rollout.group.idx, set()).add(episode.rollout.i)
         by_group: dict[int, dict[int, str]] = {}
-        for episode, instance in restored.items():
+        for episode, instance in envs.episodes.items():
             idx, i = episode.rollout.group.idx, episode.rollout.i
             if idx not in self.ledger or self.ledger.episode(idx, i) != episode:
                 raise LedgerInvariantViolation(
@@ -278,7 +294,7 @@ class Controller:
             by_group.setdefault(idx, {})[i] = instance
         partial: dict[int, PartialGroup] = {}
         for idx in self.index.in_states(GroupState.RESERVED, GroupState.GENERATING):
-            outcome = self.ledger.restart(idx, by_group.pop(idx, None))
+            outcome = self.ledger.restart(idx, by_group.pop(idx, None), refused.get(idx, ()))
             if outcome.dropped_rows:
                 self.dataplane.delete(
                     ROLLOUT_PARTITION, [self.row_key(idx, i) for i in outcome.dropped_rows]
@@ -307,4 +323,5 @@ class Controller:
             partial=partial,
             released_claims=released,
             redispatch=admitted_first,
+            environments_failed=dict(envs.errors),
         )

@@ -400,7 +400,8 @@ class CheckpointOps:
                 raise
             self.controller = restored
             current.dataplane.clear()  # replaced by the snapshot's rows
-        if self.participants is not None and outcomes:
+        if self.participants is not None and outcomes and outcomes[-1].ok:
+            # (A failed environment restore was undone and resumed by the fleet itself.)
             tokens = self.participants.resume_restored(request.restore_id)
             metrics.record_restored_prefix_tokens(self.store.run_id, tokens)
         metrics.record_restore(self.store.run_id, plan, restored.config.group_size)

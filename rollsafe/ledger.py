@@ -21,7 +21,7 @@ Rules (DESIGN.md section 2; tables in :mod:`rollsafe.states`):
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -259,9 +259,13 @@ class Ledger:
 
     # ---- restart after a restore ----------------------------------------------------------
 
-    def restart(self, idx: int, restored: Mapping[int, str] | None = None) -> RestartOutcome:
+    def restart(
+        self, idx: int, restored: Mapping[int, str] | None = None, refused: Collection[int] = ()
+    ) -> RestartOutcome:
         """Apply the group's restore level. ``restored`` maps sibling -> the instance that
-        restored its current attempt's episode (turn/prefix levels only)."""
+        restored its current attempt's episode (turn/prefix levels only); ``refused``: siblings
+        whose environment restore failed after retiring attempt n + 1 everywhere, so they
+        restart from scratch as attempt n + 2."""
         restored = dict(restored or {})
         level = self.level(idx)
         states = self.states(idx)
@@ -287,6 +291,8 @@ class Ledger:
                 if state == AttemptState.SEALED:
                     dropped.append(i)
                 self._restart_sibling(idx, i, state)
+                if i in refused and state == AttemptState.DISPATCHED:
+                    self._skip_refused(idx, i)
                 regenerate.append(i)
         if restored:
             raise LedgerInvariantViolation(
@@ -304,6 +310,14 @@ class Ledger:
         # The old episode's state lives on as attempt + 1 on the same instance.
         self._move(idx, i, AttemptState.ABANDONED, "restore")
         self.retry(idx, i, keep_owner=True)
+
+    def _skip_refused(self, idx: int, i: int) -> None:
+        """The environments refuse this (reserved) attempt forever: retire it everywhere again
+        (retiring is idempotent) and mint the next."""
+        episode = self.episode(idx, i)
+        self._move(idx, i, AttemptState.ABANDONED, "skip a refused attempt")
+        self._retire[episode.key] = Retirement(episode, None)
+        self.retry(idx, i)
 
     def _restart_sibling(self, idx: int, i: int, state: AttemptState) -> None:
         if state == AttemptState.RESERVED:

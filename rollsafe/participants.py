@@ -24,7 +24,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollsafe.controller import RestoreEnvironments
+from rollsafe.controller import EnvironmentsRestored, RestoreEnvironments
 from rollsafe.dataplane import DataPlane
 from rollsafe.engine.protocol import CutRefusal, Engine
 from rollsafe.engine.staging import StagedCut, cut_and_stage, load_prefixes
@@ -33,7 +33,7 @@ from rollsafe.env.drain import PendingReplies
 from rollsafe.env.fleet import EnvFleet
 from rollsafe.env.fleet_rules import FleetCommitted, FleetPrepared, FleetRestored
 from rollsafe.env.protocol import EpisodeRef
-from rollsafe.errors import InvalidInput, InvariantError, TransientError
+from rollsafe.errors import InvalidInput, TransientError
 from rollsafe.ids import EpisodeId, RolloutId
 from rollsafe.ledger import Retirement
 from rollsafe.loop import LoopThread
@@ -47,11 +47,6 @@ ENVS_DIR = "envs"
 class CheckpointSpent(TransientError):
     """This checkpoint id can no longer park the environments (a failed prepare resumed them,
     and a resumed id is refused forever); a new snapshot can."""
-
-
-class EnvironmentsNotRestored(InvariantError):
-    """A restore's environments failed to bring back the snapshot's episodes; the run must not
-    start from it (the fleet already undid what it restored)."""
 
 
 class ParticipantOptions(BaseModel):
@@ -104,6 +99,11 @@ def to_ref(episode: EpisodeId) -> EpisodeRef:
 
 def to_episode(ref: EpisodeRef) -> EpisodeId:
     return EpisodeId(RolloutId.parse(ref.rollout_id), ref.attempt)
+
+
+def _previous(ref: EpisodeRef) -> EpisodeId:
+    """Attempt n of a restored (or refused) attempt n + 1."""
+    return to_episode(EpisodeRef(rollout_id=ref.rollout_id, attempt=ref.attempt - 1))
 
 
 class Participants:
@@ -277,29 +277,26 @@ class Participants:
 
     def restorer(self, restore_id: str) -> tuple[RestoreEnvironments, list[FleetRestored]]:
         """For ``Controller.restore(environments=...)``: restores the snapshot's committed
-        episodes and returns attempt n of each -> its instance. The outcomes are appended to
-        the list returned beside it (for :meth:`resume_restored` / :meth:`abandon_restore`).
-        A snapshot taken without participants restores none."""
+        episodes. The outcomes are appended to the list returned beside it (for
+        :meth:`resume_restored` / :meth:`abandon_restore`). A snapshot taken without
+        participants restores none. If the environments fail, the fleet has already retired
+        every n + 1 attempt and resumed: those rollouts fall back to a restart from scratch
+        (as n + 2) rather than failing the restore (DESIGN.md section 6)."""
         outcomes: list[FleetRestored] = []
 
-        def restore(reader: SnapshotReader, dataplane: DataPlane) -> dict[EpisodeId, str]:
+        def restore(reader: SnapshotReader, dataplane: DataPlane) -> EnvironmentsRestored:
             if RECORD_FILE not in reader.manifest.files:
-                return {}
+                return EnvironmentsRestored({})
             record = reader.read_json(RECORD_FILE, ParticipantsRecord)
             outcome = self.restore(restore_id, reader.path, record, dataplane)
             outcomes.append(outcome)
             if not outcome.ok:
-                errors = "; ".join(f"{name}: {why}" for name, why in sorted(outcome.errors.items()))
-                raise EnvironmentsNotRestored(
-                    f"restore {restore_id}: environments could not restore snapshot "
-                    f"{reader.name} (nothing restored was kept; the n + 1 attempts are "
-                    f"retired): {errors}"
-                )
-            return {
-                to_episode(EpisodeRef(rollout_id=ref.rollout_id, attempt=ref.attempt - 1)): name
-                for name, refs in outcome.restored.items()
-                for ref in refs
-            }
+                self._prefix_tokens.pop(restore_id, None)
+                refused = frozenset(_previous(ref) for ref in outcome.restarts)
+                return EnvironmentsRestored({}, refused=refused, errors=outcome.errors)
+            return EnvironmentsRestored(
+                {_previous(ref): name for name, refs in outcome.restored.items() for ref in refs}
+            )
 
         return restore, outcomes
 

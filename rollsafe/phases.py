@@ -114,6 +114,9 @@ class RestorePlan(BaseModel):
     # Partial groups in redispatch order: admitted (generating) groups first, since they
     # may be the only work that can advance the trainer, then groups never dispatched.
     redispatch: list[int]
+    # Instances that could not restore their episodes, and why: those episodes restart from
+    # scratch (the next attempt but one) instead of resuming.
+    environments_failed: dict[str, str] = Field(default_factory=dict)
 
 
 class RestoreRequest(BaseModel):

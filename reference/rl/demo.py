@@ -375,6 +375,8 @@ class Demo:
         restored.resume_from(plan, restore_id)
         asyncio.run(checkpointer.start())
         resumed = sum(len(g.resumed) for g in plan.partial.values())
+        for name, why in plan.environments_failed.items():
+            self.say(f"[restore] {name} could not restore its episodes (restarted instead): {why}")
         self.say(
             f"[restore] {plan.snapshot}: weight version {plan.weight_version}, {len(plan.ready)} "
             f"groups ready, {resumed} episodes resumed on their instances ({self.elapsed():.1f}s)"

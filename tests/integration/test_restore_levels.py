@@ -14,6 +14,7 @@ resumed exactly as finely as it promises:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -21,12 +22,16 @@ from pathlib import Path
 
 import pytest
 
+from reference.rl.controller import Endpoints
 from reference.rl.run import SNAPSHOTS_DIR, ReferenceRun, RunSettings
 from reference.rl.servers import RunServers
 from rollsafe.capture import CapturedState
+from rollsafe.env.client import EnvClient
+from rollsafe.env.protocol import PrepareRequest, ResumeRequest
 from rollsafe.evidence import Evidence, TrainedRow
 from rollsafe.ledger import Ledger
-from rollsafe.phases import Phase, PhaseResult, RestorePlan
+from rollsafe.participants import RECORD_FILE, ParticipantsRecord
+from rollsafe.phases import Phase, PhaseResult, RestorePlan, checkpoint_id_for
 from rollsafe.snapshot import SnapshotStore
 from rollsafe.states import AttemptState
 from rollsafe.verify import verify
@@ -115,10 +120,17 @@ def some_sibling_sealed(run: ReferenceRun) -> bool:
 
 
 def crashed_and_restored(
-    level: str, servers: RunServers, root: Path, ready: Ready, caught: Caught
+    level: str,
+    servers: RunServers,
+    root: Path,
+    ready: Ready,
+    caught: Caught,
+    busy_during_restore: str | None = None,
 ) -> tuple[RestorePlan, Ledger, Evidence]:
     """Snapshots during step CRASH_STEP until one ``caught`` what the level needs (taken once
-    ``ready``), then everything killed; restored on fresh servers and run to the end."""
+    ``ready``), then everything killed; restored on fresh servers and run to the end. With
+    ``busy_during_restore``, that instance is parked by another checkpoint while the restore
+    runs (so it refuses to restore)."""
     settings = BASE.model_copy(update={"restore_level": level})
     out = root / "out"
     first = ReferenceRun(settings, servers.start(), root, out)
@@ -141,13 +153,32 @@ def crashed_and_restored(
     finally:
         first.close()
     at_snapshot = snapshot_ledger(root)
-    second, plan = ReferenceRun.restored(settings, servers.start(), root, out)
+    endpoints = servers.start()
+    release = park_elsewhere(endpoints, busy_during_restore) if busy_during_restore else None
+    second, plan = ReferenceRun.restored(settings, endpoints, root, out)
+    if release is not None:
+        release()
     try:
         second.run()
         second.finish()
     finally:
         second.close()
     return plan, at_snapshot, Evidence.read(out)
+
+
+def park_elsewhere(endpoints: Endpoints, instance: str) -> Callable[[], None]:
+    """Park ``instance`` under another checkpoint id; returns what resumes it."""
+    other = checkpoint_id_for("elsewhere", 1, "rollout")
+
+    async def call(request: PrepareRequest | ResumeRequest) -> None:
+        async with EnvClient(endpoints.envs[instance], endpoints.env_token) as client:
+            if isinstance(request, PrepareRequest):
+                assert (await client.prepare(request)).ready
+            else:
+                await client.resume(request)
+
+    asyncio.run(call(PrepareRequest(checkpoint_id=other, deadline_ts=time.time() + 60)))
+    return lambda: asyncio.run(call(ResumeRequest(checkpoint_id=other)))
 
 
 def assert_same_tokens_once(evidence: Evidence, reference: Evidence) -> None:
@@ -274,3 +305,30 @@ def test_prompt_group_level_regenerates_the_whole_group(
         assert plan.partial[idx].regenerate == list(range(BASE.group_size))
         for i in range(BASE.group_size):  # sealed ones too: a new attempt, the same tokens
             assert rows[ledger.rollout_id(idx, i).key].attempt == ledger.attempt(idx, i) + 1
+
+
+def test_a_failed_environment_restore_restarts_those_rollouts_from_scratch(
+    servers: RunServers, tmp_path: Path, reference: Evidence
+) -> None:
+    """An instance that cannot restore (busy with another checkpoint) fails the environments'
+    restore on every instance (all or nothing): the controller's restore still succeeds, and
+    the episodes committed in the snapshot restart from scratch, past their retired n + 1."""
+    plan, ledger, evidence = crashed_and_restored(
+        "prefix",
+        servers,
+        tmp_path,
+        calls_generating,
+        lambda results, _: results[Phase.COMMIT_ENVS].counts["committed_episodes"] > 0,
+        busy_during_restore="w0",
+    )
+    assert "w0" in plan.environments_failed
+    assert not resumed_rollouts(plan, ledger)
+    assert_same_tokens_once(evidence, reference)
+    rows = rows_by_rollout(evidence)
+    reader = SnapshotStore(tmp_path / SNAPSHOTS_DIR, BASE.run_id).select()
+    record = reader.read_json(RECORD_FILE, ParticipantsRecord)
+    committed = [ref for c in record.committed.instances.values() for ref in c.committed]
+    assert committed
+    for ref in committed:  # committed at attempt n: n + 1 is retired everywhere
+        row = rows[ref.rollout_id]
+        assert row.attempt == ref.attempt + 2 and row.restored_prefix_tokens == 0

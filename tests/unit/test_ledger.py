@@ -167,6 +167,21 @@ def test_turn_restart_without_an_environment_restore_falls_back_to_sibling():
     assert led.owner(7, 1) is None
 
 
+def test_a_failed_environment_restore_restarts_the_sibling_past_its_retired_attempt():
+    led = ledger(RestoreLevel.PREFIX, size=3)
+    led.dispatch(7, 0, owner="env-1")
+    led.seal(7, 0, 0, digest("a"))
+    led.dispatch(7, 1, owner="env-1")  # committed by env-1, whose restore then failed
+    outcome = led.restart(7, None, refused={1, 2})  # 2 was never dispatched: nothing to skip
+    assert outcome.kept == (0,) and outcome.regenerate == (1, 2) and outcome.resumed == ()
+    # Attempt 1 is retired on the environments: the rollout restarts as attempt 2.
+    assert led.attempt(7, 1) == 2 and led.state(7, 1) == A.RESERVED and led.owner(7, 1) is None
+    assert led.attempt(7, 2) == 0
+    retired = {r.episode.key: r.owner for r in led.retirements()}
+    assert retired == {"run-7_g1": "env-1", "run-7_g1-a1": None}  # None: everywhere
+    assert led.dispatch(7, 1, owner="env-2").key == "run-7_g1-a2"
+
+
 def test_turn_restart_refuses_a_different_instance():
     with pytest.raises(LedgerInvariantViolation, match="owned by 'env-1' but 'env-9'"):
         _half_done(RestoreLevel.TURN, restored={1: "env-9"})

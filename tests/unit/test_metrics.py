@@ -24,6 +24,7 @@ from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, InMemoryMetr
 from rollsafe import metrics
 from rollsafe.actor import ControllerService
 from rollsafe.config import RunConfig
+from rollsafe.controller import EnvironmentsRestored
 from rollsafe.engine.protocol import CutRefusal
 from rollsafe.engine.staging import StagedCut
 from rollsafe.env.fleet_rules import FleetCommitted, FleetPrepared
@@ -254,7 +255,7 @@ class FakeParticipants:
 
     def restorer(self, restore_id: str):
         episode = EpisodeId(GroupId(self.run_id, 2).rollout(1), 0)
-        return (lambda reader, dataplane: {episode: "w0"}), []
+        return (lambda reader, dataplane: EnvironmentsRestored({episode: "w0"})), []
 
 
 def test_participant_phases_record_cuts_drain_and_resumed_rollouts(tmp_path):
