@@ -25,11 +25,11 @@ from pydantic import BaseModel, ConfigDict
 from rollsafe import metrics
 from rollsafe.controller import Captured, Controller
 from rollsafe.dataplane import make_dataplane
-from rollsafe.env.protocol import EpisodeRef
 from rollsafe.errors import InvalidInput, TransientError
 from rollsafe.faults import fault_point
 from rollsafe.gate import AdmissionGate, GateCounters
-from rollsafe.participants import ENVS_DIR, RECORD_FILE, Participants, to_episode
+from rollsafe.participant_phases import NOTHING_TO_DO, ParticipantPhases
+from rollsafe.participants import ENVS_DIR, RECORD_FILE, Participants
 from rollsafe.phases import (
     PHASES,
     Phase,
@@ -41,24 +41,15 @@ from rollsafe.phases import (
     SnapshotSpec,
 )
 from rollsafe.snapshot import (
-    Accept,
     PublishedSnapshot,
     SnapshotDraft,
-    SnapshotManifest,
     SnapshotStore,
+    accept_weight_versions,
     verify_snapshot,
 )
-from rollsafe.states import RestoreLevel
 
 ABORT = "abort"  # the key of abort's lock and effect counter, beside the phases
 _KEEP_CHECKPOINTS = 16  # stored results kept for this many recent checkpoint ids
-_NOTHING = {
-    Phase.RETIRE_DROPPED: "no environment instances configured: nothing to retire",
-    Phase.PREPARE_ENVS: "no environment instances configured: nothing to park",
-    Phase.DRAIN: "no environment instances configured: no replies on the wire to wait for",
-    Phase.CUT_GENERATION: "no generation engines configured: nothing to cut",
-    Phase.COMMIT_ENVS: "no environment instances configured: nothing to commit",
-}
 
 
 class SnapshotLost(TransientError):
@@ -221,45 +212,19 @@ class CheckpointOps:
         if phase is Phase.CAPTURE:
             return self._capture(spec, entry)
         if self.participants is None:
-            return self._result(spec, phase, _NOTHING[phase])
+            return self._result(spec, phase, NOTHING_TO_DO[phase])
         return self._participant_phase(spec, phase, entry, self.participants)
 
     def _participant_phase(
         self, spec: SnapshotSpec, phase: Phase, entry: _Open, participants: Participants
     ) -> PhaseResult:
-        cid = spec.checkpoint_id
-        if phase is Phase.RETIRE_DROPPED:
-            with self.barrier:
-                retirements = self.controller.ledger.retirements()
-            count = participants.retire(retirements)
-            with self.barrier:
-                self.controller.ledger.mark_retired(r.episode for r in retirements)
-            return self._result(spec, phase, f"{count} abandoned attempts retired")
-        if phase is Phase.PREPARE_ENVS:
-            prepared = participants.prepare(cid)
-            parked = sum(len(i.parked) for i in prepared.instances.values())
-            restarts = sum(len(i.restarts) for i in prepared.instances.values())
-            summary = f"{len(prepared.instances)} instances parked {parked} episodes"
-            return self._result(
-                spec, phase, f"{summary}, {restarts} to restart", {"parked": parked}
-            )
-        if phase is Phase.DRAIN:
-            stragglers = participants.drain(cid)
-            summary = f"{len(stragglers)} replies still out after the drain (restarted)"
-            return self._result(spec, phase, summary, {"stragglers": len(stragglers)})
-        if phase is Phase.CUT_GENERATION:
-            cut = participants.cut(cid, self.controller.dataplane, self._level_of)
-            metrics.record_cut(spec.run_id, cut)
-            outcomes = metrics.cut_outcomes(cut)
-            summary = (
-                f"{outcomes['cut']} calls cut and staged, {outcomes['skipped']} skipped "
-                f"(finished, not started, or a coarser restore level), {outcomes['failed']} "
-                "could not be cut (turn level)"
-            )
-            return self._result(spec, phase, summary, outcomes)
+        phases = ParticipantPhases(participants, self.barrier, lambda: self.controller)
+        if phase is not Phase.COMMIT_ENVS:
+            summary, counts = phases.run(spec, phase)
+            return self._result(spec, phase, summary, counts)
         with entry.lock:  # COMMIT_ENVS writes into the draft
             self._check_usable(entry)
-            committed = participants.commit(cid, entry.draft.path, self._level_of)
+            committed = participants.commit(spec.checkpoint_id, entry.draft.path, phases.level_of)
             if RECORD_FILE not in entry.draft.files:  # a retried commit records once
                 entry.draft.record(ENVS_DIR)
                 entry.draft.write_json(RECORD_FILE, committed)
@@ -267,14 +232,6 @@ class CheckpointOps:
         return self._result(
             spec, phase, f"{episodes} episodes committed", {"committed_episodes": episodes}
         )
-
-    def _level_of(self, ref: EpisodeRef) -> RestoreLevel:
-        """The restore level of a parked episode's group; an episode of a group the ledger
-        does not hold is kept whole (the restore then names it as not owned by the run)."""
-        idx = to_episode(ref).rollout.group.idx
-        with self.barrier:
-            ledger = self.controller.ledger
-            return ledger.level(idx) if idx in ledger else RestoreLevel.PREFIX
 
     def _resume_participants(self, checkpoint_id: str) -> str:
         if self.participants is None:
@@ -390,7 +347,7 @@ class CheckpointOps:
                     current.config,
                     self.store,
                     fresh,
-                    accept=_anchored(request.weight_versions),
+                    accept=accept_weight_versions(request.weight_versions),
                     environments=environments,
                 )
             except BaseException:
@@ -486,20 +443,6 @@ class CheckpointOps:
             counts=counts or {},
             published=published,
         )
-
-
-def _anchored(versions: tuple[int, ...] | None) -> Accept | None:
-    """Accepts a snapshot only at a weight version the trainer holds a checkpoint of."""
-    if versions is None:
-        return None
-    held = set(versions)
-
-    def accept(manifest: SnapshotManifest) -> str | None:
-        if manifest.weight_version in held:
-            return None
-        return f"no trainer checkpoint of its weight version {manifest.weight_version}"
-
-    return accept
 
 
 def _info(published: PublishedSnapshot) -> PublishedSnapshotInfo:

@@ -20,6 +20,7 @@ from rollsafe.snapshot.select import (
     EntryState,
     SnapshotEntry,
     SnapshotReader,
+    accept_weight_versions,
     verify_snapshot,
 )
 from rollsafe.snapshot.store import FAULT_POINTS, PublishedSnapshot, SnapshotStore
@@ -39,6 +40,7 @@ __all__ = [
     "SnapshotManifest",
     "SnapshotReader",
     "SnapshotStore",
+    "accept_weight_versions",
     "parse_latest",
     "parse_manifest",
     "validate_relpath",

@@ -8,7 +8,7 @@ when no candidate verifies, :class:`NoValidSnapshot` names every candidate with 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -190,6 +190,21 @@ def classify(snapshots: Path) -> tuple[list[tuple[int, str]], dict[str, tuple[En
             others[name] = (EntryState.UNKNOWN, "not a snapshot directory name (ignored)")
     candidates.sort(reverse=True)
     return candidates, others
+
+
+def accept_weight_versions(versions: Collection[int] | None) -> Accept | None:
+    """Accepts a snapshot only at one of ``versions`` (those the trainer holds checkpoints
+    of: a snapshot's rows and the trainer's weights must describe the same steps)."""
+    if versions is None:
+        return None
+    held = frozenset(versions)
+
+    def accept(manifest: SnapshotManifest) -> str | None:
+        if manifest.weight_version in held:
+            return None
+        return f"no trainer checkpoint of its weight version {manifest.weight_version}"
+
+    return accept
 
 
 def select_snapshot(run_dir: Path, run_id: str, accept: Accept | None = None) -> SnapshotReader:
