@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -218,6 +219,7 @@ class Demo:
             )
             asyncio.run(checkpointer.start())
             run = ReferenceRun(self.settings, endpoints, self.work, self.options.out, controller)
+            run.listener = CheckpointerListener(checkpointer, self.say)
             stack.enter_context(self.worker_watch(env))
             crash = self.faults.get("run")
             crash_step = int(crash.where[4:]) - 1 if crash else None  # run@step<k>: 1-based
@@ -374,6 +376,7 @@ class Demo:
         restored = ReferenceRun(self.settings, endpoints, self.work, self.options.out, controller)
         restored.resume_from(plan, restore_id)
         asyncio.run(checkpointer.start())
+        restored.listener = CheckpointerListener(checkpointer, self.say)
         resumed = sum(len(g.resumed) for g in plan.partial.values())
         for name, why in plan.environments_failed.items():
             self.say(f"[restore] {name} could not restore its episodes (restarted instead): {why}")
@@ -395,6 +398,23 @@ class Demo:
 
 class _Crash(Exception):
     pass
+
+
+class CheckpointerListener:
+    """The trainer tells the checkpoint workflows of its steps and checkpoints (the SDK): a
+    committed step aborts a snapshot that has not captured yet (it would be stale), and a
+    trainer checkpoint asks for a snapshot anchored at it."""
+
+    def __init__(self, checkpointer: Any, say: Callable[[str], None]) -> None:
+        self.checkpointer, self.say = checkpointer, say
+
+    def step_committed(self, step: int) -> None:
+        answer = asyncio.run(self.checkpointer.train_step_committed(step))
+        if answer.startswith("aborted"):
+            self.say(f"[snapshot] step {step + 1} committed: {answer} (stale)")
+
+    def checkpoint_saved(self, weight_version: int, path: Path) -> None:
+        asyncio.run(self.checkpointer.trainer_checkpoint_saved(weight_version, str(path)))
 
 
 def run_demo(options: DemoOptions, say: Callable[[str], None] = print) -> list[Check]:

@@ -112,6 +112,22 @@ class Controller(Protocol):
     def close(self) -> None: ...
 
 
+class StepListener(Protocol):
+    """Told of each committed step and each trainer checkpoint: the checkpoint workflows,
+    through the SDK (:class:`rollsafe.client.Checkpointer`), in the demo."""
+
+    def step_committed(self, step: int) -> None: ...
+    def checkpoint_saved(self, weight_version: int, path: Path) -> None: ...
+
+
+class _Nobody:
+    def step_committed(self, step: int) -> None:
+        pass
+
+    def checkpoint_saved(self, weight_version: int, path: Path) -> None:
+        pass
+
+
 def run_config(settings: RunSettings) -> RunConfig:
     return RunConfig(
         run_id=settings.run_id,
@@ -151,6 +167,7 @@ class ReferenceRun:
         self.trainer = PolicyTrainer(settings.model, settings.seed, lr=settings.lr)
         self.step = 0
         self.snapshots: list[PhaseResult] = []
+        self.listener: StepListener = _Nobody()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -285,8 +302,10 @@ class ReferenceRun:
         ]
         result = self.trainer.train_step(batch)
         self.loop.run(self.engine.update_weights(self.trainer.weights(), result.weight_version))
+        saved = None
         if result.weight_version % self.settings.checkpoint_every == 0:
-            self.trainer.save(checkpoint_dir(self.root / TRAINER_DIR, result.weight_version))
+            saved = checkpoint_dir(self.root / TRAINER_DIR, result.weight_version)
+            self.trainer.save(saved)
         trained = [
             TrainedRow(
                 step=self.step,
@@ -307,5 +326,8 @@ class ReferenceRun:
         self.controller.commit_step(groups)
         append_lines(self.out / TRAINED, trained)
         append_lines(self.out / MUTATIONS, mutations)
+        self.listener.step_committed(self.step)
+        if saved is not None:
+            self.listener.checkpoint_saved(result.weight_version, saved)
         self.step += 1
         return result
