@@ -236,7 +236,7 @@ class CheckpointOps:
     def _resume_participants(self, checkpoint_id: str) -> str:
         if self.participants is None:
             return ""
-        return self.participants.resume(checkpoint_id) + "; "
+        return self.participants.resume(checkpoint_id, self.controller.dataplane) + "; "
 
     def _open_draft(self, spec: SnapshotSpec, record: _Record) -> PhaseResult:
         cid = spec.checkpoint_id
@@ -359,7 +359,7 @@ class CheckpointOps:
             current.dataplane.clear()  # replaced by the snapshot's rows
         if self.participants is not None and outcomes and outcomes[-1].ok:
             # (A failed environment restore was undone and resumed by the fleet itself.)
-            tokens = self.participants.resume_restored(request.restore_id)
+            tokens = self.participants.resume_restored(request.restore_id, restored.dataplane)
             metrics.record_restored_prefix_tokens(self.store.run_id, tokens)
         metrics.record_restore(self.store.run_id, plan, restored.config.group_size)
         with self._meta:

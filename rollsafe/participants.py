@@ -27,7 +27,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollsafe.controller import EnvironmentsRestored, RestoreEnvironments
 from rollsafe.dataplane import DataPlane
 from rollsafe.engine.protocol import CutRefusal, Engine
-from rollsafe.engine.staging import StagedCut, cut_and_stage, load_prefixes
+from rollsafe.engine.staging import (
+    PREFIX_PARTITION,
+    StagedCut,
+    cut_and_stage,
+    load_prefixes,
+    prefix_key,
+)
 from rollsafe.env.client import EnvRefused
 from rollsafe.env.drain import PendingReplies
 from rollsafe.env.fleet import EnvFleet
@@ -122,7 +128,8 @@ class Participants:
         self.pending = pending if pending is not None else PendingReplies()
         self.options = options or ParticipantOptions()
         self._checkpoints: dict[str, _Checkpoint] = {}
-        self._prefix_tokens: dict[str, int] = {}  # restore id -> staged tokens handed back
+        # restore id -> the staged prefixes handed back to the environments: call -> tokens
+        self._handed_back: dict[str, dict[str, int]] = {}
 
     # ---- the snapshot's phases ------------------------------------------------------------
 
@@ -212,8 +219,11 @@ class Participants:
             stragglers=tuple(state.stragglers),
         )
 
-    def resume(self, checkpoint_id: str) -> str:
-        """Phase 9 (and abort): environments resume, frozen calls go on. Every exit path."""
+    def resume(self, checkpoint_id: str, dataplane: DataPlane) -> str:
+        """Phase 9 (and abort): environments resume, frozen calls go on. Every exit path.
+        The staged prefixes leave the live data plane: the capture (phase 8, before this) has
+        put them in the snapshot, the only place a restore reads them from; kept live, every
+        later capture would export them again, forever."""
         state = self._checkpoints.get(checkpoint_id)
         frozen = list(state.cut.staged) if state is not None and state.cut is not None else []
 
@@ -223,6 +233,7 @@ class Participants:
                 await asyncio.gather(*(e.release(frozen) for e in self.engines.values()))
 
         self.loop.run(resume_all())
+        _drop_prefixes(dataplane, frozen)
         self._checkpoints.pop(checkpoint_id, None)  # kept until done: a retry releases too
         return f"{len(self.fleet.names)} instances resumed, {len(frozen)} cut calls released"
 
@@ -240,7 +251,7 @@ class Participants:
         nothing: on failure no instance keeps any (see :class:`FleetRestored`)."""
         scope = {name: list(c.committed) for name, c in record.committed.instances.items()}
         prefixes = load_prefixes(dataplane, record.staged) if record.staged else {}
-        self._prefix_tokens[restore_id] = sum(len(p.tokens) for p in prefixes.values())
+        self._handed_back[restore_id] = {call: len(p.tokens) for call, p in prefixes.items()}
         as_json = {call: p.model_dump(mode="json") for call, p in prefixes.items()}
         deadline = time.time() + self.options.restore_deadline_s
         return self.loop.run(
@@ -254,16 +265,19 @@ class Participants:
             )
         )
 
-    def resume_restored(self, restore_id: str) -> int:
-        """The restore succeeded: the environments resume. Returns the tokens of the staged
-        prefixes the restored calls continue from."""
+    def resume_restored(self, restore_id: str, dataplane: DataPlane) -> int:
+        """The restore succeeded: the environments resume, holding the staged prefixes they
+        were handed (which leave the live data plane: the snapshot keeps them). Returns the
+        prefixes' tokens."""
         self.loop.run(self.fleet.resume_all(restore_id))
-        return self._prefix_tokens.pop(restore_id, 0)
+        handed_back = self._handed_back.pop(restore_id, {})
+        _drop_prefixes(dataplane, list(handed_back))
+        return sum(handed_back.values())
 
     def abandon_restore(self, restore_id: str, restored: FleetRestored) -> None:
         """The controller's restore failed after the environments restored: they must not keep
         the n + 1 attempts (retired: refused until forgotten), and resume."""
-        self._prefix_tokens.pop(restore_id, None)
+        self._handed_back.pop(restore_id, None)
         refs = {name: list(refs) for name, refs in restored.restored.items() if refs}
 
         async def undo() -> None:
@@ -291,7 +305,7 @@ class Participants:
             outcome = self.restore(restore_id, reader.path, record, dataplane)
             outcomes.append(outcome)
             if not outcome.ok:
-                self._prefix_tokens.pop(restore_id, None)
+                self._handed_back.pop(restore_id, None)
                 refused = frozenset(_previous(ref) for ref in outcome.restarts)
                 return EnvironmentsRestored({}, refused=refused, errors=outcome.errors)
             return EnvironmentsRestored(
@@ -337,6 +351,11 @@ class Participants:
         if prepared is None:
             raise InvalidInput(f"{phase} of {checkpoint_id}: the environments were not prepared")
         return prepared
+
+
+def _drop_prefixes(dataplane: DataPlane, call_ids: Sequence[str]) -> None:
+    if call_ids:
+        dataplane.delete(PREFIX_PARTITION, [prefix_key(call) for call in call_ids])
 
 
 _NO_CUT = StagedCut(staged={}, refused=(), handoffs=0)

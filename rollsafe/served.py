@@ -23,6 +23,11 @@ from rollsafe.errors import RollsafeError
 if TYPE_CHECKING:
     import uvicorn
 
+# How long a client keeps an idle connection to a served process: under uvicorn's 5 s
+# keep-alive timeout, so a request never goes out on a connection the server is closing (at
+# equal timeouts that race shows as a ReadError from a healthy server).
+CLIENT_KEEPALIVE_S = 2.0
+
 ENGINE_BANNER = r"rollsafe engine serving {kind} on (http://\S+)"
 ENV_BANNER = r"rollsafe env serving {name} {instance} on (http://\S+)"
 

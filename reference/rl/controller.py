@@ -14,7 +14,7 @@ import asyncio
 import json
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any
 
@@ -76,12 +76,13 @@ class RunController(ControllerService):
 
     # ---- generation ------------------------------------------------------------------------
 
-    def generate(self) -> int:
-        """Start an episode for every unsealed sibling of the groups the run owns that has
-        none running here; returns how many were started."""
+    def generate(self, groups: Sequence[int] | None = None) -> int:
+        """Start an episode for every unsealed sibling of ``groups`` (default: every group the
+        run owns) that has none running here; returns how many were started."""
         with self.barrier:
             ledger = self.controller.ledger
-            todo = [(idx, i) for idx in ledger.groups() for i in ledger.unsealed(idx)]
+            wanted = ledger.groups() if groups is None else groups
+            todo = [(idx, i) for idx in wanted for i in ledger.unsealed(idx)]
         self._running = {
             key: future
             for key, future in self._running.items()
@@ -105,9 +106,7 @@ class RunController(ControllerService):
         deadline = time.monotonic() + timeout_s
         evicted: list[int] = []
         while True:
-            for future in self._running.values():
-                if future.done() and future.exception() is not None:
-                    future.result()
+            self.raise_failed()
             with self.barrier:
                 evicted += self._evict_stale()
                 picked = self.controller.select()
@@ -116,6 +115,17 @@ class RunController(ControllerService):
             if time.monotonic() >= deadline:
                 raise TimeoutError(self._stuck(timeout_s))
             time.sleep(0.02)
+
+    def raise_failed(self) -> None:
+        """An episode's failure, raised here (the first one found)."""
+        for future in self._running.values():
+            if future.done() and future.exception() is not None:
+                future.result()
+
+    def wait_episodes(self, timeout_s: float) -> None:
+        """Until every episode started here has ended; a failure is raised."""
+        wait(list(self._running.values()), timeout_s)
+        self.raise_failed()
 
     def _evict_stale(self) -> list[int]:
         controller = self.controller

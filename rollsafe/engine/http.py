@@ -49,7 +49,7 @@ from rollsafe.errors import (
     RollsafeError,
     TransientError,
 )
-from rollsafe.served import listening_url
+from rollsafe.served import CLIENT_KEEPALIVE_S, listening_url
 
 M = TypeVar("M", bound=BaseModel)
 NDJSON = "application/x-ndjson"
@@ -272,7 +272,11 @@ class EngineClient:
             transport=transport,
             # Every call in flight holds a connection: httpx's default pool of 100 would make
             # the 101st wait for one, then time out.
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            limits=httpx.Limits(
+                max_connections=None,
+                max_keepalive_connections=64,
+                keepalive_expiry=CLIENT_KEEPALIVE_S,
+            ),
         )
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[StreamEvent]:

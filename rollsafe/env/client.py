@@ -62,6 +62,7 @@ from rollsafe.errors import (
     RollsafeError,
     SchemaMismatch,
 )
+from rollsafe.served import CLIENT_KEEPALIVE_S
 
 R = TypeVar("R", bound=BaseModel)
 _JSON = {"content-type": "application/json"}
@@ -127,7 +128,11 @@ class EnvClient:
             transport=transport,
             # Every running episode holds a connection: a bounded pool would make the next
             # dispatch wait for one and then time out.
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            limits=httpx.Limits(
+                max_connections=None,
+                max_keepalive_connections=64,
+                keepalive_expiry=CLIENT_KEEPALIVE_S,
+            ),
         )
 
     # -- checkpoint control ---------------------------------------------------------------------

@@ -24,7 +24,9 @@ import pytest
 
 from rollsafe.actor import ControllerService
 from rollsafe.config import RunConfig
+from rollsafe.dataplane.protocol import DataPlaneManifest
 from rollsafe.engine.http import EngineClient
+from rollsafe.engine.staging import PREFIX_PARTITION
 from rollsafe.env.client import EnvClient
 from rollsafe.env.fleet import EnvFleet
 from rollsafe.env.protocol import EpisodeResult, RunEpisode
@@ -177,6 +179,10 @@ def test_phases_park_cut_commit_and_a_restore_brings_the_episodes_back(
     committed = {ref for c in record.committed.instances.values() for ref in c.committed}
     assert len(committed) == parked
     assert len(record.staged) == results[Phase.CUT_GENERATION].counts["cut"]
+    # The staged prefixes are in the snapshot only: the live data plane let them go at resume.
+    exported = DataPlaneManifest.model_validate_json((snapshot / "dataplane.json").read_bytes())
+    assert exported.partitions[PREFIX_PARTITION] == len(record.staged)
+    assert first.service.controller.dataplane.count(PREFIX_PARTITION) == 0
     # After resume, every episode of the first life finished and sealed.
     assert len(finished) == GROUPS * GROUP_SIZE
     ledger = first.service.controller.ledger
@@ -188,6 +194,8 @@ def test_phases_park_cut_commit_and_a_restore_brings_the_episodes_back(
     second = Run(servers, tmp_path / "snapshots")
     try:
         plan = second.service.restore(RestoreRequest(run_id=RUN, restore_id="restore-1"))
+        # Handed to the environments, then dropped from the live data plane too.
+        assert second.service.controller.dataplane.count(PREFIX_PARTITION) == 0
         resumed = {(idx, i) for idx, g in plan.partial.items() for i in g.resumed}
         expected = {(e.rollout.group.idx, e.rollout.i) for e in map(to_episode, committed)}
         assert resumed == expected

@@ -319,7 +319,7 @@ class FlakyParticipants:
     def __init__(self) -> None:
         self.resumes: list[str] = []
 
-    def resume(self, checkpoint_id: str) -> str:
+    def resume(self, checkpoint_id: str, dataplane: object) -> str:
         self.resumes.append(checkpoint_id)
         if len(self.resumes) == 1:
             raise EnvUnavailable("w0: connection refused")
