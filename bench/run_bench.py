@@ -242,6 +242,8 @@ def measure(work: Workload, size: int, args: argparse.Namespace) -> dict[str, An
     row["cpu_ratio"] = row["cpu_off"] / row["cpu_on"]
     row["snapshots"], row["failed"] = len(taken), sum(len(w["snapshots"]) for w in on) - len(taken)
     row["parked"] = sum(s["park"] for s in taken) / sum(w["seconds"] for w in on)
+    if not taken:  # every snapshot failed: the failures are the result
+        raise SystemExit(f"size {size}: no snapshot succeeded ({row['failed']} failed)")
     for key in ("park", "total"):
         values = [s[key] for s in taken]
         row[f"{key}_med"], row[f"{key}_max"] = statistics.median(values), max(values)

@@ -86,9 +86,15 @@ def run_one(plan: Plan, steps: int, out: Path, timeout_s: float) -> Outcome:
         code, tail = demo.returncode, output[-400:]
     except subprocess.TimeoutExpired:
         demo.terminate()  # SIGTERM: the demo stops every process it started, by pid
-        demo.communicate(timeout=120)
+        try:
+            demo.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            demo.kill()  # its own children may outlive it: named in the table, to clean up
+            demo.communicate()
         code, tail = -1, f"timed out after {timeout_s:g}s"
     seconds = time.monotonic() - began
+    if code not in (0, 1):  # it did not finish: its evidence is incomplete, not violated
+        return Outcome(plan, code, 0, f"demo exited {code}: {tail.strip()}", seconds, 0, 0)
     verdict = subprocess.run(
         rollsafe_command("verify", str(out), "--json"), capture_output=True, text=True
     )
@@ -98,8 +104,6 @@ def run_one(plan: Plan, steps: int, out: Path, timeout_s: float) -> Outcome:
         violations, detail = len(failed), "; ".join(f"{c['name']}: {c['detail']}" for c in failed)
     else:
         violations, detail = 1, f"evidence unreadable: {verdict.stderr.strip()[-300:]}"
-    if code not in (0, 1) and not detail:
-        detail = f"demo exited {code}: {tail.strip()}"
     report = out / "report.json"
     totals = json.loads(report.read_text())["totals"] if report.exists() else {}
     prefix = 0

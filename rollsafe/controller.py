@@ -156,6 +156,10 @@ class Controller:
     def select(self) -> list[int]:
         return self.sampler.select(self.index, self.weight_version, self.config.groups_per_step)
 
+    def stale(self) -> list[int]:
+        """Ready groups the sampler will never pick: evicting them is the run's call."""
+        return self.sampler.stale(self.index, self.weight_version)
+
     def _sealed_keys(self, idx: int) -> list[str]:
         return [self.row_key(idx, i) for i in self.ledger.sealed(idx)]
 
@@ -279,19 +283,22 @@ class Controller:
                 if row_digest(rows[key]) != self.ledger.digest(idx, i):
                     raise RowMismatch(idx, i, key, "restored row differs from its sealed digest")
 
+    def _check_owned(self, episode: EpisodeId, what: str) -> None:
+        """An episode the environments name must be the ledger's current attempt."""
+        idx, i = episode.rollout.group.idx, episode.rollout.i
+        if idx not in self.ledger or self.ledger.episode(idx, i) != episode:
+            raise LedgerInvariantViolation(f"{what} episode {episode} is not owned by the run")
+
     def _restart(self, reader: SnapshotReader, envs: EnvironmentsRestored) -> RestorePlan:
         released = self.index.release_claims()
         refused: dict[int, set[int]] = {}
         for episode in envs.refused:
+            self._check_owned(episode, "refused")
             refused.setdefault(episode.rollout.group.idx, set()).add(episode.rollout.i)
         by_group: dict[int, dict[int, str]] = {}
         for episode, instance in envs.episodes.items():
-            idx, i = episode.rollout.group.idx, episode.rollout.i
-            if idx not in self.ledger or self.ledger.episode(idx, i) != episode:
-                raise LedgerInvariantViolation(
-                    f"restored episode {episode} is not owned by the run"
-                )
-            by_group.setdefault(idx, {})[i] = instance
+            self._check_owned(episode, "restored")
+            by_group.setdefault(episode.rollout.group.idx, {})[episode.rollout.i] = instance
         partial: dict[int, PartialGroup] = {}
         for idx in self.index.in_states(GroupState.RESERVED, GroupState.GENERATING):
             outcome = self.ledger.restart(idx, by_group.pop(idx, None), refused.get(idx, ()))

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from rollsafe import metrics
 from rollsafe.controller import Captured, Controller
 from rollsafe.dataplane import make_dataplane
+from rollsafe.engine.staging import drop_staged
 from rollsafe.errors import InvalidInput, TransientError
 from rollsafe.faults import fault_point
 from rollsafe.gate import AdmissionGate, GateCounters
@@ -126,6 +127,11 @@ class CheckpointOps:
         # Held by capture and by every call that changes the controller's state
         # (rollsafe.actor.ControllerService), so a capture sees the run standing still.
         self.barrier = threading.Lock()
+        self._phases = (
+            ParticipantPhases(participants, self.barrier, lambda: self.controller)
+            if participants is not None
+            else None
+        )
         self._meta = threading.RLock()  # held briefly: guards the fields below
         self._open: _Open | None = None
         self._records: OrderedDict[str, _Record] = OrderedDict()
@@ -218,7 +224,8 @@ class CheckpointOps:
     def _participant_phase(
         self, spec: SnapshotSpec, phase: Phase, entry: _Open, participants: Participants
     ) -> PhaseResult:
-        phases = ParticipantPhases(participants, self.barrier, lambda: self.controller)
+        phases = self._phases
+        assert phases is not None  # made with the participants
         if phase is not Phase.COMMIT_ENVS:
             summary, counts = phases.run(spec, phase)
             return self._result(spec, phase, summary, counts)
@@ -357,9 +364,10 @@ class CheckpointOps:
                 raise
             self.controller = restored
             current.dataplane.clear()  # replaced by the snapshot's rows
+        drop_staged(restored.dataplane)  # the environments hold what they needed of them
         if self.participants is not None and outcomes and outcomes[-1].ok:
             # (A failed environment restore was undone and resumed by the fleet itself.)
-            tokens = self.participants.resume_restored(request.restore_id, restored.dataplane)
+            tokens = self.participants.resume_restored(request.restore_id)
             metrics.record_restored_prefix_tokens(self.store.run_id, tokens)
         metrics.record_restore(self.store.run_id, plan, restored.config.group_size)
         with self._meta:

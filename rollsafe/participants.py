@@ -28,11 +28,10 @@ from rollsafe.controller import EnvironmentsRestored, RestoreEnvironments
 from rollsafe.dataplane import DataPlane
 from rollsafe.engine.protocol import CutRefusal, Engine
 from rollsafe.engine.staging import (
-    PREFIX_PARTITION,
     StagedCut,
     cut_and_stage,
+    drop_staged,
     load_prefixes,
-    prefix_key,
 )
 from rollsafe.env.client import EnvRefused
 from rollsafe.env.drain import PendingReplies
@@ -128,8 +127,7 @@ class Participants:
         self.pending = pending if pending is not None else PendingReplies()
         self.options = options or ParticipantOptions()
         self._checkpoints: dict[str, _Checkpoint] = {}
-        # restore id -> the staged prefixes handed back to the environments: call -> tokens
-        self._handed_back: dict[str, dict[str, int]] = {}
+        self._handed_back: dict[str, int] = {}  # restore id -> staged tokens handed back
 
     # ---- the snapshot's phases ------------------------------------------------------------
 
@@ -233,7 +231,8 @@ class Participants:
                 await asyncio.gather(*(e.release(frozen) for e in self.engines.values()))
 
         self.loop.run(resume_all())
-        _drop_prefixes(dataplane, frozen)
+        if frozen:
+            drop_staged(dataplane)
         self._checkpoints.pop(checkpoint_id, None)  # kept until done: a retry releases too
         return f"{len(self.fleet.names)} instances resumed, {len(frozen)} cut calls released"
 
@@ -251,10 +250,10 @@ class Participants:
         nothing: on failure no instance keeps any (see :class:`FleetRestored`)."""
         scope = {name: list(c.committed) for name, c in record.committed.instances.items()}
         prefixes = load_prefixes(dataplane, record.staged) if record.staged else {}
-        self._handed_back[restore_id] = {call: len(p.tokens) for call, p in prefixes.items()}
+
         as_json = {call: p.model_dump(mode="json") for call, p in prefixes.items()}
         deadline = time.time() + self.options.restore_deadline_s
-        return self.loop.run(
+        restored = self.loop.run(
             self.fleet.restore_all(
                 restore_id,
                 record.committed.checkpoint_id,
@@ -264,15 +263,15 @@ class Participants:
                 deadline,
             )
         )
+        if restored.ok:
+            self._handed_back[restore_id] = sum(len(p.tokens) for p in prefixes.values())
+        return restored
 
-    def resume_restored(self, restore_id: str, dataplane: DataPlane) -> int:
-        """The restore succeeded: the environments resume, holding the staged prefixes they
-        were handed (which leave the live data plane: the snapshot keeps them). Returns the
-        prefixes' tokens."""
+    def resume_restored(self, restore_id: str) -> int:
+        """The restore succeeded: the environments resume. Returns the tokens of the staged
+        prefixes they were handed."""
         self.loop.run(self.fleet.resume_all(restore_id))
-        handed_back = self._handed_back.pop(restore_id, {})
-        _drop_prefixes(dataplane, list(handed_back))
-        return sum(handed_back.values())
+        return self._handed_back.pop(restore_id, 0)
 
     def abandon_restore(self, restore_id: str, restored: FleetRestored) -> None:
         """The controller's restore failed after the environments restored: they must not keep
@@ -305,7 +304,6 @@ class Participants:
             outcome = self.restore(restore_id, reader.path, record, dataplane)
             outcomes.append(outcome)
             if not outcome.ok:
-                self._handed_back.pop(restore_id, None)
                 refused = frozenset(_previous(ref) for ref in outcome.restarts)
                 return EnvironmentsRestored({}, refused=refused, errors=outcome.errors)
             return EnvironmentsRestored(
@@ -351,11 +349,6 @@ class Participants:
         if prepared is None:
             raise InvalidInput(f"{phase} of {checkpoint_id}: the environments were not prepared")
         return prepared
-
-
-def _drop_prefixes(dataplane: DataPlane, call_ids: Sequence[str]) -> None:
-    if call_ids:
-        dataplane.delete(PREFIX_PARTITION, [prefix_key(call) for call in call_ids])
 
 
 _NO_CUT = StagedCut(staged={}, refused=(), handoffs=0)

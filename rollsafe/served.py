@@ -23,9 +23,10 @@ from rollsafe.errors import RollsafeError
 if TYPE_CHECKING:
     import uvicorn
 
-# How long a client keeps an idle connection to a served process: under uvicorn's 5 s
-# keep-alive timeout, so a request never goes out on a connection the server is closing (at
-# equal timeouts that race shows as a ReadError from a healthy server).
+# How long a served process keeps an idle connection open, and how long its clients keep one:
+# the client's must be shorter, so a request never goes out on a connection the server is
+# closing (at equal timeouts that race shows as a ReadError from a healthy server).
+SERVER_KEEPALIVE_S = 5
 CLIENT_KEEPALIVE_S = 2.0
 
 ENGINE_BANNER = r"rollsafe engine serving {kind} on (http://\S+)"

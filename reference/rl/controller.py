@@ -32,7 +32,6 @@ from rollsafe.env.protocol import RunEpisode
 from rollsafe.ids import EpisodeId
 from rollsafe.loop import LoopThread
 from rollsafe.participants import ParticipantOptions, Participants, to_ref
-from rollsafe.states import GroupState
 
 
 class Endpoints(BaseModel):
@@ -86,7 +85,7 @@ class RunController(ControllerService):
         self._running = {
             key: future
             for key, future in self._running.items()
-            if not future.done() or future.exception() is not None
+            if not future.done() or (not future.cancelled() and future.exception() is not None)
         }
         todo = [key for key in todo if key not in self._running]
         for idx, i in todo:
@@ -100,46 +99,41 @@ class RunController(ControllerService):
             return len(self.controller.index)
 
     def next_groups(self, timeout_s: float) -> tuple[list[int], list[int]]:
-        """Wait until the sampler picks a step's groups; returns them and the READY groups
-        evicted meanwhile (past the windowed sampler's staleness window: it never picks
-        them). An episode's failure is raised here."""
+        """Wait until the sampler picks a step's groups, or finds ready groups it will never
+        pick (past the windowed sampler's staleness window); returns (picked, []) or
+        ([], stale). Stale groups are not evicted here: the run records an eviction before
+        asking for it (:meth:`evict`), so a crash in between cannot lose its record. An
+        episode's failure is raised here."""
         deadline = time.monotonic() + timeout_s
-        evicted: list[int] = []
         while True:
             self.raise_failed()
             with self.barrier:
-                evicted += self._evict_stale()
-                picked = self.controller.select()
-            if picked:
-                return picked, evicted
+                stale = self.controller.stale()
+                picked = [] if stale else self.controller.select()
+            if stale or picked:
+                return picked, stale
             if time.monotonic() >= deadline:
                 raise TimeoutError(self._stuck(timeout_s))
             time.sleep(0.02)
 
+    def evict(self, groups: Sequence[int]) -> None:
+        with self.barrier:
+            for idx in groups:
+                self.controller.evict(idx)
+
     def raise_failed(self) -> None:
         """An episode's failure, raised here (the first one found)."""
         for future in self._running.values():
-            if future.done() and future.exception() is not None:
+            if future.done() and not future.cancelled() and future.exception() is not None:
                 future.result()
 
     def wait_episodes(self, timeout_s: float) -> None:
-        """Until every episode started here has ended; a failure is raised."""
-        wait(list(self._running.values()), timeout_s)
+        """Until every episode started here has ended; a failure is raised, and so is
+        :class:`TimeoutError` if some are still running after ``timeout_s``."""
+        _, running = wait(list(self._running.values()), timeout_s)
         self.raise_failed()
-
-    def _evict_stale(self) -> list[int]:
-        controller = self.controller
-        if controller.config.sampler != "windowed":
-            return []  # the gated samplers train a group however old it is
-        window, version = controller.config.staleness_window, controller.weight_version
-        stale = [
-            idx
-            for idx, state, start in controller.index.rows()
-            if state == GroupState.READY and version - start > window
-        ]
-        for idx in stale:
-            controller.evict(idx)
-        return stale
+        if running:
+            raise TimeoutError(f"{len(running)} episodes still running after {timeout_s:g}s")
 
     def _stuck(self, timeout_s: float) -> str:
         status = self.status()

@@ -14,8 +14,8 @@ plus one taken mid-generation before a planned crash). The default faults:
 - ``env@prepare``: instance ``w1`` answers 503 to the checkpoint protocol for a moment, so a
   snapshot's prepare fails and is retried by Temporal.
 
-Then the evidence files are checked (``rollsafe verify``). Deterministic mode only, for now:
-each step's groups are generated with that step's weights (see ``reference.rl.run``).
+Then the evidence files are checked (``rollsafe verify``) and ``timeline.png`` drawn. The
+run is asynchronous unless ``--deterministic`` (see ``reference.rl.run``).
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ class Demo:
                         self._steps(run, checkpointer, endpoints, crash_step)
                         break
                     except _Crash:
-                        run = self._recover(run, servers, env, dev)
+                        run, endpoints, checkpointer = self._recover(run, servers, env, dev)
                         crash_step = None
             self._finish(run, watch.parks)
         return verify(Evidence.read(self.options.out))
@@ -276,16 +276,18 @@ class Demo:
             result, ended = results[-1], self.elapsed()
             label = f"step {step + 1}"
             self.spans.append(Span(kind="step", label=label, start_s=began, end_s=ended))
-            rollouts = run.step * self.settings.groups_per_step * self.settings.group_size
+            rollouts = self.settings.groups_per_step * self.settings.group_size
             self.say(
                 f"[step {step + 1}/{run.settings.steps}] loss {result.loss:+.4f}, reward "
                 f"{result.mean_reward:.2f}, {result.n_tokens} tokens, "
-                f"{rollouts / ended:.2f} rollouts/s ({ended:.1f}s)"
+                f"{rollouts / (ended - began):.2f} rollouts/s ({ended:.1f}s)"
             )
 
     def _snapshot_mid_generation(self, run: ReferenceRun, checkpointer: Any) -> None:
         """Snapshots while the step's calls generate, until one cut a call (a few tries: a
-        snapshot that parks every episode between two calls cuts nothing)."""
+        snapshot that parks every episode between two calls cuts nothing). The trainer first
+        checkpoints its current weights if it has not: only an anchored snapshot is restored."""
+        run.anchor_now()
         deadline = time.monotonic() + 10
         while run.loop.run(run.engine.info()).active == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -296,7 +298,8 @@ class Demo:
                 f"[snapshot] {outcome.seq} {outcome.status} mid-generation, {cut} calls cut "
                 f"({self.elapsed():.1f}s)"
             )
-            if outcome.status == "published" and cut:
+            # Below the prefix level nothing is cut on purpose: any published one will do.
+            if outcome.status == "published" and (cut or run.settings.restore_level != "prefix"):
                 return
 
     def _env_fault(self, endpoints: Endpoints, checkpointer: Any) -> None:
@@ -347,7 +350,9 @@ class Demo:
 
     def _recover(
         self, run: ReferenceRun, servers: RunServers, env: dict[str, str], dev: Any
-    ) -> ReferenceRun:
+    ) -> tuple[ReferenceRun, Endpoints, Any]:
+        """Everything restarted and the run restored: the new run, its servers' endpoints
+        and its checkpointer (the old ones point at killed processes)."""
         from rollsafe.client import Checkpointer
 
         at = self.elapsed()
@@ -393,7 +398,7 @@ class Demo:
                 recovery_s=self.elapsed() - at,
             )
         )
-        return restored
+        return restored, endpoints, checkpointer
 
 
 class _Crash(Exception):

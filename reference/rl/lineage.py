@@ -8,7 +8,6 @@ eviction is undone; the others end as ``evicted`` in ``handed_out.jsonl``.
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from pathlib import Path
 
 from pydantic import Field
@@ -24,6 +23,7 @@ from rollsafe.evidence import (
     read_lines,
     replace_lines,
 )
+from rollsafe.phases import RestorePlan
 
 EVICTED = "evicted.jsonl"
 CHECKPOINT_PREFIX = "v"
@@ -40,7 +40,8 @@ def checkpoint_dir(directory: Path, version: int) -> Path:
 
 def checkpoint_versions(directory: Path) -> list[int]:
     """Weight versions the trainer holds checkpoints of (those a restore may start from)."""
-    return sorted(int(p.name[1:]) for p in directory.glob(f"{CHECKPOINT_PREFIX}[0-9]*"))
+    named = (p.name[len(CHECKPOINT_PREFIX) :] for p in directory.glob(f"{CHECKPOINT_PREFIX}*"))
+    return sorted(int(n) for n in named if n.isdigit())
 
 
 def roll_back(out: Path, first_undone_step: int) -> None:
@@ -63,18 +64,21 @@ def roll_back(out: Path, first_undone_step: int) -> None:
 def set_aside_checkpoints(directory: Path, newer_than: int, tag: str) -> None:
     """Trainer checkpoints of the undone steps move to ``rolled-back/<restore>/``: kept for a
     post-mortem, out of the way of the steps this lineage commits under the same versions."""
-    for checkpoint in sorted(directory.glob("v*")):
-        if int(checkpoint.name[1:]) > newer_than:
+    for version in checkpoint_versions(directory):
+        if version > newer_than:
             aside = directory / "rolled-back" / tag
             aside.mkdir(parents=True, exist_ok=True)
+            checkpoint = checkpoint_dir(directory, version)
             checkpoint.rename(aside / checkpoint.name)
 
 
-def undo_evictions(path: Path, owned_again: Collection[int]) -> None:
-    """Evictions of groups the restored run owns again did not happen in this lineage."""
+def undo_evictions(path: Path, plan: RestorePlan) -> None:
+    """Evictions that did not happen in this lineage: of groups the restored run owns again,
+    and of groups handed out after the snapshot (the restored run hands them out anew)."""
     if not path.exists():
         return
+    owned = {*plan.ready, *plan.partial, *plan.released_claims}
     evictions = read_lines(path, Evicted)
-    kept = [e for e in evictions if e.group_idx not in owned_again]
+    kept = [e for e in evictions if e.group_idx not in owned and e.group_idx < plan.loader_position]
     if len(kept) != len(evictions):
         replace_lines(path, kept)

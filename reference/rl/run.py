@@ -104,6 +104,7 @@ class Controller(Protocol):
     def generate(self) -> int: ...
     def owned(self) -> int: ...
     def next_groups(self, timeout_s: float) -> tuple[list[int], list[int]]: ...
+    def evict(self, groups: Sequence[int]) -> None: ...
     def claim(self, groups: Sequence[int], step: int) -> None: ...
     def rows(self, keys: Sequence[str]) -> dict[str, Any]: ...
     def rollouts(self, groups: Sequence[int]) -> list[tuple[int, int, str, int]]: ...
@@ -185,9 +186,15 @@ class ReferenceRun:
         if version > 0:
             self.loop.run(self.engine.update_weights(self.trainer.weights(), version))
         roll_back(self.out, first_undone_step=version)
-        owned = {*plan.ready, *plan.partial, *plan.released_claims}
-        undo_evictions(self.root / EVICTED, owned)
+        undo_evictions(self.root / EVICTED, plan)
         set_aside_checkpoints(self.root / TRAINER_DIR, newer_than=version, tag=restore_id)
+
+    def anchor_now(self) -> None:
+        """A trainer checkpoint of the current weight version unless there is one: a snapshot
+        taken now can then be restored (with ``checkpoint_every`` > 1 it might not)."""
+        path = checkpoint_dir(self.root / TRAINER_DIR, self.step)
+        if not path.exists():
+            self.trainer.save(path)
 
     def anchors(self) -> list[int]:
         """Weight versions a restore may start from: those with a trainer checkpoint."""
@@ -233,10 +240,7 @@ class ReferenceRun:
             self._top_up()
             if during is not None:
                 during(self.step)
-            groups, evicted = self.controller.next_groups(self.settings.episode_timeout_s)
-            evictions = [Evicted(step=self.step, group_idx=idx) for idx in evicted]
-            append_lines(self.root / EVICTED, evictions)
-            results.append(self._train(groups))
+            results.append(self._train(self._next_groups()))
         return results
 
     def snapshot(self) -> dict[Phase, PhaseResult]:
@@ -281,6 +285,16 @@ class ReferenceRun:
         return report
 
     # ---- steps -----------------------------------------------------------------------------
+
+    def _next_groups(self) -> list[int]:
+        """The step's groups; stale ones found meanwhile are recorded, then evicted."""
+        while True:
+            groups, stale = self.controller.next_groups(self.settings.episode_timeout_s)
+            if not stale:
+                return groups
+            evictions = [Evicted(step=self.step, group_idx=idx) for idx in stale]
+            append_lines(self.root / EVICTED, evictions)
+            self.controller.evict(stale)
 
     def _top_up(self) -> None:
         """Hand out groups until ``1 + ahead_steps`` steps' worth are owned, and start every

@@ -53,6 +53,11 @@ class Sampler(ABC):
     def select(self, index: ReplayIndex, weight_version: int, count: int) -> list[int]:
         """Groups for the next step, or [] to wait for more."""
 
+    def stale(self, index: ReplayIndex, weight_version: int) -> list[int]:
+        """Ready groups this sampler will never pick (the run may evict them). None here: the
+        gated samplers train a group however old it is."""
+        return []
+
     def committed(self, index: ReplayIndex, groups: Sequence[int]) -> None:
         """A step that trained ``groups`` committed (call after the index dropped them)."""
         self._state.steps_committed += 1
@@ -86,9 +91,19 @@ class WindowedSampler(Sampler):
         eligible = [
             idx
             for idx, state, start in index.rows()
-            if state == GroupState.READY and weight_version - start <= self.staleness_window
+            if state == GroupState.READY and self._fresh(weight_version, start)
         ]
         return eligible[:count] if len(eligible) >= count else []
+
+    def stale(self, index: ReplayIndex, weight_version: int) -> list[int]:
+        return [
+            idx
+            for idx, state, start in index.rows()
+            if state == GroupState.READY and not self._fresh(weight_version, start)
+        ]
+
+    def _fresh(self, weight_version: int, start_version: int) -> bool:
+        return weight_version - start_version <= self.staleness_window
 
 
 class InOrderSampler(Sampler):

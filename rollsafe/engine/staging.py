@@ -9,6 +9,7 @@ Reading a row back rebuilds the record and verifies its digest: a row changed in
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -19,6 +20,7 @@ from rollsafe.dataplane.batcher import DEFAULT_MAX_ROWS, DEFAULT_WINDOW_S, ReadB
 from rollsafe.engine.protocol import CUT_BATCH, CutRefusal, Engine, PrefixRecord
 from rollsafe.errors import PrefixMismatch
 
+log = logging.getLogger(__name__)
 PREFIX_PARTITION = "prefixes"
 _SCALARS = ("format_version", "call_id", "model", "prompt_digest", "sampling", "digest")
 
@@ -96,6 +98,17 @@ async def cut_and_stage(engine: Engine, call_ids: Sequence[str], dataplane: Data
         refused=report.refused,
         handoffs=report.handoffs,
     )
+
+
+def drop_staged(dataplane: DataPlane) -> None:
+    """Every staged prefix leaves the live data plane: once a snapshot holds them (its capture
+    exported them) or a restore handed them to the environments, the live copies are never
+    read again, and kept they would be exported by every later capture. Best effort: a
+    leftover costs bytes in later snapshots, never correctness, so it must not fail a phase."""
+    try:
+        dataplane.clear(PREFIX_PARTITION)
+    except Exception as exc:
+        log.warning("staged prefixes not dropped from the data plane: %s", exc)
 
 
 def load_prefixes(dataplane: DataPlane, call_ids: Iterable[str]) -> dict[str, PrefixRecord]:

@@ -26,6 +26,7 @@ from reference.rl.controller import Endpoints
 from reference.rl.run import SNAPSHOTS_DIR, ReferenceRun, RunSettings
 from reference.rl.servers import RunServers
 from rollsafe.capture import CapturedState
+from rollsafe.engine.staging import PREFIX_PARTITION
 from rollsafe.env.client import EnvClient
 from rollsafe.env.protocol import PrepareRequest, ResumeRequest
 from rollsafe.evidence import Evidence, TrainedRow
@@ -158,6 +159,8 @@ def crashed_and_restored(
     second, plan = ReferenceRun.restored(settings, endpoints, root, out)
     if release is not None:
         release()
+    assert second.local is not None  # the staged prefixes live on in the snapshot only
+    assert second.local.controller.dataplane.count(PREFIX_PARTITION) == 0
     try:
         second.run()
         second.finish()

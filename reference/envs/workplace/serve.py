@@ -12,7 +12,7 @@ from reference.envs.workplace.env import WorkplaceEnv
 from reference.envs.workplace.faults import FaultMiddleware, FaultSwitches
 from rollsafe.engine.http import EngineClient
 from rollsafe.errors import InvalidInput
-from rollsafe.served import listening_url
+from rollsafe.served import SERVER_KEEPALIVE_S, listening_url
 
 
 def default_instance() -> str:
@@ -65,7 +65,13 @@ async def serve(
     # lifespan on: the app's lifespan runs the participant's lease watcher (a lease must run
     # out even when no request comes).
     config = uvicorn.Config(
-        app, host=host, port=port, access_log=False, lifespan="on", timeout_graceful_shutdown=5
+        app,
+        host=host,
+        port=port,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=SERVER_KEEPALIVE_S,
     )
     try:
         await _Server(config, name).serve()
