@@ -11,6 +11,7 @@ import typer
 
 from rollsafe.cli_run import register_run_commands
 from rollsafe.dataplane import backend_running
+from rollsafe.doctor import register_doctor_command
 from rollsafe.errors import InvalidInput, RollsafeError, RowMismatch
 from rollsafe.temporal.cli import server_command
 
@@ -267,22 +268,60 @@ app.command("server")(server_command)
 
 @app.command("worker")
 def worker_command(
-    run: Annotated[str, typer.Option("--run", help="run id whose snapshots this worker serves")],
+    run: Annotated[
+        str,
+        typer.Option(
+            "--run", envvar="ROLLSAFE_RUN_ID", help="run id whose snapshots this worker serves"
+        ),
+    ],
     task_queue: Annotated[
         str | None, typer.Option(help="Temporal task queue (default: rollsafe.<run>)")
     ] = None,
     ray_address: Annotated[
         str | None, typer.Option(help="Ray cluster address (default: RAY_ADDRESS or local)")
     ] = None,
+    health_port: Annotated[
+        int | None,
+        typer.Option(
+            envvar="ROLLSAFE_HEALTH_PORT",
+            min=0,
+            max=65535,
+            help="serve GET /healthz (200 while polling, 503 starting or draining) and "
+            "/livez on this port (0: any free one, printed; default: no probes)",
+        ),
+    ] = None,
+    health_host: Annotated[
+        str, typer.Option(envvar="ROLLSAFE_HEALTH_HOST", help="address the probes listen on")
+    ] = "0.0.0.0",
+    drain_timeout: Annotated[
+        float,
+        typer.Option(
+            envvar="ROLLSAFE_DRAIN_TIMEOUT",
+            min=0.0,
+            help="seconds activities in flight may finish after SIGTERM before they are "
+            "cancelled and retried elsewhere (0: cancel at once)",
+        ),
+    ] = 0.0,
 ) -> None:
     """Start a checkpoint worker. Connects to Temporal the standard way (TEMPORAL_ADDRESS,
-    TEMPORAL_NAMESPACE, TLS and API-key variables, or a temporal config profile)."""
+    TEMPORAL_NAMESPACE, TLS and API-key variables, or a temporal config profile). SIGTERM or
+    SIGINT drains it: it stops polling, lets activities in flight finish for up to
+    --drain-timeout seconds, and exits 0."""
     import asyncio
 
     from workers.checkpoint import run_worker
 
     try:
-        asyncio.run(run_worker(run, task_queue, ray_address=ray_address))
+        asyncio.run(
+            run_worker(
+                run,
+                task_queue,
+                ray_address=ray_address,
+                health_port=health_port,
+                health_host=health_host,
+                drain_timeout_s=drain_timeout,
+            )
+        )
     except RollsafeError as exc:
         _fail(exc, 2)
 
@@ -322,6 +361,7 @@ def ls_command(
 
 
 register_run_commands(app, _fail)
+register_doctor_command(app)
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -114,13 +114,7 @@ def register_run_commands(app: typer.Typer, fail: Callable[[Exception, int], NoR
 
 
 def _print_checks(checks: list[Any], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from rollsafe.checktable import print_check_table
 
-    table = Table(title=title)
-    for column in ("check", "result", "detail"):
-        table.add_column(column)
-    for check in checks:
-        verdict = "[green]ok[/green]" if check.ok else "[red]VIOLATED[/red]"
-        table.add_row(check.name, verdict, check.detail)
-    Console(width=140).print(table)
+    rows = [(c.name, "ok" if c.ok else "VIOLATED", c.detail) for c in checks]
+    print_check_table(title, rows)

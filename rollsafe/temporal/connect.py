@@ -157,6 +157,7 @@ async def connect(
     settings: ConnectionSettings | None = None,
     *,
     timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    check_namespace: bool = True,
 ) -> Client:
     """A client for ``settings`` (default: ``ConnectionSettings.from_environment()``) that
     always uses the pydantic data converter: every rollsafe workflow payload is a pydantic
@@ -165,7 +166,8 @@ async def connect(
     Checks that the namespace exists. Raises ``TemporalUnavailable`` naming the address when the
     server cannot be reached or does not answer within ``timeout_s`` (a server that is down
     may come back), ``InvalidInput`` for unreadable TLS files, refused credentials or an
-    unknown namespace.
+    unknown namespace. ``check_namespace=False`` skips the namespace check (``rollsafe
+    doctor`` reports an unreachable server and a missing namespace as two findings).
     """
     if settings is None:
         settings = ConnectionSettings.from_environment()
@@ -183,7 +185,8 @@ async def connect(
             ),
             timeout_s,
         )
-        await asyncio.wait_for(_check_namespace(client, settings.namespace), timeout_s)
+        if check_namespace:
+            await asyncio.wait_for(_check_namespace(client, settings.namespace), timeout_s)
     except TimeoutError:
         raise TemporalUnavailable(f"{where} did not answer within {timeout_s:g} s") from None
     except RPCError as exc:

@@ -1,0 +1,268 @@
+"""The checkpoint worker's health endpoint (issue 8): a real ``rollsafe worker`` process against
+the session's Temporal dev server and Ray, the run's controller as its named actor.
+
+``/healthz`` answers 200 while the worker polls; on SIGTERM it answers 503 while the worker
+drains, the phase in flight finishes on the draining worker (``--drain-timeout``), and the
+process exits 0. A second worker then finishes the snapshot from workflow history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from temporalio.client import Client, WorkflowHandle
+from temporalio.common import WorkflowIDConflictPolicy
+
+from rollsafe.actor import start_controller_actor
+from rollsafe.config import RunConfig
+from rollsafe.faults import ENV_VAR
+from rollsafe.phases import PHASES, Phase, SnapshotSpec
+from rollsafe.temporal.connect import connect
+from rollsafe.temporal.devserver import DevServer
+from workflows.models import PhaseOptions, SnapshotInput, SnapshotOutcome
+from workflows.snapshot import RolloutSnapshot
+from workflows.supervisor import task_queue_for
+
+ray = pytest.importorskip("ray")
+
+REPO = Path(__file__).resolve().parents[2]
+WAIT_S = 60.0  # any one wait: generous on a loaded 2-core machine, still fails a hang
+CAPTURE_S = 4.0  # how long capture takes in the controller: the drain window under test
+HEALTH_LINE = re.compile(r"rollsafe worker: health on http://[^ ]+:(\d+)/healthz")
+BANNER = "rollsafe worker: run"
+OPTIONS = PhaseOptions(heartbeat_timeout_s=2, retry_initial_s=0.1, retry_maximum_s=0.5)
+
+
+class WorkerProcess:
+    """One ``rollsafe worker`` subprocess in its own session, logging to a file; stopped by
+    its pid (SIGTERM, then SIGKILL) when the test ends, even on failure."""
+
+    def __init__(self, server: DevServer, ray_address: str, run_id: str, log: Path) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TEMPORAL_")}
+        env.pop(ENV_VAR, None)
+        env.update(
+            TEMPORAL_ADDRESS=server.address,
+            TEMPORAL_NAMESPACE=server.namespace,
+            TEMPORAL_CONFIG_FILE=str(log.parent / "no-temporal-config.toml"),
+            RAY_USAGE_STATS_ENABLED="0",
+        )
+        command = [sys.executable, "-m", "rollsafe", "worker", "--run", run_id]
+        command += ["--ray-address", ray_address]
+        self.log_path = log
+        self.command = command
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, *extra: str) -> WorkerProcess:
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [*self.command, *extra],
+                cwd=REPO,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def describe(self) -> str:
+        assert self.proc is not None
+        text = self.log_path.read_text(errors="replace")
+        return f"worker pid {self.pid}, exit code {self.proc.poll()}, log tail:\n{text[-3000:]}"
+
+    async def line(self, pattern: re.Pattern[str] | str) -> re.Match[str] | str:
+        """Wait for the log to show ``pattern`` (a regex or a plain substring)."""
+        assert self.proc is not None
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            text = self.log_path.read_text(errors="replace")
+            if isinstance(pattern, str):
+                if pattern in text:
+                    return pattern
+            elif (found := pattern.search(text)) is not None:
+                return found
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"never printed {pattern!r}: {self.describe()}")
+            await asyncio.sleep(0.05)
+
+    async def exited(self) -> int:
+        assert self.proc is not None
+        try:
+            return await asyncio.to_thread(self.proc.wait, WAIT_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {WAIT_S:g} s: {self.describe()}") from None
+
+    async def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(self.proc.wait, 15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            await asyncio.to_thread(self.proc.wait)
+
+
+@pytest.fixture
+def run_id() -> Iterator[str]:
+    yield f"health-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def controller(ray_session: Any, run_id: str, tmp_path: Path) -> Iterator[Any]:
+    """The run's controller actor; its capture phase takes CAPTURE_S seconds."""
+    slow = {"env_vars": {ENV_VAR: f"phase.capture.before:sleep:{CAPTURE_S:g}"}}
+    config = RunConfig(run_id=run_id, group_size=2, groups_per_step=2)
+    actor = start_controller_actor(run_id, config, tmp_path / "snapshots", runtime_env=slow)
+    try:
+        ray.get(actor.handout.remote([0, 1]))
+        yield actor
+    finally:
+        ray.kill(actor)
+
+
+class Workers:
+    """The test's worker processes, all stopped at the end."""
+
+    def __init__(self, server: DevServer, ray_address: str, run_id: str, logs: Path) -> None:
+        self.args = (server, ray_address, run_id)
+        self.logs = logs
+        self.made: list[WorkerProcess] = []
+
+    def make(self) -> WorkerProcess:
+        worker = WorkerProcess(*self.args, self.logs / f"worker-{len(self.made)}.log")
+        self.made.append(worker)
+        return worker
+
+    async def close(self) -> None:
+        await asyncio.gather(*(worker.stop() for worker in self.made))
+
+
+@pytest.fixture
+async def workers(
+    server: DevServer, ray_session: Any, run_id: str, tmp_path: Path
+) -> AsyncIterator[Workers]:
+    pool = Workers(server, ray_session.get_runtime_context().gcs_address, run_id, tmp_path)
+    try:
+        yield pool
+    finally:
+        await pool.close()
+
+
+async def capture_started_by(handle: WorkflowHandle[Any, Any], pid: int) -> None:
+    """Wait until the worker ``pid`` runs ``capture`` (its attempt has started)."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        description = await handle.describe()
+        for pending in description.raw_description.pending_activities:
+            if (
+                pending.activity_type.name == Phase.CAPTURE.value
+                and pending.last_worker_identity.startswith(f"{pid}@")
+                and pending.HasField("last_started_time")
+            ):
+                return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"capture never started on {pid}: {description.raw_description}")
+
+
+async def completed_by(handle: WorkflowHandle[Any, Any]) -> dict[str, tuple[int, int]]:
+    """Activity name -> (attempt, worker pid) of the attempt that completed it."""
+    names: dict[int, str] = {}
+    attempts: dict[str, tuple[int, int]] = {}
+    async for event in handle.fetch_history_events():
+        if event.HasField("activity_task_scheduled_event_attributes"):
+            names[event.event_id] = (
+                event.activity_task_scheduled_event_attributes.activity_type.name
+            )
+        elif event.HasField("activity_task_started_event_attributes"):
+            started = event.activity_task_started_event_attributes
+            pid = int(started.identity.split("@")[0])
+            attempts[names[started.scheduled_event_id]] = (started.attempt, pid)
+    return attempts
+
+
+async def get(http: httpx.AsyncClient, port: int, path: str) -> httpx.Response:
+    return await http.get(f"http://127.0.0.1:{port}{path}", timeout=5.0)
+
+
+async def test_healthz_serves_while_polling_and_turns_503_while_a_sigterm_drains(
+    server: DevServer, controller: Any, run_id: str, workers: Workers
+) -> None:
+    client: Client = await connect(server.settings())
+    worker = workers.make().start(
+        "--health-port", "0", "--health-host", "127.0.0.1", "--drain-timeout", "30"
+    )
+    found = await worker.line(HEALTH_LINE)
+    assert isinstance(found, re.Match)
+    port = int(found.group(1))
+
+    async with httpx.AsyncClient() as http:
+        # Serving: 200 once the worker polls its task queue.
+        deadline = time.monotonic() + WAIT_S
+        while (response := await get(http, port, "/healthz")).status_code != 200:
+            assert response.status_code == 503, response.text
+            assert response.json()["polling"] is False, response.text
+            assert time.monotonic() < deadline, worker.describe()
+            await asyncio.sleep(0.1)
+        body = response.json()
+        assert body == {
+            "status": "serving",
+            "polling": True,
+            "run_id": run_id,
+            "task_queue": task_queue_for(run_id),
+        }
+        assert (await get(http, port, "/livez")).status_code == 200
+        assert (await get(http, port, "/metrics")).status_code == 404
+        assert (await http.post(f"http://127.0.0.1:{port}/healthz")).status_code == 405
+
+        # A snapshot whose capture runs in the controller for CAPTURE_S seconds.
+        handle = await client.start_workflow(
+            RolloutSnapshot.run,
+            SnapshotInput(spec=SnapshotSpec(run_id=run_id, seq=1), options=OPTIONS),
+            id=f"rollsafe/{run_id}/snapshot/1",
+            task_queue=task_queue_for(run_id),
+            id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+        )
+        await capture_started_by(handle, worker.pid)
+
+        # SIGTERM: draining, so 503 on /healthz (still alive on /livez) until capture ends.
+        assert worker.proc is not None
+        worker.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + WAIT_S
+        while (response := await get(http, port, "/healthz")).status_code == 200:
+            assert time.monotonic() < deadline, worker.describe()
+            await asyncio.sleep(0.02)
+        assert response.status_code == 503, response.text
+        assert response.json()["status"] == "draining", response.text
+        live = await get(http, port, "/livez")
+        assert live.status_code == 200 and live.json()["status"] == "draining", live.text
+
+    assert await worker.exited() == 0, worker.describe()
+    # Drained: the phase in flight finished on the draining worker, first attempt.
+    assert (await completed_by(handle))[Phase.CAPTURE.value] == (1, worker.pid)
+
+    # Another worker on the queue finishes the snapshot from history; capture is not redone.
+    successor = workers.make().start()
+    await successor.line(BANNER)
+    outcome: SnapshotOutcome = await asyncio.wait_for(handle.result(), WAIT_S)
+    assert outcome.status == "published", outcome
+    assert [result.phase for result in outcome.phases] == list(PHASES)
+    assert not any(result.replayed for result in outcome.phases), outcome.phases
