@@ -9,7 +9,7 @@ unit tests never pay for it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +21,8 @@ from rollsafe.errors import InvalidInput, TransientError
 from rollsafe.faults import fault_point, register
 from rollsafe.ids import EpisodeId, validate_run_id
 from rollsafe.participants import Participants
-from rollsafe.snapshot import FAULT_POINTS, SnapshotStore
+from rollsafe.snapshot import FAULT_POINTS
+from rollsafe.snapshot.location import open_snapshot_store
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -52,9 +53,16 @@ class ControllerService(CheckpointOps):
         participants: Participants | None = None,
         *,
         awaiting_restore: bool = False,
+        snapshot_cache: Path | str | None = None,
     ) -> None:
-        store = SnapshotStore(
-            Path(snapshot_root), config.run_id, keep_latest_k, fault_hook=_store_fault
+        # A path (a local disk or a shared POSIX mount) or object storage (s3://, gs://),
+        # whose drafts are staged under ``snapshot_cache`` (docs/snapshot-format.md).
+        store = open_snapshot_store(
+            snapshot_root,
+            config.run_id,
+            cache_dir=snapshot_cache,
+            keep_latest_k=keep_latest_k,
+            fault_hook=_store_fault,
         )
         controller = Controller(config, make_dataplane(dataplane))
         super().__init__(
@@ -116,12 +124,18 @@ def start_controller_actor(
     dataplane: str = "memory",
     keep_latest_k: int = 2,
     runtime_env: dict[str, Any] | None = None,
+    ray_options: Mapping[str, Any] | None = None,
 ) -> ActorHandle[ControllerService]:
     """The run's named controller actor, started if it is not running (get-if-exists: a
     second call gets the same actor and ignores its arguments). Not detached: it lives as
-    long as the Ray job that started it."""
+    long as the Ray job that started it. ``ray_options``: further Ray actor options, e.g.
+    where it runs (``{"resources": {"head_node": 0.01}}`` or a ``scheduling_strategy``);
+    its name, namespace and get-if-exists are this function's own."""
     if config.run_id != run_id:
         raise InvalidInput(f"config is for run {config.run_id!r}, not {run_id!r}")
+    reserved = sorted({"name", "namespace", "get_if_exists"} & set(ray_options or {}))
+    if reserved:
+        raise InvalidInput(f"ray_options may not set {', '.join(reserved)}")
     options: dict[str, Any] = {
         "name": actor_name(run_id),
         "namespace": namespace,
@@ -133,6 +147,7 @@ def start_controller_actor(
     }
     if runtime_env is not None:
         options["runtime_env"] = runtime_env
+    options.update(ray_options or {})
     cls = controller_actor_class()
     handle: ActorHandle[ControllerService] = cls.options(**options).remote(
         config, str(snapshot_root), dataplane, keep_latest_k

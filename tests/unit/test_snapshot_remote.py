@@ -15,6 +15,7 @@ import pytest
 
 fsspec = pytest.importorskip("fsspec")
 
+from rollsafe.actor import ControllerService  # noqa: E402
 from rollsafe.config import RunConfig  # noqa: E402
 from rollsafe.controller import Controller  # noqa: E402
 from rollsafe.coordinator import CheckpointOps  # noqa: E402
@@ -404,9 +405,12 @@ def test_checkpoint_ops_publish_to_and_restore_from_object_storage(url, tmp_path
     info = results[-1].published
     assert info is not None and info.name == "00000001-rollout"
 
-    # a new controller on another host, restoring from the bucket alone
-    fresh = Controller(config, make_dataplane("memory"))
-    other = CheckpointOps(fresh, store_at(url, tmp_path / "host-b"), awaiting_restore=True)
+    # a new controller on another host, restoring from the bucket alone: the run's service
+    # (what the Ray actor runs) given the bucket's URL
+    other = ControllerService(
+        config, url, awaiting_restore=True, snapshot_cache=tmp_path / "host-b"
+    )
+    assert isinstance(other.store, RemoteSnapshotStore)
     plan = other.restore(RestoreRequest(run_id=RUN, restore_id="r-1"))
     assert (plan.snapshot, plan.checkpoint_id) == (info.name, info.checkpoint_id)
     assert other.controller.ledger.state(1, 0) == AttemptState.SEALED
