@@ -21,6 +21,13 @@ $(STAMP): pyproject.toml
 test: setup
 	$(BIN)/python -m pytest -q tests
 
+# A Ray cluster of three `ray start` nodes on this machine: the node holding a checkpoint
+# worker is killed mid-snapshot, the snapshot publishes, the run goes on (docs/deploy.md,
+# "Multi-node"). Its own Ray cluster and Temporal server; stops every process it starts.
+.PHONY: test-cluster
+test-cluster: setup
+	$(BIN)/python -m pytest -q tests/cluster
+
 lint: setup
 	$(BIN)/ruff check rollsafe workflows activities workers reference tests bench
 	$(BIN)/ruff format --check rollsafe workflows activities workers reference tests bench

@@ -1,0 +1,345 @@
+"""Multi-node on one machine (issue 8): a Ray cluster of three nodes, each a `ray start`
+process of its own with its own custom resource; the controller (and its memory data plane)
+on the head, the reference engine on a second node, one checkpoint worker hosted in a Ray
+actor on a third node and a second one as a `rollsafe worker` process. The node holding a
+worker is killed (SIGKILL to every process of that node, as a machine dies) while that
+worker is inside the snapshot's capture phase: the snapshot publishes through the other
+worker, from workflow history; the run goes on (new rollouts generated on the engine node
+and sealed, a step trained, a second snapshot published); a restore from the newest snapshot
+owns the groups the live controller owns, with their rows; every process started is gone at
+the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from temporalio.client import Client, WorkflowHandle
+from temporalio.service import RPCError
+
+from rollsafe.actor import NAMESPACE, start_controller_actor
+from rollsafe.client import Checkpointer
+from rollsafe.config import RunConfig
+from rollsafe.controller import ROLLOUT_PARTITION, Controller
+from rollsafe.dataplane import make_dataplane
+from rollsafe.dataplane.tq_runtime import RAY_ENV
+from rollsafe.engine.model import ModelConfig
+from rollsafe.engine.protocol import GenerateRequest, SamplingParams, completion_of
+from rollsafe.faults import ENV_VAR
+from rollsafe.phases import Phase
+from rollsafe.snapshot import SnapshotStore
+from rollsafe.snapshot.select import verify_snapshot
+from rollsafe.temporal.connect import connect
+from rollsafe.temporal.devserver import DevServer
+from rollsafe.testing.raycluster import (
+    HostedWorker,
+    NodeSpec,
+    RayCluster,
+    alive,
+    arm_fault,
+    living,
+    node_alive,
+    node_ids,
+    on,
+    owned_groups,
+    where,
+)
+from workflows.models import PhaseOptions, SnapshotOutcome
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[2]
+HEAD = NodeSpec("head", {"head_node": 1})  # GCS, the controller and its memory data plane
+ENGINE = NodeSpec("engine", {"engine_node": 1})  # the reference engine
+WORKERS = NodeSpec("workers", {"worker_node": 1})  # a checkpoint worker; killed
+# A dead worker's phase is retried once its heartbeat times out (PLATFORM.md).
+OPTIONS = PhaseOptions(heartbeat_timeout_s=2, retry_initial_s=0.1, retry_maximum_s=0.5)
+# Capture sleeps this long in the controller the first time: the hosted worker is inside it
+# while the process worker starts and the node dies.
+HOLD_S = 15
+WAIT_S = 90.0  # any one wait: generous on a loaded 2-core machine, still fails a hang
+BANNER = "rollsafe worker:"
+T0 = [time.monotonic()]
+
+
+def mark(what: str) -> None:
+    """Where the time goes (shown with pytest -s)."""
+    print(f"[{time.monotonic() - T0[0]:6.1f}s] {what}", flush=True)
+
+
+class Rollouts:
+    """The run's side: hand out, dispatch through the gate, generate on the engine actor,
+    seal into the controller actor. Remembers the tokens it sealed."""
+
+    def __init__(self, controller: Any, engine: Any) -> None:
+        self.controller = controller
+        self.engine = engine
+        self.sealed: dict[tuple[int, int], np.ndarray] = {}
+
+    async def seal(self, idx: int, i: int) -> None:
+        episode = await self.controller.dispatch.remote(idx, i)
+        assert episode is not None, f"admission closed for ({idx}, {i})"
+        request = GenerateRequest(
+            call_id=episode.key,
+            prompt_tokens=(1 + idx, 2 + i, 3),
+            sampling=SamplingParams(seed=100 * idx + i, max_tokens=8),
+        )
+        events = [await ref async for ref in self.engine.generate.remote(request)]
+        completion = completion_of(request.call_id, events)
+        tokens = np.asarray(completion.tokens, dtype=np.int32)
+        row = {
+            "tokens": tokens,
+            "logprobs": np.asarray(completion.logprobs, dtype=np.float32),
+            "reward": np.array(float(tokens.sum() % 7) / 7.0, dtype=np.float32),
+        }
+        assert await self.controller.seal.remote(idx, i, episode.attempt, row)
+        self.sealed[(idx, i)] = tokens
+
+
+async def capture_holder(handle: WorkflowHandle[Any, Any]) -> int:
+    """The pid of the worker running ``capture`` once it is mid-call (a heartbeat recorded)."""
+    deadline = time.monotonic() + WAIT_S
+    description = None
+    while time.monotonic() < deadline:
+        try:
+            description = await handle.describe()
+        except RPCError:  # the supervisor has not started the child yet
+            await asyncio.sleep(0.1)
+            continue
+        for pending in description.raw_description.pending_activities:
+            if pending.activity_type.name == Phase.CAPTURE.value and pending.HasField(
+                "last_heartbeat_time"
+            ):
+                return int(pending.last_worker_identity.split("@")[0])
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"capture never started: {description}")
+
+
+async def completed_attempts(handle: WorkflowHandle[Any, Any]) -> dict[str, tuple[int, int]]:
+    """Activity name -> (attempt, worker pid) of the attempt that completed it."""
+    names: dict[int, str] = {}
+    attempts: dict[str, tuple[int, int]] = {}
+    async for event in handle.fetch_history_events():
+        if event.HasField("activity_task_scheduled_event_attributes"):
+            scheduled = event.activity_task_scheduled_event_attributes
+            names[event.event_id] = scheduled.activity_type.name
+        elif event.HasField("activity_task_started_event_attributes"):
+            started = event.activity_task_started_event_attributes
+            pid = int(started.identity.split("@")[0])
+            attempts[names[started.scheduled_event_id]] = (started.attempt, pid)
+    return attempts
+
+
+def start_worker_process(
+    run_id: str, dev: DevServer, ray_address: str, log: Path
+) -> subprocess.Popen[bytes]:
+    """``rollsafe worker`` joining the cluster as a driver, in a session of its own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TEMPORAL_")}
+    env.pop(ENV_VAR, None)
+    env.pop("RAY_ADDRESS", None)
+    env.update(
+        RAY_ENV,
+        TEMPORAL_ADDRESS=dev.address,
+        TEMPORAL_NAMESPACE=dev.namespace,
+        TEMPORAL_CONFIG_FILE=str(log.parent / "no-temporal-config.toml"),
+    )
+    command = [sys.executable, "-m", "rollsafe", "worker", "--run", run_id]
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [*command, "--ray-address", ray_address],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+async def worker_ready(proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while BANNER not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            tail = log.read_text(errors="replace")[-3000:]
+            raise AssertionError(f"worker {proc.pid} not ready (exit {proc.poll()}): {tail}")
+        await asyncio.sleep(0.1)
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+async def test_the_node_of_a_worker_dies_mid_snapshot_and_the_run_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if ray.is_initialized():
+        pytest.skip("Ray is already connected in this process: run `make test-cluster`")
+    for name, value in RAY_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    T0[0] = time.monotonic()
+    cluster = RayCluster(tmp_path / "ray", HEAD, [ENGINE, WORKERS])
+    dev = DevServer(tmp_path / "temporal")
+    procs: list[subprocess.Popen[bytes]] = []
+    exit_codes: list[int] = []
+    try:
+        cluster.start()
+        mark("cluster of three nodes started")
+        await dev.start()
+        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+        await drill(cluster, dev, tmp_path, procs)
+        exit_codes = [stop_process(proc) for proc in procs]
+    finally:
+        for proc in procs:
+            stop_process(proc)
+        if ray.is_initialized():
+            ray.shutdown()
+        dev.stop()
+        cluster.stop()  # raises if a process of a node survives
+        mark("everything stopped")
+
+    assert exit_codes == [0], exit_codes  # the process worker drained and exited cleanly
+    left = living(cluster.seen_pids())
+    assert not left, f"Ray processes still alive: {sorted(left)}"
+    assert dev.pid is not None and not alive(dev.pid)
+    assert all(proc.poll() is not None for proc in procs)
+
+
+async def drill(
+    cluster: RayCluster, dev: DevServer, tmp_path: Path, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    ids = node_ids(WAIT_S, want=["head_node", "engine_node", "worker_node"])
+    assert len({ids["head_node"], ids["engine_node"], ids["worker_node"]}) == 3
+    run_id = f"multi-{uuid.uuid4().hex[:8]}"
+    config = RunConfig(run_id=run_id, group_size=2, groups_per_step=2)
+    root = tmp_path / "snapshots"
+    store = SnapshotStore(root, run_id)
+
+    from rollsafe.engine.ray_actor import EngineActor
+
+    controller = start_controller_actor(run_id, config, root, ray_options=on("head_node"))
+    engine = EngineActor.options(**on("engine_node")).remote(ModelConfig(), 0)
+    hosted = ray.remote(HostedWorker).options(**on("worker_node")).remote(run_id, dev.settings())
+    first: asyncio.Task[SnapshotOutcome] | None = None
+    try:
+        # ---- placement: each part on its node -------------------------------------------
+        assert (await controller.__ray_call__.remote(where))[0] == ids["head_node"]
+        assert (await engine.__ray_call__.remote(where))[0] == ids["engine_node"]
+        hosted_node, hosted_pid = await hosted.__ray_call__.remote(where)
+        assert hosted_node == ids["worker_node"]
+        assert hosted_pid in cluster.node(WORKERS.name).pids()
+        assert await hosted.ready.remote(WAIT_S) == hosted_pid
+        mark("controller, engine and hosted worker placed")
+
+        # ---- work in flight: group 0 sealed whole, group 1 half, group 2 handed out -------
+        run = Rollouts(controller, engine)
+        await controller.handout.remote([0, 1, 2])
+        for idx, i in ((0, 0), (0, 1), (1, 0)):
+            await run.seal(idx, i)
+
+        # ---- snapshot 1, its capture held by the worker on the doomed node -------------
+        hold = f"sleep:{HOLD_S}"
+        await controller.__ray_call__.remote(arm_fault, "phase.capture.before", hold, 1)
+        client: Client = await connect(dev.settings())
+        checkpointer = Checkpointer(run_id, client=client, options=OPTIONS, participants=False)
+        ckpt = await checkpointer.start()
+        first = asyncio.create_task(ckpt.snapshot_now(timeout=WAIT_S * 2))
+        snapshot_1 = client.get_workflow_handle(f"rollsafe/{run_id}/snapshot/1")
+        assert await capture_holder(snapshot_1) == hosted_pid  # the only worker so far
+        mark("snapshot 1: the hosted worker is inside capture")
+
+        log = tmp_path / "worker-process.log"
+        procs.append(start_worker_process(run_id, dev, cluster.address, log))
+        await worker_ready(procs[0], log)
+        survivor_pid = procs[0].pid
+        assert not first.done()
+        killed = cluster.node(WORKERS.name).kill()
+        assert hosted_pid in killed
+        mark(f"worker process polling; workers node killed ({len(killed)} processes)")
+
+        outcome: SnapshotOutcome = await asyncio.wait_for(first, WAIT_S * 2)
+        assert outcome.status == "published", outcome
+        assert outcome.published is not None
+        [capture] = [r for r in outcome.phases if r.phase == Phase.CAPTURE]
+        assert capture.replayed  # the dead worker's call did the capture; the retry got it
+        attempts = await completed_attempts(snapshot_1)
+        assert attempts[Phase.CAPTURE.value][0] >= 2, attempts
+        for phase in (Phase.CAPTURE, Phase.RESUME, Phase.PUBLISH):
+            assert attempts[phase.value][1] == survivor_pid, attempts
+        manifest, _ = verify_snapshot(Path(outcome.published.path), run_id)
+        assert manifest.checkpoint_id == outcome.checkpoint_id
+        mark("snapshot 1 published by the surviving worker")
+
+        # ---- the run goes on: admission open, rollouts generated and sealed, a step ------
+        status = await controller.status.remote()
+        assert status.gate_open and status.open_checkpoint is None, status
+        await run.seal(1, 1)
+        await controller.handout.remote([3])
+        await run.seal(3, 0)
+        await controller.claim.remote([0, 1], 0)
+        await controller.commit_step.remote([0, 1])
+        assert await ckpt.train_step_committed(0) == "no snapshot running"
+
+        second = await ckpt.snapshot_now(timeout=WAIT_S)
+        assert second.status == "published", second
+        assert second.published is not None and second.seq > outcome.seq
+        mark("the run went on; snapshot 2 published")
+
+        # ---- nothing lost: the newest snapshot restores what the live controller owns ------
+        owned = await controller.__ray_call__.remote(owned_groups)
+        assert owned == [2, 3]
+        names = [entry.name for entry in store.list()]
+        assert outcome.published.name in names and second.published.name in names
+        restored, plan = Controller.restore(config, store, make_dataplane("memory"))
+        assert plan.snapshot == second.published.name
+        assert sorted([*plan.ready, *plan.partial]) == owned
+        assert plan.partial[2].regenerate == [0, 1]
+        assert (plan.partial[3].restored, plan.partial[3].regenerate) == ([0], [1])
+        key = restored.row_key(3, 0)
+        rows = restored.dataplane.get(ROLLOUT_PARTITION, [key])
+        assert np.array_equal(rows[key]["tokens"], run.sealed[(3, 0)])
+
+        # ---- Ray saw the node die; the head and the engine's node are alive ------------
+        deadline = time.monotonic() + WAIT_S
+        while node_alive(ids["worker_node"]) and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        assert not node_alive(ids["worker_node"])
+        assert node_alive(ids["head_node"]) and node_alive(ids["engine_node"])
+        mark("restore checked; Ray marked the workers node dead")
+        await ckpt.stop()
+    finally:
+        if first is not None and not first.done():  # a failed drill: stop waiting on it
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await first
+        for actor in (engine, controller):
+            ray.kill(actor)
+
+
+def test_ray_options_place_the_controller_but_cannot_rename_it(tmp_path: Path) -> None:
+    from rollsafe.errors import InvalidInput
+
+    config = RunConfig(run_id="opts", group_size=2, groups_per_step=2)
+    with pytest.raises(InvalidInput, match="name, namespace"):
+        start_controller_actor(
+            "opts", config, tmp_path, ray_options={"namespace": "x", "name": "y", **on("a")}
+        )
