@@ -51,7 +51,12 @@ from rollsafe.snapshot.select import (
     SnapshotReader,
     verify_snapshot,
 )
-from rollsafe.snapshot.store import FaultHook, PublishedSnapshot, SnapshotStore
+from rollsafe.snapshot.store import (
+    FaultHook,
+    PublishedSnapshot,
+    SnapshotStore,
+    refuse_other_checkpoint,
+)
 
 CLAIMS_DIR: Final = "claims"
 POINTERS_DIR: Final = "latest"
@@ -326,12 +331,7 @@ class RemoteSnapshotStore(SnapshotStore):
             raise SnapshotCorrupt(
                 f"seq {manifest.seq} is already published and does not verify: {exc}"
             ) from None
-        if (found.checkpoint_id, found.kind) != (manifest.checkpoint_id, manifest.kind):
-            raise InvalidInput(
-                f"seq {manifest.seq} is already published as {name} by checkpoint "
-                f"{found.checkpoint_id!r}; refusing to publish checkpoint "
-                f"{manifest.checkpoint_id!r} ({manifest.kind.value}) over it"
-            )
+        refuse_other_checkpoint(name, found, manifest)
         draft.discard()
         self._point_latest_remote(name, found, digest)
         self._retain_remote()

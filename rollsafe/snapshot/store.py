@@ -207,12 +207,7 @@ class SnapshotStore:
             raise SnapshotCorrupt(
                 f"seq {manifest.seq} is already published and does not verify: {exc}"
             ) from None
-        if (found.checkpoint_id, found.kind) != (manifest.checkpoint_id, manifest.kind):
-            raise InvalidInput(
-                f"seq {manifest.seq} is already published as {existing.name} by checkpoint "
-                f"{found.checkpoint_id!r}; refusing to publish checkpoint "
-                f"{manifest.checkpoint_id!r} ({manifest.kind.value}) over it"
-            )
+        refuse_other_checkpoint(existing.name, found, manifest)
         draft.discard()
         if found.seq == max(self._published_seqs()):
             pointer = _latest_or_none(self.run_dir)
@@ -333,3 +328,13 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
     held = os.fstat(fd)
     return (held.st_dev, held.st_ino) == (on_disk.st_dev, on_disk.st_ino)
+
+
+def refuse_other_checkpoint(name: str, found: SnapshotManifest, ours: SnapshotManifest) -> None:
+    """A seq already published by another checkpoint is never published over."""
+    if (found.checkpoint_id, found.kind) != (ours.checkpoint_id, ours.kind):
+        raise InvalidInput(
+            f"seq {ours.seq} is already published as {name} by checkpoint "
+            f"{found.checkpoint_id!r}; refusing to publish checkpoint "
+            f"{ours.checkpoint_id!r} ({ours.kind.value}) over it"
+        )

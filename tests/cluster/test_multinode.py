@@ -42,6 +42,7 @@ from rollsafe.snapshot import SnapshotStore
 from rollsafe.snapshot.select import verify_snapshot
 from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
+from rollsafe.testing.history import completed_attempts
 from rollsafe.testing.raycluster import (
     HostedWorker,
     NodeSpec,
@@ -126,21 +127,6 @@ async def capture_holder(handle: WorkflowHandle[Any, Any]) -> int:
                 return int(pending.last_worker_identity.split("@")[0])
         await asyncio.sleep(0.05)
     raise AssertionError(f"capture never started: {description}")
-
-
-async def completed_attempts(handle: WorkflowHandle[Any, Any]) -> dict[str, tuple[int, int]]:
-    """Activity name -> (attempt, worker pid) of the attempt that completed it."""
-    names: dict[int, str] = {}
-    attempts: dict[str, tuple[int, int]] = {}
-    async for event in handle.fetch_history_events():
-        if event.HasField("activity_task_scheduled_event_attributes"):
-            scheduled = event.activity_task_scheduled_event_attributes
-            names[event.event_id] = scheduled.activity_type.name
-        elif event.HasField("activity_task_started_event_attributes"):
-            started = event.activity_task_started_event_attributes
-            pid = int(started.identity.split("@")[0])
-            attempts[names[started.scheduled_event_id]] = (started.attempt, pid)
-    return attempts
 
 
 def start_worker_process(

@@ -44,6 +44,7 @@ from rollsafe.snapshot import SnapshotStore
 from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
 from rollsafe.temporal.search_attributes import PHASE
+from rollsafe.testing.history import completed_attempts
 from workflows.models import PhaseOptions, SnapshotInput, SnapshotOutcome
 from workflows.snapshot import RolloutSnapshot
 from workflows.supervisor import task_queue_for
@@ -211,23 +212,6 @@ async def release_sticky_task(client: Client, handle: WorkflowHandle[Any, Any]) 
     await client.workflow_service.reset_sticky_task_queue(
         ResetStickyTaskQueueRequest(namespace=client.namespace, execution=execution)
     )
-
-
-async def completed_attempts(handle: WorkflowHandle[Any, Any]) -> dict[str, tuple[int, int]]:
-    """Activity name -> (attempt, worker pid) of the attempt that completed it. History keeps
-    only an activity's last attempt, with the identity of its worker (the SDK's default
-    identity is ``pid@host``)."""
-    names: dict[int, str] = {}
-    attempts: dict[str, tuple[int, int]] = {}
-    async for event in handle.fetch_history_events():
-        if event.HasField("activity_task_scheduled_event_attributes"):
-            scheduled = event.activity_task_scheduled_event_attributes
-            names[event.event_id] = scheduled.activity_type.name
-        elif event.HasField("activity_task_started_event_attributes"):
-            started = event.activity_task_started_event_attributes
-            pid = int(started.identity.split("@")[0])
-            attempts[names[started.scheduled_event_id]] = (started.attempt, pid)
-    return attempts
 
 
 def check_published_once(run: Run, outcome: SnapshotOutcome) -> None:
