@@ -127,14 +127,19 @@ def read_regular(path: Path) -> bytes:
         return handle.read()
 
 
+def write_new_synced(path: Path, data: bytes) -> None:
+    """Create ``path`` (it must not exist) holding ``data``, fsynced before returning."""
+    with open(path, "xb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data``: write a temp sibling, fsync, rename, fsync the dir."""
     temp = path.with_name(f"{LATEST_TMP_PREFIX}{token()}")
     try:
-        with open(temp, "xb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+        write_new_synced(temp, data)
         os.replace(temp, path)
     except BaseException:
         temp.unlink(missing_ok=True)

@@ -24,7 +24,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from rollsafe.errors import InvalidInput, TransientError
-from rollsafe.snapshot._fs import token
+from rollsafe.snapshot._fs import token, write_new_synced
 from rollsafe.snapshot.manifest import FileEntry
 
 # scheme -> the fsspec protocol and the package that provides it
@@ -104,10 +104,7 @@ def _create_local(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.name}.tmp-{token()}")
     try:
-        with open(temp, "xb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+        write_new_synced(temp, data)
         os.link(temp, path)
     finally:
         temp.unlink(missing_ok=True)
