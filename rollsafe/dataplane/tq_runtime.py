@@ -33,15 +33,67 @@ LOCAL_OBJECT_STORE_BYTES = 128 << 20
 _lock = threading.Lock()
 
 
-def tq_config(storage_units: int = 1) -> dict[str, Any]:
+def tq_config(storage_units: int = 1, storage_resource: str | None = None) -> dict[str, Any]:
     """The default config hangs tq.init under a small ray.init; polling mode and one storage
-    unit do not (PLATFORM.md)."""
+    unit do not (PLATFORM.md). ``storage_resource``: a Ray custom resource; the storage units
+    (where the rows live) are then pinned, round robin, to the alive nodes that have it."""
     if storage_units < 1:
         raise ValueError(f"storage_units must be at least 1, got {storage_units}")
-    return {
-        "controller": {"polling_mode": True},
-        "backend": {"SimpleStorage": {"num_data_storage_units": storage_units}},
-    }
+    simple: dict[str, Any] = {"num_data_storage_units": storage_units}
+    if storage_resource is not None:
+        simple["required_node_resource"] = storage_resource
+    return {"controller": {"polling_mode": True}, "backend": {"SimpleStorage": simple}}
+
+
+def nodes_with(resource: str) -> list[str]:
+    """Ids of the alive Ray nodes that have some of ``resource``."""
+    import ray
+
+    return sorted(
+        node["NodeID"]
+        for node in ray.nodes()  # type: ignore[no-untyped-call]
+        if node["Alive"] and node["Resources"].get(resource, 0) > 0
+    )
+
+
+def check_storage_resource(resource: str | None) -> None:
+    """Before tq.init: it creates its named controller before it places the storage units,
+    so a failed placement would leave a controller that every later attach finds."""
+    if resource is not None and not nodes_with(resource):
+        raise DataPlaneUnavailable(
+            f"no alive Ray node has the custom resource {resource!r} for TransferQueue's "
+            f"storage units: start the data-plane nodes with --resources "
+            f"'{{\"{resource}\": 1}}', or pass no storage resource"
+        )
+
+
+def storage_unit_nodes(storage_units: int = 1) -> dict[str, str]:
+    """Storage unit name -> the Ray node id it runs on; the units are named actors in the
+    namespace of the process that started TransferQueue (so ask from there, or one sharing it)."""
+    import ray
+
+    placed: dict[str, str] = {}
+    for rank in range(storage_units):
+        name = f"TransferQueueStorageUnit#{rank}"
+        ref: Any = ray.get_actor(name).__ray_call__.remote(_node_id)
+        placed[name] = str(ray.get(ref))
+    return placed
+
+
+def controller_node() -> str:
+    """The Ray node id TransferQueue's controller (its metadata) runs on."""
+    import ray
+
+    handle = ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
+    ref: Any = handle.__ray_call__.remote(_node_id)
+    return str(ray.get(ref))
+
+
+def _node_id(_instance: Any) -> str:
+    import ray
+
+    node: str = ray.get_runtime_context().get_node_id()
+    return node
 
 
 def import_tq() -> ModuleType:
@@ -109,11 +161,15 @@ class TransferQueueRuntime:
 
 
 def start_transferqueue(
-    *, ray_address: str | None = None, storage_units: int = 1
+    *,
+    ray_address: str | None = None,
+    storage_units: int = 1,
+    storage_resource: str | None = None,
 ) -> TransferQueueRuntime:
     """Make TransferQueue reachable from this process: connect to Ray at ``ray_address`` (or
     ``RAY_ADDRESS``; a local Ray is started when neither is set), then attach to the cluster's
-    TransferQueue or start it. Takes 6-8 s when it starts TransferQueue."""
+    TransferQueue or start it, its storage units on the nodes with ``storage_resource`` when
+    given (:func:`tq_config`; ignored when attaching). Takes 6-8 s when it starts TransferQueue."""
     import ray
 
     ray_address = ray_address or os.environ.get("RAY_ADDRESS") or None
@@ -136,8 +192,9 @@ def start_transferqueue(
                 started_tq = False
                 import_tq().init()
             else:
+                check_storage_resource(storage_resource)
                 started_tq = True
-                import_tq().init(tq_config(storage_units))
+                import_tq().init(tq_config(storage_units, storage_resource))
     except BaseException:
         if started_ray:
             ray.shutdown()
@@ -147,9 +204,14 @@ def start_transferqueue(
 
 @contextmanager
 def transferqueue_running(
-    *, ray_address: str | None = None, storage_units: int = 1
+    *,
+    ray_address: str | None = None,
+    storage_units: int = 1,
+    storage_resource: str | None = None,
 ) -> Iterator[TransferQueueRuntime]:
-    runtime = start_transferqueue(ray_address=ray_address, storage_units=storage_units)
+    runtime = start_transferqueue(
+        ray_address=ray_address, storage_units=storage_units, storage_resource=storage_resource
+    )
     try:
         yield runtime
     finally:

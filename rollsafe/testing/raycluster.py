@@ -6,14 +6,14 @@ processes (GCS, raylet, agents, the workers the raylet forks) are that process's
 and members of its session, so a node is stopped, or killed as a machine dies, by exactly
 those pids. Never by name: ``ray stop`` kills every Ray process of the machine's user.
 
-Also what a multi-node test places on the nodes: :class:`HostedWorker`, a checkpoint worker
-living in a Ray actor (it dies with its node), and small functions to run inside an actor
-with ``actor.__ray_call__.remote(fn, ...)``.
+Also what a multi-node test places on the nodes: ``rollsafe worker`` processes
+(:func:`worker_process`), started on a given node by a :class:`WorkerLauncher` actor so that
+they die with it, and small functions to run inside an actor with
+``actor.__ray_call__.remote(fn, ...)``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -23,9 +23,8 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -326,73 +325,107 @@ def arm_fault(_instance: Any, name: str, action: str, times: int | None = None) 
     arm(name, action, times)
 
 
+def live_tokens(service: Any, pairs: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Any]:
+    """(group, index) -> the ``tokens`` of that sealed rollout, read from the data plane of a
+    controller actor (ControllerService), wherever that data plane keeps its rows."""
+    from rollsafe.controller import ROLLOUT_PARTITION
+
+    with service.barrier:
+        keys = {pair: service.controller.row_key(*pair) for pair in pairs}
+        rows = service.controller.dataplane.get(ROLLOUT_PARTITION, list(keys.values()))
+    return {pair: rows[key]["tokens"] for pair, key in keys.items()}
+
+
 def owned_groups(service: Any) -> list[int]:
     """The groups a controller actor (ControllerService) owns: handed out, not trained."""
     with service.barrier:
         return sorted(service.controller.ledger.groups())
 
 
-class HostedWorker:
-    """A checkpoint worker (``workers.checkpoint.build_worker``) on an event loop in a thread
-    of a Ray actor, reaching the run's controller actor as ``rollsafe worker`` does: the
-    worker lives on the actor's node and dies with it. Start it with
-    ``ray.remote(HostedWorker).options(**on("node_b")).remote(run_id, settings)``."""
+WORKER_BANNER = "rollsafe worker: run"  # printed once the worker polls its task queue
+
+
+def worker_process(
+    run_id: str,
+    settings: ConnectionSettings,
+    ray_address: str,
+    log: Path,
+    *,
+    cwd: Path,
+    new_session: bool = True,
+) -> subprocess.Popen[bytes]:
+    """Start ``rollsafe worker --run RUN_ID`` joining the Ray cluster at ``ray_address`` as a
+    driver and Temporal at ``settings`` (address and namespace only: no TLS here), its output
+    in ``log``. ``new_session=False`` keeps it in the caller's session, so that it dies with
+    the node of a caller that is a Ray actor (:class:`WorkerLauncher`)."""
+    from rollsafe.faults import ENV_VAR
+
+    # A Ray worker process's own RAY_* variables (its job, raylet, address) would mislead the
+    # driver the worker starts; TEMPORAL_* from the caller would override the settings.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("TEMPORAL_", "RAY_")) and k != ENV_VAR
+    }
+    env.update(
+        {**RAY_ENV, **TQ_ENV},
+        TEMPORAL_ADDRESS=settings.address,
+        TEMPORAL_NAMESPACE=settings.namespace,
+        TEMPORAL_CONFIG_FILE=str(log.parent / "no-temporal-config.toml"),
+    )
+    command = [sys.executable, "-m", "rollsafe", "worker", "--run", run_id]
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [*command, "--ray-address", ray_address],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=new_session,
+        )
+
+
+def wait_worker_ready(proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+    """Until the worker prints that it polls; raises with its log if it exits or times out."""
+    deadline = time.monotonic() + timeout_s
+    while WORKER_BANNER not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            tail = log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"worker {proc.pid} not ready (exit {proc.poll()}): {tail}")
+        time.sleep(0.1)
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> int:
+    """SIGTERM (a worker drains), SIGKILL after ``grace_s``; the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+class WorkerLauncher:
+    """Starts a ``rollsafe worker`` process on the node this Ray actor is placed on, as a
+    machine's process supervisor would: a child of the actor's process in the node's
+    session, so it dies with the node (:meth:`RayNode.kill`). Start it with
+    ``ray.remote(WorkerLauncher).options(**on("node_b")).remote(run_id, settings, address,
+    log, cwd)``; :meth:`ready` returns the worker's pid (its Temporal identity is
+    ``pid@host``)."""
 
     def __init__(
-        self, run_id: str, settings: ConnectionSettings, task_queue: str | None = None
+        self, run_id: str, settings: ConnectionSettings, ray_address: str, log: str, cwd: str
     ) -> None:
-        from workflows.supervisor import task_queue_for
-
-        self.task_queue = task_queue or task_queue_for(run_id)
-        self._settings = settings
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(
-            target=self._main, name="rollsafe-hosted-worker", daemon=True
+        self.log = Path(log)
+        self.proc = worker_process(
+            run_id, settings, ray_address, self.log, cwd=Path(cwd), new_session=False
         )
-        self._thread.start()
-
-    def _main(self) -> None:
-        try:
-            asyncio.run(self._serve())
-        except BaseException as exc:  # reported by ready()
-            self._error = exc
-        finally:
-            self._ready.set()
-
-    async def _serve(self) -> None:
-        from activities.controllers import RayController
-        from rollsafe.temporal.connect import connect
-        from workers.checkpoint import build_worker
-
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        client = await connect(self._settings)
-        async with build_worker(client, self.task_queue, RayController):
-            self._ready.set()
-            await self._stop.wait()
-        await asyncio.sleep(0.1)  # sdk-python #300: let the worker's threads settle
 
     def ready(self, timeout_s: float = 60.0) -> int:
-        """Wait until the worker polls its task queue; returns the pid its Temporal identity
-        starts with (``pid@host``)."""
-        if not self._ready.wait(timeout_s):
-            raise TimeoutError(f"hosted worker not polling after {timeout_s:g} s")
-        if self._error is not None:
-            raise RuntimeError(f"hosted worker failed: {self._error!r}") from self._error
-        return os.getpid()
+        wait_worker_ready(self.proc, self.log, timeout_s)
+        return self.proc.pid
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout_s)
-
-
-@contextlib.contextmanager
-def cluster_running(
-    root: Path, head: NodeSpec, nodes: Sequence[NodeSpec], **kwargs: Any
-) -> Iterator[RayCluster]:
-    with RayCluster(root, head, nodes, **kwargs) as cluster:
-        yield cluster
+    def stop(self) -> int:
+        return stop_process(self.proc)

@@ -1,23 +1,21 @@
-"""Multi-node on one machine (issue 8): a Ray cluster of three nodes, each a `ray start`
-process of its own with its own custom resource; the controller (and its memory data plane)
-on the head, the reference engine on a second node, one checkpoint worker hosted in a Ray
-actor on a third node and a second one as a `rollsafe worker` process. The node holding a
-worker is killed (SIGKILL to every process of that node, as a machine dies) while that
-worker is inside the snapshot's capture phase: the snapshot publishes through the other
-worker, from workflow history; the run goes on (new rollouts generated on the engine node
-and sealed, a step trained, a second snapshot published); a restore from the newest snapshot
-owns the groups the live controller owns, with their rows; every process started is gone at
-the end.
+"""Multi-node on one machine (issue 8): a Ray cluster of four nodes, each a `ray start`
+process of its own with its own custom resource: the controller on the head, the reference
+engine on a second node, the data plane (TransferQueue: its controller and its storage unit,
+where the rows live) on a third, and on a fourth a `rollsafe worker` process started there by
+a launcher actor; a second `rollsafe worker` runs as a process of the test. The fourth node is
+killed (SIGKILL to every process of the node, as a machine dies) while its worker is inside
+the snapshot's capture phase: the snapshot publishes through the other worker, from workflow
+history; the run goes on (new rollouts generated on the engine node and sealed into the data
+node, a step trained, a second snapshot published); the live rows are read back across nodes
+and a restore from the newest snapshot owns the groups the live controller owns, with their
+rows; every process started is gone at the end.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -33,10 +31,14 @@ from rollsafe.client import Checkpointer
 from rollsafe.config import RunConfig
 from rollsafe.controller import ROLLOUT_PARTITION, Controller
 from rollsafe.dataplane import make_dataplane
-from rollsafe.dataplane.tq_runtime import RAY_ENV
+from rollsafe.dataplane.tq_runtime import (
+    RAY_ENV,
+    controller_node,
+    start_transferqueue,
+    storage_unit_nodes,
+)
 from rollsafe.engine.model import ModelConfig
 from rollsafe.engine.protocol import GenerateRequest, SamplingParams, completion_of
-from rollsafe.faults import ENV_VAR
 from rollsafe.phases import Phase
 from rollsafe.snapshot import SnapshotStore
 from rollsafe.snapshot.select import verify_snapshot
@@ -44,17 +46,21 @@ from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
 from rollsafe.testing.history import completed_attempts
 from rollsafe.testing.raycluster import (
-    HostedWorker,
     NodeSpec,
     RayCluster,
+    WorkerLauncher,
     alive,
     arm_fault,
+    live_tokens,
     living,
     node_alive,
     node_ids,
     on,
     owned_groups,
+    stop_process,
+    wait_worker_ready,
     where,
+    worker_process,
 )
 from workflows.models import PhaseOptions, SnapshotOutcome
 
@@ -63,16 +69,18 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[2]
-HEAD = NodeSpec("head", {"head_node": 1})  # GCS, the controller and its memory data plane
-ENGINE = NodeSpec("engine", {"engine_node": 1})  # the reference engine
-WORKERS = NodeSpec("workers", {"worker_node": 1})  # a checkpoint worker; killed
+# Only the data node has logical CPUs: TransferQueue's controller and storage unit ask for one
+# each, so both must land there; everything else here asks for none (`on`).
+HEAD = NodeSpec("head", {"head_node": 1}, num_cpus=0)  # GCS and the run's controller
+ENGINE = NodeSpec("engine", {"engine_node": 1}, num_cpus=0)  # the reference engine
+DATA = NodeSpec("data", {"data_node": 1}, num_cpus=2)  # TransferQueue: the rows
+WORKERS = NodeSpec("workers", {"worker_node": 1}, num_cpus=0)  # a checkpoint worker; killed
 # A dead worker's phase is retried once its heartbeat times out (PLATFORM.md).
 OPTIONS = PhaseOptions(heartbeat_timeout_s=2, retry_initial_s=0.1, retry_maximum_s=0.5)
 # Capture sleeps this long in the controller the first time: the hosted worker is inside it
 # while the process worker starts and the node dies.
 HOLD_S = 15
 WAIT_S = 90.0  # any one wait: generous on a loaded 2-core machine, still fails a hang
-BANNER = "rollsafe worker:"
 T0 = [time.monotonic()]
 
 
@@ -129,51 +137,6 @@ async def capture_holder(handle: WorkflowHandle[Any, Any]) -> int:
     raise AssertionError(f"capture never started: {description}")
 
 
-def start_worker_process(
-    run_id: str, dev: DevServer, ray_address: str, log: Path
-) -> subprocess.Popen[bytes]:
-    """``rollsafe worker`` joining the cluster as a driver, in a session of its own."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TEMPORAL_")}
-    env.pop(ENV_VAR, None)
-    env.pop("RAY_ADDRESS", None)
-    env.update(
-        RAY_ENV,
-        TEMPORAL_ADDRESS=dev.address,
-        TEMPORAL_NAMESPACE=dev.namespace,
-        TEMPORAL_CONFIG_FILE=str(log.parent / "no-temporal-config.toml"),
-    )
-    command = [sys.executable, "-m", "rollsafe", "worker", "--run", run_id]
-    with log.open("wb") as out:
-        return subprocess.Popen(
-            [*command, "--ray-address", ray_address],
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
-async def worker_ready(proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while BANNER not in log.read_text(errors="replace"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            tail = log.read_text(errors="replace")[-3000:]
-            raise AssertionError(f"worker {proc.pid} not ready (exit {proc.poll()}): {tail}")
-        await asyncio.sleep(0.1)
-
-
-def stop_process(proc: subprocess.Popen[bytes]) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
-
-
 async def test_the_node_of_a_worker_dies_mid_snapshot_and_the_run_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -183,17 +146,22 @@ async def test_the_node_of_a_worker_dies_mid_snapshot_and_the_run_goes_on(
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     T0[0] = time.monotonic()
-    cluster = RayCluster(tmp_path / "ray", HEAD, [ENGINE, WORKERS])
+    cluster = RayCluster(tmp_path / "ray", HEAD, [ENGINE, DATA, WORKERS])
     dev = DevServer(tmp_path / "temporal")
     procs: list[subprocess.Popen[bytes]] = []
     exit_codes: list[int] = []
     try:
         cluster.start()
-        mark("cluster of three nodes started")
+        mark("cluster of four nodes started")
         await dev.start()
         ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-        await drill(cluster, dev, tmp_path, procs)
-        exit_codes = [stop_process(proc) for proc in procs]
+        runtime = start_transferqueue(storage_resource="data_node")
+        mark("TransferQueue started")
+        try:
+            await drill(cluster, dev, tmp_path, procs)
+            exit_codes = [stop_process(proc) for proc in procs]
+        finally:
+            runtime.close()  # the TransferQueue this process started
     finally:
         for proc in procs:
             stop_process(proc)
@@ -213,8 +181,9 @@ async def test_the_node_of_a_worker_dies_mid_snapshot_and_the_run_goes_on(
 async def drill(
     cluster: RayCluster, dev: DevServer, tmp_path: Path, procs: list[subprocess.Popen[bytes]]
 ) -> None:
-    ids = node_ids(WAIT_S, want=["head_node", "engine_node", "worker_node"])
-    assert len({ids["head_node"], ids["engine_node"], ids["worker_node"]}) == 3
+    nodes = ["head_node", "engine_node", "data_node", "worker_node"]
+    ids = node_ids(WAIT_S, want=nodes)
+    assert len({ids[node] for node in nodes}) == 4
     run_id = f"multi-{uuid.uuid4().hex[:8]}"
     config = RunConfig(run_id=run_id, group_size=2, groups_per_step=2)
     root = tmp_path / "snapshots"
@@ -222,19 +191,26 @@ async def drill(
 
     from rollsafe.engine.ray_actor import EngineActor
 
-    controller = start_controller_actor(run_id, config, root, ray_options=on("head_node"))
+    controller = start_controller_actor(
+        run_id, config, root, dataplane="transferqueue", ray_options=on("head_node")
+    )
     engine = EngineActor.options(**on("engine_node")).remote(ModelConfig(), 0)
-    hosted = ray.remote(HostedWorker).options(**on("worker_node")).remote(run_id, dev.settings())
+    launcher = (
+        ray.remote(WorkerLauncher)
+        .options(**on("worker_node"))
+        .remote(run_id, dev.settings(), cluster.address, str(tmp_path / "doomed.log"), str(REPO))
+    )
     first: asyncio.Task[SnapshotOutcome] | None = None
     try:
         # ---- placement: each part on its node -------------------------------------------
         assert (await controller.__ray_call__.remote(where))[0] == ids["head_node"]
         assert (await engine.__ray_call__.remote(where))[0] == ids["engine_node"]
-        hosted_node, hosted_pid = await hosted.__ray_call__.remote(where)
-        assert hosted_node == ids["worker_node"]
-        assert hosted_pid in cluster.node(WORKERS.name).pids()
-        assert await hosted.ready.remote(WAIT_S) == hosted_pid
-        mark("controller, engine and hosted worker placed")
+        assert set(storage_unit_nodes().values()) == {ids["data_node"]}
+        assert controller_node() == ids["data_node"]
+        assert (await launcher.__ray_call__.remote(where))[0] == ids["worker_node"]
+        doomed_pid = await launcher.ready.remote(WAIT_S)
+        assert doomed_pid in cluster.node(WORKERS.name).pids()  # a process of that node
+        mark("controller, engine, data plane and a worker placed, each on its node")
 
         # ---- work in flight: group 0 sealed whole, group 1 half, group 2 handed out -------
         run = Rollouts(controller, engine)
@@ -250,17 +226,17 @@ async def drill(
         ckpt = await checkpointer.start()
         first = asyncio.create_task(ckpt.snapshot_now(timeout=WAIT_S * 2))
         snapshot_1 = client.get_workflow_handle(f"rollsafe/{run_id}/snapshot/1")
-        assert await capture_holder(snapshot_1) == hosted_pid  # the only worker so far
-        mark("snapshot 1: the hosted worker is inside capture")
+        assert await capture_holder(snapshot_1) == doomed_pid  # the only worker so far
+        mark("snapshot 1: the worker on the doomed node is inside capture")
 
-        log = tmp_path / "worker-process.log"
-        procs.append(start_worker_process(run_id, dev, cluster.address, log))
-        await worker_ready(procs[0], log)
+        log = tmp_path / "survivor.log"
+        procs.append(worker_process(run_id, dev.settings(), cluster.address, log, cwd=REPO))
+        await asyncio.to_thread(wait_worker_ready, procs[0], log, WAIT_S)
         survivor_pid = procs[0].pid
         assert not first.done()
         killed = cluster.node(WORKERS.name).kill()
-        assert hosted_pid in killed
-        mark(f"worker process polling; workers node killed ({len(killed)} processes)")
+        assert doomed_pid in killed
+        mark(f"second worker polling; workers node killed ({len(killed)} processes)")
 
         outcome: SnapshotOutcome = await asyncio.wait_for(first, WAIT_S * 2)
         assert outcome.status == "published", outcome
@@ -290,9 +266,12 @@ async def drill(
         assert second.published is not None and second.seq > outcome.seq
         mark("the run went on; snapshot 2 published")
 
-        # ---- nothing lost: the newest snapshot restores what the live controller owns ------
+        # ---- nothing lost: the live rows, across nodes, and the newest snapshot ------------
         owned = await controller.__ray_call__.remote(owned_groups)
         assert owned == [2, 3]
+        untrained = [pair for pair in run.sealed if pair[0] in owned]
+        live = await controller.__ray_call__.remote(live_tokens, untrained)
+        assert untrained and all(np.array_equal(live[p], run.sealed[p]) for p in untrained)
         names = [entry.name for entry in store.list()]
         assert outcome.published.name in names and second.published.name in names
         restored, plan = Controller.restore(config, store, make_dataplane("memory"))
@@ -309,7 +288,7 @@ async def drill(
         while node_alive(ids["worker_node"]) and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
         assert not node_alive(ids["worker_node"])
-        assert node_alive(ids["head_node"]) and node_alive(ids["engine_node"])
+        assert all(node_alive(ids[node]) for node in ("head_node", "engine_node", "data_node"))
         mark("restore checked; Ray marked the workers node dead")
         await ckpt.stop()
     finally:

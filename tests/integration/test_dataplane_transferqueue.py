@@ -206,3 +206,24 @@ def test_import_needs_an_empty_namespace_and_a_bad_export_leaves_it_empty(
     assert fresh.partitions() == []
     with pytest.raises(SchemaMismatch):
         fresh.import_(tmp_path / "export", manifest.model_copy(update={"backend": "somedb"}))
+
+
+def test_storage_units_are_placed_by_a_custom_resource_that_must_exist() -> None:
+    import ray
+
+    from rollsafe.dataplane import tq_runtime
+    from rollsafe.errors import DataPlaneUnavailable
+
+    # This session's TransferQueue was started with no resource: its one unit is here.
+    here = ray.get_runtime_context().get_node_id()
+    assert tq_runtime.storage_unit_nodes() == {"TransferQueueStorageUnit#0": here}
+    assert tq_runtime.controller_node() == here
+    storage = tq_runtime.tq_config(2, "data_node")["backend"]["SimpleStorage"]
+    assert storage == {"num_data_storage_units": 2, "required_node_resource": "data_node"}
+    assert "required_node_resource" not in tq_runtime.tq_config()["backend"]["SimpleStorage"]
+    # Refused before tq.init, which would leave its named controller behind.
+    with pytest.raises(DataPlaneUnavailable, match="'data_node'.*--resources"):
+        tq_runtime.check_storage_resource("data_node")
+    assert tq_runtime.nodes_with("CPU") == [here]
+    tq_runtime.check_storage_resource("CPU")
+    tq_runtime.check_storage_resource(None)

@@ -148,6 +148,26 @@ def _template(where: str, template: Any, version: str) -> list[str]:
     ]
 
 
+def _ray_resources(where: str, params: Any) -> list[str]:
+    """KubeRay pastes ``resources`` into a shell ``ray start --resources=...`` line, so it must
+    be one shell word: a double-quoted JSON object with escaped quotes (KubeRay's examples)."""
+    value = params.get("resources") if isinstance(params, dict) else None
+    if value is None:
+        return []
+    wrong = f'{where}.resources: must be \'"{{\\"name\\": 1}}"\' (a quoted JSON object)'
+    if not (isinstance(value, str) and len(value) > 1 and value[0] == value[-1] == '"'):
+        return [wrong]
+    try:
+        parsed = json.loads(value[1:-1].replace('\\"', '"'))
+    except ValueError:
+        return [wrong]
+    if not isinstance(parsed, dict) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in parsed.values()
+    ):
+        return [wrong]
+    return []
+
+
 def raycluster_errors(doc: Doc, version: str) -> list[str]:
     """The structural check of a RayCluster (no CRD schema available offline)."""
     errors: list[str] = []
@@ -193,6 +213,7 @@ def raycluster_errors(doc: Doc, version: str) -> list[str]:
         if numbers != sorted(numbers):
             errors.append(f"{where}: needs minReplicas <= replicas <= maxReplicas, got {bounds}")
         errors += _string_map(f"{where}.rayStartParams", group.get("rayStartParams"))
+        errors += _ray_resources(f"{where}.rayStartParams", group.get("rayStartParams"))
         errors += _template(f"{where}.template", group.get("template"), version)
     return errors
 
@@ -325,6 +346,13 @@ BROKEN_RAYCLUSTERS = [
             volumeMount=[]
         ),
         "spec.headGroupSpec.template: spec.containers.0: Additional properties",
+    ),
+    (
+        "custom resources not quoted for the shell",
+        lambda d: d["spec"]["workerGroupSpecs"][1]["rayStartParams"].update(
+            resources='{"data_node": 1}'
+        ),
+        "spec.workerGroupSpecs.1.rayStartParams.resources: must be",
     ),
     (
         "memory as a list in a worker pod",
