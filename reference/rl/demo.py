@@ -32,9 +32,13 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from reference.rl.controller import Endpoints, RunController
+from reference.rl.demo_faults import (
+    crash_step,
+    fail_env_checkpoint_calls,
+    snapshot_mid_generation,
+    worker_fault_spec,
+)
 from reference.rl.demo_options import DEMO_CALL_TOKENS, INSTANCES, DemoOptions
 from reference.rl.progress import SnapshotWatch, write_timeline
 from reference.rl.run import ReferenceRun, run_config
@@ -158,6 +162,18 @@ class Demo:
             stop.set()
             thread.join()
 
+    def _checkpointer(self, dev: Any) -> Any:
+        """The trainer's handle on the run's checkpoint workflows: one at the start, and a
+        fresh one after the crash, with the same supervisor settings."""
+        from rollsafe.client import Checkpointer
+
+        return Checkpointer(
+            self.settings.run_id,
+            settings=dev.settings(),
+            interval_s=self.options.interval_s,
+            max_consecutive_failures=10,
+        )
+
     def stop_workers(self) -> None:
         for worker in self.workers:
             worker.stop()
@@ -170,7 +186,6 @@ class Demo:
     def run(self) -> list[Check]:
         import ray
 
-        from rollsafe.client import Checkpointer
         from rollsafe.temporal.devserver import DevServer
 
         self.pending_faults: list[FaultRecord] = []
@@ -208,31 +223,23 @@ class Demo:
                 f"({self.elapsed():.1f}s)"
             )
             controller = self.start_actor(endpoints, awaiting_restore=False)
-            coordinator = self.faults.get("coordinator")
-            fault_spec = f"worker.phase.{coordinator.where}.before:exit" if coordinator else None
-            self.start_worker(env, fault_spec)
-            checkpointer = Checkpointer(
-                self.settings.run_id,
-                settings=dev.settings(),
-                interval_s=self.options.interval_s,
-                max_consecutive_failures=10,
-            )
+            self.start_worker(env, worker_fault_spec(self.faults.get("coordinator")))
+            checkpointer = self._checkpointer(dev)
             asyncio.run(checkpointer.start())
             run = ReferenceRun(self.settings, endpoints, self.work, self.options.out, controller)
             run.listener = CheckpointerListener(checkpointer, self.say)
             stack.enter_context(self.worker_watch(env))
-            crash = self.faults.get("run")
-            crash_step = int(crash.where[4:]) - 1 if crash else None  # run@step<k>: 1-based
+            step_to_crash = crash_step(self.faults.get("run"))
             with SnapshotWatch(
                 self.temporal, self.settings.run_id, self.t0_unix, self.say
             ) as watch:
                 while True:
                     try:
-                        self._steps(run, checkpointer, endpoints, crash_step)
+                        self._steps(run, checkpointer, endpoints, step_to_crash)
                         break
                     except _Crash:
                         run, endpoints, checkpointer = self._recover(run, servers, env, dev)
-                        crash_step = None
+                        step_to_crash = None
             self._finish(run, watch.parks)
         return verify(Evidence.read(self.options.out))
 
@@ -265,9 +272,18 @@ class Demo:
     ) -> None:
         def during(step: int) -> None:
             if step == 1 and "env" in self.faults:
-                self._env_fault(endpoints, checkpointer)
+                self.record(
+                    fail_env_checkpoint_calls(
+                        endpoints,
+                        checkpointer,
+                        self.temporal,
+                        self.settings.run_id,
+                        self.say,
+                        self.elapsed,
+                    )
+                )
             if step == crash_step:
-                self._snapshot_mid_generation(run, checkpointer)
+                snapshot_mid_generation(run, checkpointer, self.say, self.elapsed)
                 raise _Crash
 
         while run.step < run.settings.steps:
@@ -283,78 +299,11 @@ class Demo:
                 f"{rollouts / (ended - began):.2f} rollouts/s ({ended:.1f}s)"
             )
 
-    def _snapshot_mid_generation(self, run: ReferenceRun, checkpointer: Any) -> None:
-        """Snapshots while the step's calls generate, until one cut a call (a few tries: a
-        snapshot that parks every episode between two calls cuts nothing). The trainer first
-        checkpoints its current weights if it has not: only an anchored snapshot is restored."""
-        run.anchor_now()
-        deadline = time.monotonic() + 10
-        while run.loop.run(run.engine.info()).active == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        for _ in range(4):
-            outcome = asyncio.run(checkpointer.snapshot_now(timeout=120))
-            cut = sum(p.counts.get("cut", 0) for p in outcome.phases)
-            self.say(
-                f"[snapshot] {outcome.seq} {outcome.status} mid-generation, {cut} calls cut "
-                f"({self.elapsed():.1f}s)"
-            )
-            # Below the prefix level nothing is cut on purpose: any published one will do.
-            if outcome.status == "published" and (cut or run.settings.restore_level != "prefix"):
-                return
-
-    def _env_fault(self, endpoints: Endpoints, checkpointer: Any) -> None:
-        """w1 answers 503 to the checkpoint protocol until a snapshot's prepare failed on it
-        (its workflow is then in ``resume``, retrying w1's resume): the other instances were
-        resumed and refuse that checkpoint id forever, so the snapshot fails (transient) and
-        the next one, once w1 answers again, publishes."""
-        url = endpoints.envs["w1"]
-        headers = {"authorization": f"Bearer {endpoints.env_token}"}
-        httpx.post(f"{url}/faults", json={"unavailable": True}, headers=headers).raise_for_status()
-        at = self.elapsed()
-        self.say(f"[fault] environment w1 fails its checkpoint calls ({at:.1f}s)")
-        outcomes: list[Any] = []
-        snapshot = threading.Thread(
-            target=lambda: outcomes.append(asyncio.run(checkpointer.snapshot_now(timeout=120)))
-        )
-        snapshot.start()
-        try:
-            asyncio.run(self._until_a_snapshot_resumes())
-        finally:
-            httpx.post(f"{url}/faults", json={}, headers=headers).raise_for_status()
-            snapshot.join()
-        failed = outcomes[0]
-        self.say(f"[snapshot] {failed.seq} {failed.status}: {failed.reason[:90]}")
-        again = asyncio.run(checkpointer.snapshot_now(timeout=120))
-        recovered = f"snapshot {failed.seq} {failed.status}; snapshot {again.seq} {again.status}"
-        self.record(
-            FaultRecord(
-                kind="env",
-                where="prepare",
-                at_s=at,
-                recovered=f"{recovered} once w1 answered again",
-                recovery_s=self.elapsed() - at,
-            )
-        )
-
-    async def _until_a_snapshot_resumes(self, timeout_s: float = 60.0) -> None:
-        from rollsafe.inspect import inspect_run
-        from rollsafe.temporal.connect import connect
-
-        client = await connect(self.temporal)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            view = await inspect_run(client, self.settings.run_id)
-            if any(snapshot.phase == "resume" for snapshot in view.snapshots):
-                return
-            await asyncio.sleep(0.1)
-
     def _recover(
         self, run: ReferenceRun, servers: RunServers, env: dict[str, str], dev: Any
     ) -> tuple[ReferenceRun, Endpoints, Any]:
         """Everything restarted and the run restored: the new run, its servers' endpoints
         and its checkpointer (the old ones point at killed processes)."""
-        from rollsafe.client import Checkpointer
-
         at = self.elapsed()
         self.crashed = True
         self.say(f"[fault] the whole run is killed mid-generation ({at:.1f}s)")
@@ -370,12 +319,7 @@ class Demo:
         self.start_worker(env)
         self.crashed = False
         restore_id = f"r-{uuid.uuid4().hex[:6]}"
-        checkpointer = Checkpointer(
-            self.settings.run_id,
-            settings=dev.settings(),
-            interval_s=self.options.interval_s,
-            max_consecutive_failures=10,
-        )
+        checkpointer = self._checkpointer(dev)
         # Only a snapshot at a weight version the trainer checkpointed can be restored.
         plan = asyncio.run(checkpointer.restore(restore_id, weight_versions=run.anchors()))
         restored = ReferenceRun(self.settings, endpoints, self.work, self.options.out, controller)

@@ -1,0 +1,108 @@
+"""How ``rollsafe demo`` plants its faults in a running run (see ``reference.rl.demo``).
+
+What reacts to them (a replaced checkpoint worker, a restarted and restored run) stays in the
+demo, which owns the processes; here are the parts that only poke the run from outside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from reference.rl.controller import Endpoints
+from reference.rl.demo_options import Fault
+from reference.rl.run import ReferenceRun
+from rollsafe.evidence import FaultRecord
+from rollsafe.temporal.connect import ConnectionSettings, connect
+
+Say = Callable[[str], None]
+Clock = Callable[[], float]  # seconds since the demo started
+
+
+def worker_fault_spec(coordinator: Fault | None) -> str | None:
+    """The ``rollsafe.faults`` spec that makes the first checkpoint worker exit in a phase."""
+    return f"worker.phase.{coordinator.where}.before:exit" if coordinator else None
+
+
+def crash_step(run_fault: Fault | None) -> int | None:
+    """The 0-based step of ``run@step<k>`` (k counts from 1, as the demo prints steps)."""
+    return int(run_fault.where[4:]) - 1 if run_fault else None
+
+
+def snapshot_mid_generation(run: ReferenceRun, checkpointer: Any, say: Say, elapsed: Clock) -> None:
+    """Snapshots while the step's calls generate, until one cut a call (a few tries: a
+    snapshot that parks every episode between two calls cuts nothing). The trainer first
+    checkpoints its current weights if it has not: only an anchored snapshot is restored."""
+    run.anchor_now()
+    deadline = time.monotonic() + 10
+    while run.loop.run(run.engine.info()).active == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for _ in range(4):
+        outcome = asyncio.run(checkpointer.snapshot_now(timeout=120))
+        cut = sum(p.counts.get("cut", 0) for p in outcome.phases)
+        say(
+            f"[snapshot] {outcome.seq} {outcome.status} mid-generation, {cut} calls cut "
+            f"({elapsed():.1f}s)"
+        )
+        # Below the prefix level nothing is cut on purpose: any published one will do.
+        if outcome.status == "published" and (cut or run.settings.restore_level != "prefix"):
+            return
+
+
+def fail_env_checkpoint_calls(
+    endpoints: Endpoints,
+    checkpointer: Any,
+    temporal: ConnectionSettings,
+    run_id: str,
+    say: Say,
+    elapsed: Clock,
+) -> FaultRecord:
+    """w1 answers 503 to the checkpoint protocol until a snapshot's prepare failed on it
+    (its workflow is then in ``resume``, retrying w1's resume): the other instances were
+    resumed and refuse that checkpoint id forever, so the snapshot fails (transient) and
+    the next one, once w1 answers again, publishes."""
+    url = endpoints.envs["w1"]
+    headers = {"authorization": f"Bearer {endpoints.env_token}"}
+    httpx.post(f"{url}/faults", json={"unavailable": True}, headers=headers).raise_for_status()
+    at = elapsed()
+    say(f"[fault] environment w1 fails its checkpoint calls ({at:.1f}s)")
+    outcomes: list[Any] = []
+    snapshot = threading.Thread(
+        target=lambda: outcomes.append(asyncio.run(checkpointer.snapshot_now(timeout=120)))
+    )
+    snapshot.start()
+    try:
+        asyncio.run(_until_a_snapshot_resumes(temporal, run_id))
+    finally:
+        httpx.post(f"{url}/faults", json={}, headers=headers).raise_for_status()
+        snapshot.join()
+    failed = outcomes[0]
+    say(f"[snapshot] {failed.seq} {failed.status}: {failed.reason[:90]}")
+    again = asyncio.run(checkpointer.snapshot_now(timeout=120))
+    recovered = f"snapshot {failed.seq} {failed.status}; snapshot {again.seq} {again.status}"
+    return FaultRecord(
+        kind="env",
+        where="prepare",
+        at_s=at,
+        recovered=f"{recovered} once w1 answered again",
+        recovery_s=elapsed() - at,
+    )
+
+
+async def _until_a_snapshot_resumes(
+    temporal: ConnectionSettings, run_id: str, timeout_s: float = 60.0
+) -> None:
+    from rollsafe.inspect import inspect_run
+
+    client = await connect(temporal)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        view = await inspect_run(client, run_id)
+        if any(snapshot.phase == "resume" for snapshot in view.snapshots):
+            return
+        await asyncio.sleep(0.1)
