@@ -125,10 +125,13 @@ def start_controller_actor(
     keep_latest_k: int = 2,
     runtime_env: dict[str, Any] | None = None,
     ray_options: Mapping[str, Any] | None = None,
+    snapshot_cache: Path | str | None = None,
 ) -> ActorHandle[ControllerService]:
     """The run's named controller actor, started if it is not running (get-if-exists: a
     second call gets the same actor and ignores its arguments). Not detached: it lives as
-    long as the Ray job that started it. ``ray_options``: further Ray actor options, e.g.
+    long as the Ray job that started it. ``snapshot_root``: a path, or an object-storage URL
+    (``s3://``, ``gs://``) whose drafts are staged under ``snapshot_cache``, a path on the
+    nodes the actor may land on. ``ray_options``: further Ray actor options, e.g.
     where it runs (``{"resources": {"head_node": 0.01}}`` or a ``scheduling_strategy``);
     its name, namespace and get-if-exists are this function's own."""
     if config.run_id != run_id:
@@ -149,8 +152,9 @@ def start_controller_actor(
         options["runtime_env"] = runtime_env
     options.update(ray_options or {})
     cls = controller_actor_class()
+    cache = None if snapshot_cache is None else str(snapshot_cache)
     handle: ActorHandle[ControllerService] = cls.options(**options).remote(
-        config, str(snapshot_root), dataplane, keep_latest_k
+        config, str(snapshot_root), dataplane, keep_latest_k, snapshot_cache=cache
     )
     return handle
 

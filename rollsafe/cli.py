@@ -29,7 +29,9 @@ scenario_app = typer.Typer(
     no_args_is_help=True, help="Replay scenario files against the real controller."
 )
 app.add_typer(scenario_app, name="scenario")
-snapshot_app = typer.Typer(no_args_is_help=True, help="Inspect a run's snapshots on disk.")
+snapshot_app = typer.Typer(
+    no_args_is_help=True, help="Inspect a run's snapshots (a directory or object storage)."
+)
 app.add_typer(snapshot_app, name="snapshots")
 
 
@@ -70,22 +72,32 @@ def scenario_run(
     sys.stdout.write(report.model_dump_json() + "\n")
 
 
+SNAPSHOT_ROOT_HELP = (
+    "snapshot root: a directory (holds <run_id>/snapshots/) or object storage "
+    "(s3://bucket/prefix, gs://bucket/prefix; file:// is a directory)"
+)
+
+
 @snapshot_app.command("list")
 def snapshots_list(
-    root: Annotated[Path, typer.Argument(help="snapshot root (holds <run_id>/snapshots/)")],
+    root: Annotated[str, typer.Argument(help=SNAPSHOT_ROOT_HELP)],
     run: Annotated[str, typer.Option("--run", help="run id")],
     verify: Annotated[bool, typer.Option(help="hash every file of every snapshot")] = True,
 ) -> None:
-    """Every snapshot directory of RUN, newest first, with its state and why it would not
-    be restored. Exit 0 when at least one snapshot verifies, 1 when none does."""
+    """Every snapshot of RUN, newest first, with its state and why it would not be restored.
+    On object storage each one is downloaded to a temporary directory to be verified (and
+    nothing is written to the bucket). Exit 0 when at least one snapshot verifies, 1 when
+    none does, 2 when the root cannot be read."""
     from rich.console import Console
     from rich.table import Table
 
-    from rollsafe.snapshot import EntryState, SnapshotStore
+    from rollsafe.snapshot import EntryState
+    from rollsafe.snapshot.location import open_snapshot_store
 
     try:
-        store = SnapshotStore(root, run)
-        entries = store.list(verify=verify)
+        with tempfile.TemporaryDirectory(prefix="rollsafe-snapshots-") as cache:
+            store = open_snapshot_store(root, run, cache_dir=cache)
+            entries = store.list(verify=verify)
     except RollsafeError as exc:
         _fail(exc, 2)
     table = Table("snapshot", "state", "checkpoint", "weight", "loader", "files", "reason")
@@ -352,11 +364,9 @@ def inspect_command(
 @app.command("ls")
 def ls_command(
     run: Annotated[str, typer.Argument(help="run id")],
-    root: Annotated[
-        Path, typer.Option(envvar="ROLLSAFE_SNAPSHOT_ROOT", help="snapshot root directory")
-    ],
+    root: Annotated[str, typer.Option(envvar="ROLLSAFE_SNAPSHOT_ROOT", help=SNAPSHOT_ROOT_HELP)],
 ) -> None:
-    """The run's snapshots on disk, each verified (same as `rollsafe snapshots list`)."""
+    """The run's snapshots, each verified (same as `rollsafe snapshots list`)."""
     snapshots_list(root, run)
 
 

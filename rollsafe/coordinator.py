@@ -9,7 +9,8 @@ re-opening finds the open draft, re-closing finds the gate closed, re-capturing 
 capture done. ``effects`` counts real side effects per phase so tests can prove "once".
 
 The draft lives only in this process (the Ray actor outlives checkpoint workers). A publish
-that finds no draft looks the snapshot up on disk: an earlier attempt may have published it.
+that finds no draft looks the snapshot up in the store (on disk, or in the bucket, whatever
+this host's cache holds): an earlier attempt may have published it.
 
 Plain Python, no Ray: :mod:`rollsafe.actor` wraps this class in a one-line actor.
 """
@@ -18,17 +19,26 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
-
-from pydantic import BaseModel, ConfigDict
 
 from rollsafe import metrics
-from rollsafe.controller import Captured, Controller
+from rollsafe.checkpoint_state import (
+    ABORT,
+    KEEP_CHECKPOINTS,
+    AwaitingRestore,
+    CheckpointRecord,
+    CheckpointRefused,
+    OpenCheckpoint,
+    OpsStatus,
+    SnapshotLost,
+    phase_result,
+    published_info,
+)
+from rollsafe.controller import Controller
 from rollsafe.dataplane import make_dataplane
 from rollsafe.engine.staging import drop_staged
-from rollsafe.errors import InvalidInput, TransientError
+from rollsafe.errors import InvalidInput
 from rollsafe.faults import fault_point
-from rollsafe.gate import AdmissionGate, GateCounters
+from rollsafe.gate import AdmissionGate
 from rollsafe.participant_phases import NOTHING_TO_DO, ParticipantPhases
 from rollsafe.participants import ENVS_DIR, RECORD_FILE, Participants
 from rollsafe.phases import (
@@ -36,72 +46,11 @@ from rollsafe.phases import (
     Phase,
     PhaseRequest,
     PhaseResult,
-    PublishedSnapshotInfo,
     RestorePlan,
     RestoreRequest,
     SnapshotSpec,
 )
-from rollsafe.snapshot import (
-    PublishedSnapshot,
-    SnapshotDraft,
-    SnapshotStore,
-    accept_weight_versions,
-    verify_snapshot,
-)
-
-ABORT = "abort"  # the key of abort's lock and effect counter, beside the phases
-_KEEP_CHECKPOINTS = 16  # stored results kept for this many recent checkpoint ids
-
-
-class SnapshotLost(TransientError):
-    """This checkpoint's draft is gone or unusable here: the snapshot must start again from
-    ``open`` under a new seq. Transient, so the supervisor counts it as such."""
-
-
-class AwaitingRestore(TransientError):
-    """A controller started to be restored takes no snapshot until it is: a snapshot of its
-    empty state would become the newest one and hide the run's real state from the restore."""
-
-
-class CheckpointRefused(InvalidInput):
-    """A phase the checkpoint may not run: another checkpoint is open, or this one was
-    already aborted or resumed. Retrying cannot help."""
-
-
-class OpsStatus(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    run_id: str
-    open_checkpoint: str | None
-    gate_open: bool
-    gate_holder: str | None
-    gate: GateCounters
-    effects: dict[str, int]  # phase (or "abort") -> side effects performed
-    done: dict[str, list[str]]  # recent checkpoint id -> phases with a stored result
-
-
-@dataclass
-class _Open:
-    spec: SnapshotSpec
-    draft: SnapshotDraft
-    lock: threading.Lock = field(default_factory=threading.Lock)  # who may touch the draft
-    captured: Captured | None = None
-    broken: str | None = None  # why the draft can no longer be published
-
-
-@dataclass
-class _Record:
-    seq: int
-    results: dict[Phase, PhaseResult] = field(default_factory=dict)
-    # One lock per phase, not per checkpoint: a duplicate attempt waits for the first, but
-    # resume never waits behind a long phase of its own checkpoint.
-    locks: dict[str, threading.Lock] = field(
-        default_factory=lambda: {key: threading.Lock() for key in (*PHASES, ABORT)}
-    )
-    # Resumed or aborted: it may never open or close the gate again (checked and set under
-    # _meta, so a late duplicate attempt cannot slip in between).
-    resumed: bool = False
-    aborted: PhaseResult | None = None
+from rollsafe.snapshot import PublishedSnapshot, SnapshotStore, accept_weight_versions
 
 
 class CheckpointOps:
@@ -133,8 +82,8 @@ class CheckpointOps:
             else None
         )
         self._meta = threading.RLock()  # held briefly: guards the fields below
-        self._open: _Open | None = None
-        self._records: OrderedDict[str, _Record] = OrderedDict()
+        self._open: OpenCheckpoint | None = None
+        self._records: OrderedDict[str, CheckpointRecord] = OrderedDict()
         self.effects: dict[str, int] = {str(key): 0 for key in (*PHASES, ABORT)}
         self._restores: dict[str, RestorePlan] = {}
         metrics.configure_metrics()  # where the instruments record: OTEL_METRICS_EXPORTER
@@ -181,12 +130,12 @@ class CheckpointOps:
                     self._open = None
             discarded = "draft discarded" if entry else "no draft to discard"
             self._effect(ABORT, entry is not None or change.changed)
-            record.aborted = self._result(
+            record.aborted = phase_result(
                 spec, Phase.RESUME, f"aborted: {discarded}; {resumed}admission {change.detail}"
             )
             return record.aborted
 
-    def _run(self, spec: SnapshotSpec, phase: Phase, record: _Record) -> PhaseResult:
+    def _run(self, spec: SnapshotSpec, phase: Phase, record: CheckpointRecord) -> PhaseResult:
         cid = spec.checkpoint_id
         if phase is Phase.OPEN:
             return self._open_draft(spec, record)
@@ -200,7 +149,7 @@ class CheckpointOps:
                     change = self.gate.open(cid)
                 metrics.admission_reopened(spec.run_id, cid, change)
                 self._effect(phase, change.changed)
-            return self._result(spec, phase, f"{resumed}admission {change.detail}")
+            return phase_result(spec, phase, f"{resumed}admission {change.detail}")
         if phase is Phase.PUBLISH:
             return self._publish(spec, self._entry(cid))
         if phase is Phase.CLOSE_ADMISSION:
@@ -213,22 +162,22 @@ class CheckpointOps:
                 change = self.gate.close(cid)
             metrics.admission_closed(spec.run_id, cid, change)
             self._effect(phase, change.changed)
-            return self._result(spec, phase, f"admission {change.detail}")
+            return phase_result(spec, phase, f"admission {change.detail}")
         entry = self._require_open(spec)
         if phase is Phase.CAPTURE:
             return self._capture(spec, entry)
         if self.participants is None:
-            return self._result(spec, phase, NOTHING_TO_DO[phase])
+            return phase_result(spec, phase, NOTHING_TO_DO[phase])
         return self._participant_phase(spec, phase, entry, self.participants)
 
     def _participant_phase(
-        self, spec: SnapshotSpec, phase: Phase, entry: _Open, participants: Participants
+        self, spec: SnapshotSpec, phase: Phase, entry: OpenCheckpoint, participants: Participants
     ) -> PhaseResult:
         phases = self._phases
         assert phases is not None  # made with the participants
         if phase is not Phase.COMMIT_ENVS:
             summary, counts = phases.run(spec, phase)
-            return self._result(spec, phase, summary, counts)
+            return phase_result(spec, phase, summary, counts)
         with entry.lock:  # COMMIT_ENVS writes into the draft
             self._check_usable(entry)
             committed = participants.commit(spec.checkpoint_id, entry.draft.path, phases.level_of)
@@ -236,7 +185,7 @@ class CheckpointOps:
                 entry.draft.record(ENVS_DIR)
                 entry.draft.write_json(RECORD_FILE, committed)
         episodes = sum(len(c.committed) for c in committed.committed.instances.values())
-        return self._result(
+        return phase_result(
             spec, phase, f"{episodes} episodes committed", {"committed_episodes": episodes}
         )
 
@@ -245,7 +194,7 @@ class CheckpointOps:
             return ""
         return self.participants.resume(checkpoint_id, self.controller.dataplane) + "; "
 
-    def _open_draft(self, spec: SnapshotSpec, record: _Record) -> PhaseResult:
+    def _open_draft(self, spec: SnapshotSpec, record: CheckpointRecord) -> PhaseResult:
         cid = spec.checkpoint_id
         with self._meta:
             if self._awaiting_restore:
@@ -262,11 +211,13 @@ class CheckpointOps:
                     "is still open (publish or abort it first)"
                 )
             if current is None:
-                current = self._open = _Open(spec, self.store.begin(spec.kind, cid, spec.seq))
+                current = self._open = OpenCheckpoint(
+                    spec, self.store.begin(spec.kind, cid, spec.seq)
+                )
                 self._effect(Phase.OPEN, True)
-        return self._result(spec, Phase.OPEN, f"draft {current.draft.path.name} open")
+        return phase_result(spec, Phase.OPEN, f"draft {current.draft.path.name} open")
 
-    def _capture(self, spec: SnapshotSpec, entry: _Open) -> PhaseResult:
+    def _capture(self, spec: SnapshotSpec, entry: OpenCheckpoint) -> PhaseResult:
         with entry.lock, self.barrier:
             self._check_usable(entry)
             if entry.captured is None:
@@ -282,9 +233,9 @@ class CheckpointOps:
                 self._effect(Phase.CAPTURE, True)
         counts = entry.captured.counts
         summary = f"captured {counts['groups']} groups, {counts['sealed_rollouts']} sealed rollouts"
-        return self._result(spec, Phase.CAPTURE, summary, counts)
+        return phase_result(spec, Phase.CAPTURE, summary, counts)
 
-    def _publish(self, spec: SnapshotSpec, entry: _Open | None) -> PhaseResult:
+    def _publish(self, spec: SnapshotSpec, entry: OpenCheckpoint | None) -> PhaseResult:
         published: PublishedSnapshot | None = None
         if entry is not None:
             with entry.lock:
@@ -308,26 +259,25 @@ class CheckpointOps:
             published = self._find_published(spec)
         if entry is not None:  # this process wrote the draft (also if a failed try renamed it)
             metrics.record_capture_bytes(spec.run_id, published.manifest)
-        info = _info(published)
+        info = published_info(published)
         how = "reused the earlier publish of" if published.reused else "published"
-        return self._result(spec, Phase.PUBLISH, f"{how} {info.name}", info.counts, info)
+        return phase_result(spec, Phase.PUBLISH, f"{how} {info.name}", info.counts, info)
 
     def _find_published(self, spec: SnapshotSpec) -> PublishedSnapshot:
-        """The snapshot an earlier attempt published for this checkpoint, read-only."""
-        for candidate in self.store.list(verify=False):
-            if candidate.seq != spec.seq:
-                continue
-            manifest, digest = verify_snapshot(candidate.path, self.store.run_id)
-            if manifest.checkpoint_id != spec.checkpoint_id:
-                raise CheckpointRefused(
-                    f"seq {spec.seq} is published as {candidate.name} by checkpoint "
-                    f"{manifest.checkpoint_id}, not {spec.checkpoint_id}"
-                )
-            return PublishedSnapshot(candidate.path, manifest, digest, reused=True)
-        raise SnapshotLost(
-            f"checkpoint {spec.checkpoint_id}: no draft here (the controller restarted?) and "
-            f"seq {spec.seq} is not published: take the snapshot again"
-        )
+        """The snapshot an earlier attempt published for this checkpoint, verified where it
+        lives (on disk, or downloaded from object storage: the local cache may be gone)."""
+        published = self.store.verify_published(spec.seq)
+        if published is None:
+            raise SnapshotLost(
+                f"checkpoint {spec.checkpoint_id}: no draft here (the controller restarted?) "
+                f"and seq {spec.seq} is not published: take the snapshot again"
+            )
+        if published.manifest.checkpoint_id != spec.checkpoint_id:
+            raise CheckpointRefused(
+                f"seq {spec.seq} is published as {published.name} by checkpoint "
+                f"{published.manifest.checkpoint_id}, not {spec.checkpoint_id}"
+            )
+        return published
 
     def restore(self, request: RestoreRequest) -> RestorePlan:
         """Replace this controller's state with the newest snapshot that verifies (under the
@@ -397,25 +347,25 @@ class CheckpointOps:
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _record(self, spec: SnapshotSpec) -> _Record:
+    def _record(self, spec: SnapshotSpec) -> CheckpointRecord:
         if spec.run_id != self.store.run_id:
             raise InvalidInput(f"checkpoint {spec.checkpoint_id} is not of run {self.store.run_id}")
         cid = spec.checkpoint_id
         with self._meta:
-            record = self._records.setdefault(cid, _Record(spec.seq))
+            record = self._records.setdefault(cid, CheckpointRecord(spec.seq))
             self._records.move_to_end(cid)
             open_cid = self._open.spec.checkpoint_id if self._open else None
             for old in [c for c in self._records if c not in (cid, open_cid)]:
-                if len(self._records) <= _KEEP_CHECKPOINTS:
+                if len(self._records) <= KEEP_CHECKPOINTS:
                     break
                 del self._records[old]
             return record
 
-    def _entry(self, cid: str) -> _Open | None:
+    def _entry(self, cid: str) -> OpenCheckpoint | None:
         with self._meta:
             return self._open if self._open and self._open.spec.checkpoint_id == cid else None
 
-    def _require_open(self, spec: SnapshotSpec) -> _Open:
+    def _require_open(self, spec: SnapshotSpec) -> OpenCheckpoint:
         entry = self._entry(spec.checkpoint_id)
         if entry is None:
             raise SnapshotLost(
@@ -424,7 +374,7 @@ class CheckpointOps:
             )
         return entry
 
-    def _check_usable(self, entry: _Open) -> None:
+    def _check_usable(self, entry: OpenCheckpoint) -> None:
         if entry.broken is not None:
             raise SnapshotLost(
                 f"checkpoint {entry.spec.checkpoint_id}: {entry.broken}: take the snapshot again"
@@ -434,33 +384,3 @@ class CheckpointOps:
         if happened:
             with self._meta:
                 self.effects[key] += 1
-
-    def _result(
-        self,
-        spec: SnapshotSpec,
-        phase: Phase,
-        summary: str,
-        counts: dict[str, int] | None = None,
-        published: PublishedSnapshotInfo | None = None,
-    ) -> PhaseResult:
-        cid = spec.checkpoint_id
-        return PhaseResult(
-            phase=phase,
-            checkpoint_id=cid,
-            summary=summary,
-            counts=counts or {},
-            published=published,
-        )
-
-
-def _info(published: PublishedSnapshot) -> PublishedSnapshotInfo:
-    manifest = published.manifest
-    return PublishedSnapshotInfo(
-        name=published.name,
-        path=str(published.path),
-        checkpoint_id=manifest.checkpoint_id,
-        manifest_sha256=published.manifest_sha256,
-        weight_version=manifest.weight_version,
-        loader_position=manifest.loader_position,
-        counts=dict(manifest.counts),
-    )

@@ -38,7 +38,7 @@ class DoctorReport(BaseModel):
 async def run_doctor(
     *,
     ray_address: str | None = None,
-    snapshot_root: Path | None = None,
+    snapshot_root: Path | str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     max_skew_s: float = DEFAULT_MAX_SKEW_S,
     settings: ConnectionSettings | None = None,
@@ -48,7 +48,7 @@ async def run_doctor(
     rows = await temporal_checks(timeout_s=timeout_s, max_skew_s=max_skew_s, settings=settings)
     # Socket connects and fsyncs block: off the loop, so nothing else on it stalls.
     rows.append(await asyncio.to_thread(check_ray, ray_address, timeout_s))
-    rows.append(await asyncio.to_thread(check_storage, snapshot_root))
+    rows.append(await asyncio.to_thread(check_storage, snapshot_root, timeout_s))
     return DoctorReport.of(rows)
 
 
@@ -75,11 +75,12 @@ def register_doctor_command(app: typer.Typer) -> None:
             ),
         ] = None,
         snapshot_root: Annotated[
-            Path | None,
+            str | None,
             typer.Option(
                 envvar="ROLLSAFE_SNAPSHOT_ROOT",
-                help="snapshot root to probe (created and removed again if missing; without: "
-                "skipped)",
+                help="snapshot root to probe: a directory (created and removed again if "
+                "missing) or s3://bucket/prefix, gs://bucket/prefix (a probe object under "
+                ".rollsafe-doctor/, deleted again); without: skipped",
             ),
         ] = None,
         max_skew_s: Annotated[
@@ -93,7 +94,8 @@ def register_doctor_command(app: typer.Typer) -> None:
         """Verify a deployment: Temporal (found as `rollsafe worker` finds it: TEMPORAL_ADDRESS,
         TEMPORAL_NAMESPACE, TLS and API-key variables, or a temporal config profile) answers,
         its namespace exists, rollsafe's search attributes are registered, its clock agrees
-        with this machine's; Ray answers; the snapshot root takes an atomic publish.
+        with this machine's; Ray answers; the snapshot root (a directory or a bucket) takes
+        an atomic publish.
 
         Exit 0: no check FAILED (skipped ones are fine). 1: a check FAILED (named, with its fix).
         """

@@ -1,5 +1,5 @@
 """``rollsafe doctor``'s findings, and the checks that need no Temporal: Ray and the snapshot
-store's disk. The Temporal checks are in :mod:`rollsafe.doctor_temporal`.
+store's disk or bucket. The Temporal checks are in :mod:`rollsafe.doctor_temporal`.
 
 Every check returns one :class:`DoctorCheck` and never raises: a deployment problem is a
 finding, named with the command or setting that fixes it.
@@ -7,6 +7,7 @@ finding, named with the command or setting that fixes it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib
 import os
@@ -21,11 +22,14 @@ from pydantic import BaseModel, ConfigDict
 
 from rollsafe.errors import InvalidInput
 from rollsafe.snapshot import _fs
+from rollsafe.snapshot import _objects as objects
+from rollsafe.snapshot.location import parse_location
 
 RAY = "Ray reachable"
 STORAGE = "snapshot storage"
 _GIB = 1 << 30
 _PROBE_BYTES = b"rollsafe doctor probe\n"
+DOCTOR_PREFIX = ".rollsafe-doctor"  # object storage: probe objects live (briefly) under it
 
 
 class Status(StrEnum):
@@ -171,13 +175,22 @@ def storage_fix(path: Path, error: OSError) -> str:
     return f"check that {path} is a writable local or network filesystem (permissions, mount)"
 
 
-def check_storage(root: Path | None) -> DoctorCheck:
-    """The primitives the snapshot store publishes with, tried in a probe directory under
-    ``root`` and removed again: create the root, flock a directory, write + fsync + read back,
-    rename a directory (a draft's commit point), replace a file atomically (``LATEST``)."""
-    if root is None:
+def check_storage(
+    location: Path | str | None,
+    timeout_s: float | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> DoctorCheck:
+    """The primitives the snapshot store publishes with. A directory (or file:// URL): tried
+    in a probe directory under it and removed again: create the root, flock a directory,
+    write + fsync + read back, rename a directory (a draft's commit point), replace a file
+    atomically (``LATEST``). Object storage: :func:`check_object_storage`, each call bounded
+    by ``timeout_s`` (None: the store's own limit)."""
+    if location is None:
         return skipped(STORAGE, "no --snapshot-root or ROLLSAFE_SNAPSHOT_ROOT given")
-    root = root.expanduser().absolute()
+    where = parse_location(location)
+    if isinstance(where, str):
+        return check_object_storage(where, timeout_s, storage_options)
+    root = where.expanduser().absolute()
     created = _missing_dirs(root)
     try:
         _fs.make_dirs_durable(root)
@@ -198,6 +211,95 @@ def check_storage(root: Path | None) -> DoctorCheck:
     made = " (did not exist: created and removed again)" if created else ""
     free = f"{usage.free / _GIB:.1f} GiB free of {usage.total / _GIB:.1f} GiB"
     return ok(STORAGE, f"{root}{made}: flock, write + fsync, rename, atomic replace ok; {free}")
+
+
+def check_object_storage(
+    url: str, timeout_s: float | None = None, storage_options: dict[str, Any] | None = None
+) -> DoctorCheck:
+    """What publishing to object storage relies on, tried on one probe object under
+    ``<url>/.rollsafe-doctor/`` and deleted again: a conditional create, read back, listed,
+    a second conditional create of the same key refused (the property that lets exactly one
+    publisher commit a seq's manifest and ``LATEST`` pointer), delete. Credentials and the
+    endpoint come from the environment, as for the store (AWS_*, GOOGLE_*)."""
+    try:
+        fs, base = objects.open_filesystem(url, storage_options)
+    except InvalidInput as exc:
+        return failed(
+            STORAGE,
+            str(exc),
+            "use s3://bucket/prefix, gs://bucket/prefix or a directory, with "
+            "`pip install 'rollsafe[object-storage]'` on every machine that runs the controller",
+        )
+    folder = f"{base}/{DOCTOR_PREFIX}"
+    probe = f"{folder}/probe-{_fs.token()}"
+    step, created = "create of a probe object", False
+    try:
+        created = objects.create_exclusive(fs, probe, _PROBE_BYTES, timeout_s=timeout_s)
+        step = "read back"
+        if objects.read_object(fs, probe, timeout_s=timeout_s) != _PROBE_BYTES:
+            return failed(
+                STORAGE,
+                f"{url}: {probe} read back differs from what was written",
+                "check the endpoint: a proxy or cache in front of the store?",
+            )
+        step = "listing"
+        if probe.rsplit("/", 1)[-1] not in objects.list_names(fs, folder, timeout_s=timeout_s):
+            return failed(
+                STORAGE,
+                f"{url}: {probe} was written but is not listed under {folder}",
+                "grant list permission on the prefix (s3:ListBucket); listings must be "
+                "consistent with writes",
+            )
+        step = "conditional create of an existing object"
+        refused = not objects.create_exclusive(fs, probe, b"second\n", timeout_s=timeout_s)
+        step = "delete"
+        objects.remove_objects(fs, [probe], timeout_s=timeout_s)
+        created = False
+    except objects.ObjectStoreUnavailable as exc:
+        return failed(STORAGE, f"{url}: {step} failed: {exc}", _object_fix(url, base, exc))
+    finally:
+        if created:  # a check failed part-way: leave nothing behind if the store lets us
+            _remove_quietly(fs, probe, timeout_s)
+    if not refused:
+        return failed(
+            STORAGE,
+            f"{url}: a conditional create (If-None-Match: *) of an existing object was "
+            "accepted and overwrote it",
+            "publishing needs conditional writes, else two publishers of one seq can both "
+            "commit: use AWS S3, GCS or an S3-compatible server that answers 412 to "
+            "If-None-Match: * (check its version), or a shared directory",
+        )
+    return ok(
+        STORAGE,
+        f"{url}: conditional create, read back, list, second create refused, delete ok "
+        f"(under {DOCTOR_PREFIX}/)",
+    )
+
+
+def _remove_quietly(fs: Any, path: str, timeout_s: float | None) -> None:
+    # The finding already names the first problem; this one would only hide it.
+    with contextlib.suppress(objects.ObjectStoreUnavailable):
+        objects.remove_objects(fs, [path], timeout_s=timeout_s)
+
+
+def _object_fix(url: str, base: str, error: objects.ObjectStoreUnavailable) -> str:
+    cause = error.__cause__
+    bucket = base.split("/", 1)[0]
+    if isinstance(cause, FileNotFoundError):
+        return (
+            f"bucket {bucket!r} does not exist (or the endpoint is another service's): "
+            f"create it, or correct the URL {url}"
+        )
+    if isinstance(cause, PermissionError):
+        return (
+            f"the credentials in use may not write under {url}: grant list, get, put and "
+            "delete on the prefix (s3:ListBucket, s3:GetObject, s3:PutObject, "
+            "s3:DeleteObject), or set the right AWS_* / GOOGLE_APPLICATION_CREDENTIALS"
+        )
+    return (
+        "check the endpoint (AWS_ENDPOINT_URL for an S3-compatible server), the network to "
+        "it and the credentials (AWS_* variables, profile or role; Google ADC)"
+    )
 
 
 def _probe(root: Path) -> bool:

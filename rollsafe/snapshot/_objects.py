@@ -19,8 +19,11 @@ import errno
 import hashlib
 import os
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from rollsafe.errors import InvalidInput, TransientError
@@ -37,11 +40,49 @@ SCHEMES: dict[str, tuple[str, str | None]] = {
 }
 _CHUNK = 1 << 20
 _MEMORY_CREATE = threading.Lock()  # memory:// checks then creates: make that one step
+# Every object-store call is bounded. One that never returns (a black-holed connection:
+# botocore's read timeout does not cover a stalled upload; memory:// and file:// have no
+# timeout at all) would otherwise hold the controller's publish lock for good: the Temporal
+# activity's start_to_close_timeout (workflows/models.py PhaseOptions, 600 s) ends the
+# attempt, not the call, so every retry of publish would queue behind it until the snapshot
+# failed. A call gets OBJECT_TIMEOUT_S plus time for its bytes at MIN_BYTES_PER_S; past that
+# it is abandoned (its thread left to finish or die) and ObjectStoreUnavailable, a transient
+# error, makes Temporal retry the phase. A late finish is harmless: an upload writes the same
+# bytes again, and every commit is a conditional create that a retry re-checks.
+OBJECT_TIMEOUT_S = 60.0
+MIN_BYTES_PER_S = 4 << 20
+T = TypeVar("T")
 
 
 class ObjectStoreUnavailable(TransientError):
     """The object store did not answer or refused a request for a reason that may pass
-    (a network error, throttling, S3's 409 ConditionalRequestConflict)."""
+    (a network error, throttling, S3's 409 ConditionalRequestConflict, no answer in time)."""
+
+
+def bounded(
+    what: str, call: Callable[[], T], *, size: int = 0, timeout_s: float | None = None
+) -> T:
+    """``call()`` in a daemon thread, given ``timeout_s`` (None: OBJECT_TIMEOUT_S) plus
+    ``size`` bytes at MIN_BYTES_PER_S; ObjectStoreUnavailable naming ``what`` when it has not
+    returned by then. Its own exceptions are raised here unchanged."""
+    limit = (OBJECT_TIMEOUT_S if timeout_s is None else timeout_s) + size / MIN_BYTES_PER_S
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call())
+        except BaseException as exc:  # handed to the caller's thread
+            future.set_exception(exc)
+
+    thread = threading.Thread(target=run, name="rollsafe-object-call", daemon=True)
+    thread.start()
+    thread.join(limit)
+    if not future.done():
+        raise ObjectStoreUnavailable(
+            f"{what}: no answer from the object store within {limit:g} s (a hung connection?); "
+            "abandoned, retry"
+        )
+    return future.result()
 
 
 def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
@@ -74,12 +115,13 @@ def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
     return fs, root
 
 
-def create_exclusive(fs: Any, path: str, data: bytes) -> bool:
+def create_exclusive(fs: Any, path: str, data: bytes, *, timeout_s: float | None = None) -> bool:
     """Create object ``path`` holding ``data`` only if nothing exists there, atomically.
     True when this call created it; False when an object was already there (another writer
     won, or an earlier attempt of this one: callers compare the content)."""
     protocol = _protocol(fs)
-    try:
+
+    def create() -> None:
         if protocol == "memory":
             with _MEMORY_CREATE:
                 fs.pipe_file(path, data, mode="create")
@@ -87,6 +129,9 @@ def create_exclusive(fs: Any, path: str, data: bytes) -> bool:
             _create_local(Path(path), data)
         else:  # s3fs and gcsfs send the service's own precondition with mode="create"
             fs.pipe_file(path, data, mode="create")
+
+    try:
+        bounded(f"conditional create of {path}", create, size=len(data), timeout_s=timeout_s)
     except FileExistsError:
         return False
     except OSError as exc:
@@ -124,45 +169,70 @@ def _protocol(fs: Any) -> str:
 
 def upload_verified(fs: Any, local: Path, remote: str, entry: FileEntry, *, reread: bool) -> None:
     """Upload one file and check the object: its size always, its sha256 when ``reread``."""
-    try:
+
+    def put() -> int:
         if _protocol(fs) == "file":  # the others have no directories to make
             fs.makedirs(fs._parent(remote), exist_ok=True)
         fs.put_file(str(local), remote)
         fs.invalidate_cache(remote)
-        size = fs.info(remote)["size"]
+        return int(fs.info(remote)["size"])
+
+    try:
+        size = bounded(f"upload of {remote}", put, size=entry.bytes)
     except OSError as exc:
         raise ObjectStoreUnavailable(f"upload of {remote} failed: {exc}") from exc
     if size != entry.bytes:
         raise ObjectStoreUnavailable(f"{remote}: uploaded {size} bytes, expected {entry.bytes}")
-    if reread and hash_object(fs, remote).sha256 != entry.sha256:
+    if reread and hash_object(fs, remote, size=size).sha256 != entry.sha256:
         raise ObjectStoreUnavailable(f"{remote}: read back with a different sha256")
 
 
-def hash_object(fs: Any, path: str) -> FileEntry:
-    digest = hashlib.sha256()
-    size = 0
-    with fs.open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-    return FileEntry(sha256=digest.hexdigest(), bytes=size)
+def hash_object(fs: Any, path: str, *, size: int = 0) -> FileEntry:
+    """sha256 and size of object ``path`` (``size``: what it is expected to hold, for the
+    time limit)."""
+
+    def read() -> FileEntry:
+        digest = hashlib.sha256()
+        total = 0
+        with fs.open(path, "rb") as handle:
+            while chunk := handle.read(_CHUNK):
+                digest.update(chunk)
+                total += len(chunk)
+        return FileEntry(sha256=digest.hexdigest(), bytes=total)
+
+    try:
+        return bounded(f"read back of {path}", read, size=size)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ObjectStoreUnavailable(f"read back of {path} failed: {exc}") from exc
 
 
-def read_object(fs: Any, path: str) -> bytes | None:
+def read_object(fs: Any, path: str, *, timeout_s: float | None = None) -> bytes | None:
     """The bytes of ``path``, None when there is no such object."""
     try:
-        return bytes(fs.cat_file(path))
+        return bytes(bounded(f"read of {path}", lambda: fs.cat_file(path), timeout_s=timeout_s))
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise ObjectStoreUnavailable(f"read of {path} failed: {exc}") from exc
 
 
-def list_names(fs: Any, prefix: str) -> list[str]:
+def exists(fs: Any, path: str) -> bool:
+    fs.invalidate_cache(path)
+    try:
+        return bool(bounded(f"lookup of {path}", lambda: fs.exists(path)))
+    except OSError as exc:
+        raise ObjectStoreUnavailable(f"lookup of {path} failed: {exc}") from exc
+
+
+def list_names(fs: Any, prefix: str, *, timeout_s: float | None = None) -> list[str]:
     """Base names directly under ``prefix`` (objects and prefixes); [] when there is none."""
     fs.invalidate_cache(prefix)
     try:
-        paths = fs.ls(prefix, detail=False)
+        paths = bounded(
+            f"listing {prefix}", lambda: fs.ls(prefix, detail=False), timeout_s=timeout_s
+        )
     except FileNotFoundError:
         return []
     except OSError as exc:
@@ -172,22 +242,31 @@ def list_names(fs: Any, prefix: str) -> list[str]:
 
 def find_objects(fs: Any, prefix: str) -> list[str]:
     """Every object under ``prefix``, as paths relative to it."""
+    return sorted(object_sizes(fs, prefix))
+
+
+def object_sizes(fs: Any, prefix: str) -> dict[str, int]:
+    """Every object under ``prefix`` (as a path relative to it) and its size in bytes."""
     fs.invalidate_cache(prefix)
     try:
-        paths = fs.find(prefix, detail=False)
+        found = bounded(f"listing {prefix}", lambda: fs.find(prefix, detail=True))
     except FileNotFoundError:
-        return []
+        return {}
     except OSError as exc:
         raise ObjectStoreUnavailable(f"listing {prefix} failed: {exc}") from exc
     base = prefix.rstrip("/") + "/"
-    return sorted(str(p)[len(base) :] for p in paths if str(p).startswith(base))
+    return {
+        str(p)[len(base) :]: int(info.get("size") or 0)
+        for p, info in found.items()
+        if str(p).startswith(base)
+    }
 
 
-def remove_objects(fs: Any, paths: list[str]) -> None:
+def remove_objects(fs: Any, paths: list[str], *, timeout_s: float | None = None) -> None:
     """Delete objects one by one in the given order; ones already gone are fine."""
     for path in paths:
         try:
-            fs.rm_file(path)
+            bounded(f"delete of {path}", partial(fs.rm_file, path), timeout_s=timeout_s)
         except FileNotFoundError:
             continue
         except OSError as exc:
@@ -196,10 +275,11 @@ def remove_objects(fs: Any, paths: list[str]) -> None:
             fs.invalidate_cache(path)
 
 
-def download(fs: Any, remote: str, local: Path) -> None:
+def download(fs: Any, remote: str, local: Path, *, size: int = 0) -> None:
+    """Download object ``remote`` (expected to hold ``size`` bytes, for the time limit)."""
     local.parent.mkdir(parents=True, exist_ok=True)
     try:
-        fs.get_file(remote, str(local))
+        bounded(f"download of {remote}", lambda: fs.get_file(remote, str(local)), size=size)
     except FileNotFoundError:
         raise
     except OSError as exc:
@@ -207,13 +287,18 @@ def download(fs: Any, remote: str, local: Path) -> None:
 
 
 __all__ = [
+    "MIN_BYTES_PER_S",
+    "OBJECT_TIMEOUT_S",
     "SCHEMES",
     "ObjectStoreUnavailable",
+    "bounded",
     "create_exclusive",
     "download",
+    "exists",
     "find_objects",
     "hash_object",
     "list_names",
+    "object_sizes",
     "open_filesystem",
     "read_object",
     "remove_objects",

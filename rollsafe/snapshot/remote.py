@@ -14,8 +14,9 @@ Object stores have neither rename nor a lock, so every commit is a conditional c
 exactly one gets the claim, so only one uploads, and exactly one manifest and one ``LATEST``
 entry exist per seq. ``LATEST`` is a set of immutable pointers (a single object cannot be
 replaced conditionally through fsspec); the newest one is the pointer, so it never goes
-backwards. A snapshot without ``manifest.json`` is invisible: a publish that died before it
-left only unreferenced objects, which retention deletes once older snapshots are kept.
+backwards (the claims and pointers are :mod:`rollsafe.snapshot._pointers`). A snapshot without
+``manifest.json`` is invisible: a publish that died before it left only unreferenced objects,
+which retention deletes once older snapshots are kept.
 
 Reading downloads a snapshot into ``<cache_dir>/<run_id>/snapshots/<name>`` and verifies it
 with the POSIX code (:func:`verify_snapshot`); the returned :class:`SnapshotReader` is the
@@ -27,22 +28,19 @@ from __future__ import annotations
 import builtins
 import os
 from pathlib import Path
-from typing import Any, Final, Literal
-
-from pydantic import BaseModel, ConfigDict, ValidationError
+from typing import Any
 
 from rollsafe.errors import InvalidInput, NoValidSnapshot, SchemaMismatch, SnapshotCorrupt
 from rollsafe.snapshot import _fs
 from rollsafe.snapshot import _objects as objects
+from rollsafe.snapshot import _pointers as pointers
 from rollsafe.snapshot.draft import SnapshotDraft
 from rollsafe.snapshot.manifest import (
     MANIFEST_NAME,
     LatestPointer,
     SnapshotManifest,
-    parse_latest,
     parse_manifest,
     relpath_problem,
-    validation_failure,
 )
 from rollsafe.snapshot.select import (
     Accept,
@@ -58,21 +56,7 @@ from rollsafe.snapshot.store import (
     refuse_other_checkpoint,
 )
 
-CLAIMS_DIR: Final = "claims"
-POINTERS_DIR: Final = "latest"
 _Refused = (SnapshotCorrupt, SchemaMismatch)
-
-
-class SeqClaim(BaseModel):
-    """``claims/<seq>.json``: the checkpoint that may publish this seq (one per seq)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    claim_version: Literal[1] = 1
-    run_id: str
-    seq: int
-    checkpoint_id: str
-    token: str  # tells this publisher's own claim apart from a concurrent one's
 
 
 class RemoteSnapshotStore(SnapshotStore):
@@ -151,35 +135,24 @@ class RemoteSnapshotStore(SnapshotStore):
                 entries.append(entry)
         return entries
 
+    def verify_published(self, seq: int) -> PublishedSnapshot | None:
+        """The published snapshot with ``seq`` (its manifest exists), downloaded into the
+        cache and verified there: the cache may be gone (another host, a wiped disk), the
+        bucket is the truth. None when no snapshot with this seq is published."""
+        for found, name in self._candidates()[0]:
+            if found == seq:
+                path, manifest, digest = self._fetch(name)
+                return PublishedSnapshot(path, manifest, digest, reused=True)
+        return None
+
     def latest_pointer(self) -> LatestPointer | None:
         """The newest ``latest/<seq>.json`` pointer; SnapshotCorrupt if it does not parse."""
-        names = [n for n in objects.list_names(self.fs, self._remote(POINTERS_DIR)) if _seq_of(n)]
-        if not names:
-            return None
-        newest = max(names, key=lambda n: _seq_of(n) or 0)
-        data = objects.read_object(self.fs, self._remote(POINTERS_DIR, newest))
-        if data is None:
-            return None  # deleted by retention meanwhile
-        return parse_latest(data, f"{_fs.LATEST_NAME} ({POINTERS_DIR}/{newest})")
+        return pointers.newest_pointer(self.fs, self._remote(pointers.POINTERS_DIR))
 
     def _latest_problem(self, selected: str | None, digest: str | None) -> str | None:
-        try:
-            pointer = self.latest_pointer()
-        except _Refused as exc:
-            return str(exc)
-        if pointer is None:
-            return None if selected is None else f"{_fs.LATEST_NAME} is missing"
-        if pointer.run_id != self.run_id:
-            return f"{_fs.LATEST_NAME} belongs to run {pointer.run_id!r}, expected {self.run_id!r}"
-        if _fs.parse_dir_name(pointer.snapshot) != (pointer.seq, pointer.kind):
-            return f"{_fs.LATEST_NAME} names {pointer.snapshot!r}, inconsistent with its seq"
-        if selected is None:
-            return None
-        if pointer.snapshot != selected:
-            return f"{_fs.LATEST_NAME} names {pointer.snapshot}, but {selected} was selected"
-        if pointer.manifest_sha256 != digest:
-            return f"{_fs.LATEST_NAME} records a different manifest sha256 for {selected}"
-        return None
+        return pointers.pointer_problem(
+            self.fs, self._remote(pointers.POINTERS_DIR), self.run_id, selected, digest
+        )
 
     def _names(self) -> builtins.list[tuple[int, str]]:
         """``(seq, name)`` of every canonical snapshot prefix, newest first."""
@@ -206,8 +179,7 @@ class RemoteSnapshotStore(SnapshotStore):
         return self._remote(_fs.SNAPSHOTS_DIR, name, MANIFEST_NAME)
 
     def _has_manifest(self, name: str) -> bool:
-        self.fs.invalidate_cache(self._manifest_path(name))
-        return bool(self.fs.exists(self._manifest_path(name)))
+        return objects.exists(self.fs, self._manifest_path(name))
 
     def _read_manifest(self, name: str) -> SnapshotManifest:
         data = objects.read_object(self.fs, self._manifest_path(name))
@@ -226,7 +198,8 @@ class RemoteSnapshotStore(SnapshotStore):
         success it replaces the cached copy at ``snapshots_dir/name``. Errors name the
         remote snapshot and the file."""
         prefix = self._remote(_fs.SNAPSHOTS_DIR, name)
-        keys = objects.find_objects(self.fs, prefix)
+        sizes = objects.object_sizes(self.fs, prefix)
+        keys = sorted(sizes)
         odd = [k for k in keys if k != MANIFEST_NAME and relpath_problem(k) is not None]
         if odd:
             raise SnapshotCorrupt(f"{self._where(name)}: object key(s) not allowed: {odd[:5]}")
@@ -235,7 +208,7 @@ class RemoteSnapshotStore(SnapshotStore):
         try:
             try:
                 for key in keys:
-                    objects.download(self.fs, f"{prefix}/{key}", local / key)
+                    objects.download(self.fs, f"{prefix}/{key}", local / key, size=sizes[key])
                 local.mkdir(parents=True, exist_ok=True)
                 manifest, digest = _verify_local(local, self.run_id)
             except _Refused as exc:
@@ -256,8 +229,8 @@ class RemoteSnapshotStore(SnapshotStore):
         # Every remote seq counts, published or not, and every claim: begin(seq=None)
         # must not pick a seq that another publisher is uploading.
         seqs = [seq for seq, _name in self._names()]
-        claims = objects.list_names(self.fs, self._remote(CLAIMS_DIR))
-        return seqs + [seq for name in claims if (seq := _seq_of(name)) is not None]
+        claims = objects.list_names(self.fs, self._remote(pointers.CLAIMS_DIR))
+        return seqs + [seq for name in claims if (seq := pointers.seq_of(name)) is not None]
 
     def publish_draft(self, draft: SnapshotDraft, manifest: SnapshotManifest) -> PublishedSnapshot:
         """Claim the seq, upload and check every file, create the manifest (the commit
@@ -271,7 +244,7 @@ class RemoteSnapshotStore(SnapshotStore):
             raise InvalidInput(
                 f"seq {manifest.seq} is older than the newest published seq {published[0][0]}"
             )
-        self._claim(manifest)
+        pointers.claim_seq(self.fs, self._remote(pointers.CLAIMS_DIR), self.run_id, manifest)
         prefix = self._remote(_fs.SNAPSHOTS_DIR, name)
         for relpath, entry in sorted(manifest.files.items()):
             objects.upload_verified(
@@ -296,31 +269,6 @@ class RemoteSnapshotStore(SnapshotStore):
         self._hit("before_retention")
         self._retain_remote()
         return PublishedSnapshot(local, manifest, digest, reused=False)
-
-    def _claim(self, manifest: SnapshotManifest) -> None:
-        claim = SeqClaim(
-            run_id=self.run_id,
-            seq=manifest.seq,
-            checkpoint_id=manifest.checkpoint_id,
-            token=_fs.token(),
-        )
-        path = self._remote(CLAIMS_DIR, f"{manifest.seq:08d}.json")
-        if objects.create_exclusive(self.fs, path, claim.model_dump_json().encode()):
-            return
-        data = objects.read_object(self.fs, path)
-        if data is None:
-            raise objects.ObjectStoreUnavailable(f"{path}: claim vanished; publish again")
-        try:
-            held = SeqClaim.model_validate_json(data, strict=True)
-        except ValidationError as exc:
-            raise validation_failure(exc, path) from None
-        if held.checkpoint_id != manifest.checkpoint_id:
-            raise InvalidInput(
-                f"seq {manifest.seq} is claimed by checkpoint {held.checkpoint_id!r}; refusing "
-                f"to publish checkpoint {manifest.checkpoint_id!r} over it"
-            )
-        # The same checkpoint claimed it before (a retried publish): carry on, uploads are
-        # idempotent and only one manifest can be created.
 
     def _reuse_remote(
         self, name: str, draft: SnapshotDraft, manifest: SnapshotManifest
@@ -348,17 +296,8 @@ class RemoteSnapshotStore(SnapshotStore):
         return final
 
     def _point_latest_remote(self, name: str, manifest: SnapshotManifest, digest: str) -> None:
-        pointer = LatestPointer(
-            run_id=self.run_id,
-            snapshot=name,
-            seq=manifest.seq,
-            kind=manifest.kind,
-            checkpoint_id=manifest.checkpoint_id,
-            manifest_sha256=digest,
-        )
-        path = self._remote(POINTERS_DIR, f"{manifest.seq:08d}.json")
-        # False: this seq's pointer exists already (an earlier attempt of this publish).
-        objects.create_exclusive(self.fs, path, pointer.model_dump_json(indent=2).encode())
+        folder = self._remote(pointers.POINTERS_DIR)
+        pointers.create_pointer(self.fs, folder, self.run_id, name, manifest, digest)
 
     def _retain_remote(self) -> None:
         """Keep the newest ``keep_latest_k`` snapshots whose manifest reads back; delete
@@ -384,17 +323,17 @@ class RemoteSnapshotStore(SnapshotStore):
                 self.fs,
                 [
                     *rest,
-                    self._remote(POINTERS_DIR, f"{seq:08d}.json"),
-                    self._remote(CLAIMS_DIR, f"{seq:08d}.json"),
+                    self._remote(pointers.POINTERS_DIR, pointers.seq_file(seq)),
+                    self._remote(pointers.CLAIMS_DIR, pointers.seq_file(seq)),
                 ],
             )
         if oldest_kept is not None and len(kept) >= self.keep_latest_k:
             # claims and pointers of seqs that never got a snapshot prefix (died early)
-            for folder in (CLAIMS_DIR, POINTERS_DIR):
+            for folder in (pointers.CLAIMS_DIR, pointers.POINTERS_DIR):
                 orphans = [
                     self._remote(folder, n)
                     for n in objects.list_names(self.fs, self._remote(folder))
-                    if (old := _seq_of(n)) is not None and old < oldest_kept
+                    if (old := pointers.seq_of(n)) is not None and old < oldest_kept
                 ]
                 objects.remove_objects(self.fs, orphans)
         if self.snapshots_dir.is_dir():
@@ -412,10 +351,3 @@ def _verify_local(path: Path, run_id: str) -> tuple[SnapshotManifest, str]:
     except _Refused as exc:
         # verify_snapshot prefixes the local download path; the caller names the remote one
         raise type(exc)(str(exc).removeprefix(f"{path}: ")) from None
-
-
-def _seq_of(name: str) -> int | None:
-    stem = name.removesuffix(".json")
-    if name.endswith(".json") and len(stem) >= 8 and stem.isdigit() and stem.isascii():
-        return int(stem)
-    return None

@@ -100,6 +100,19 @@ class SnapshotStore:
     def latest_pointer(self) -> LatestPointer | None:
         return read_latest(self.run_dir)
 
+    def verify_published(self, seq: int) -> PublishedSnapshot | None:
+        """The published snapshot with ``seq``, fully verified, as ``reused``: what an earlier
+        attempt of a publish left. None when no snapshot with this seq is published (a draft
+        is not); SnapshotCorrupt or SchemaMismatch when one is and does not verify."""
+        if not self.snapshots_dir.is_dir():
+            return None
+        with _fs.locked_dir(self.snapshots_dir, exclusive=False):  # retention waits
+            path = self._published_with_seq(seq)
+            if path is None:
+                return None
+            manifest, digest = verify_snapshot(path, self.run_id)
+        return PublishedSnapshot(path, manifest, digest, reused=True)
+
     # -- writing ---------------------------------------------------------------------------
 
     def begin(

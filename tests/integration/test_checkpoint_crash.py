@@ -33,9 +33,9 @@ from temporalio.api.workflowservice.v1 import ResetStickyTaskQueueRequest
 from temporalio.client import Client, WorkflowHandle
 
 from rollsafe.actor import start_controller_actor
+from rollsafe.checkpoint_state import OpsStatus
 from rollsafe.config import RunConfig
 from rollsafe.controller import Controller
-from rollsafe.coordinator import OpsStatus
 from rollsafe.dataplane import make_dataplane
 from rollsafe.faults import ENV_VAR, EXIT_CODE
 from rollsafe.phases import PHASES, Phase, SnapshotSpec

@@ -9,9 +9,9 @@ from rollsafe.actor import (
     get_controller_actor,
     start_controller_actor,
 )
+from rollsafe.checkpoint_state import CheckpointRefused, SnapshotLost
 from rollsafe.config import RunConfig
 from rollsafe.controller import Controller
-from rollsafe.coordinator import CheckpointRefused, SnapshotLost
 from rollsafe.dataplane import make_dataplane
 from rollsafe.faults import ENV_VAR
 from rollsafe.phases import PHASES, Phase, PhaseRequest, SnapshotSpec

@@ -2,7 +2,8 @@
 
 What this adds over tests/unit/test_snapshot_remote.py: the conditional create is S3's own
 ``PutObject`` with ``If-None-Match: *`` answered 412 by the server (not a local emulation),
-and every upload, listing, download and delete goes over HTTP.
+and every upload, listing, download and delete goes over HTTP. ``rollsafe doctor``'s bucket
+check and ``rollsafe snapshots list s3://...`` run against the same server.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 s3fs = pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
+from rollsafe.doctor_checks import Status, check_storage  # noqa: E402
 from rollsafe.errors import InvalidInput, NoValidSnapshot  # noqa: E402
 from rollsafe.snapshot import SnapshotKind  # noqa: E402
 from rollsafe.snapshot import _objects as objects  # noqa: E402
@@ -186,3 +188,87 @@ def test_s3_two_publishers_of_one_seq_exactly_one_wins(url, options, tmp_path):
     reader = store_at(url, tmp_path / "r", options).select()
     assert reader.manifest.checkpoint_id == won[0].manifest.checkpoint_id
     assert reader.latest_problem is None
+
+
+# -- the doctor and the CLI on a bucket ------------------------------------------------------
+
+
+def test_s3_doctor_passes_on_a_healthy_bucket_and_leaves_nothing(url, options):
+    check = check_storage(url, 5.0, options)
+    assert check.status is Status.OK, check
+    assert "second create refused" in check.detail  # the server answered 412
+    fs, root = objects.open_filesystem(url, options)
+    assert fs.find(root) == []
+
+
+def test_s3_doctor_names_a_missing_bucket(options):
+    missing = f"s3://rollsafe-missing-{uuid.uuid4().hex[:12]}/snapshots"
+    check = check_storage(missing, 5.0, options)
+    assert check.status is Status.FAILED
+    assert check.detail.startswith(f"{missing}: create of a probe object failed")
+    assert "bucket does not exist" in check.detail
+    assert "does not exist" in check.fix and "create it" in check.fix
+
+
+def test_s3_snapshots_list_from_the_command_line(url, options, endpoint, tmp_path):
+    """A separate process, credentials and endpoint from the environment as in production."""
+    publish(store_at(url, tmp_path / "w", options), "ck-1")
+    env = {
+        **os.environ,
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "eu-west-1",
+    }
+    command = [sys.executable, "-m", "rollsafe", "snapshots", "list", url, "--run", RUN]
+    listing = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, check=False, env=env
+    )
+    assert listing.returncode == 0, listing.stderr
+    assert "00000001-rollout" in listing.stdout and "ck-1" in listing.stdout
+
+
+def test_s3_the_controller_actor_publishes_through_its_cache(
+    url, options, endpoint, tmp_path, ray_session
+):
+    """The run's controller as a Ray actor with an s3:// root: drafts staged in its cache, the
+    snapshot in the bucket (credentials and endpoint from the actor's environment, as on a Ray
+    node), restored by this process through a cache of its own."""
+    from rollsafe.actor import start_controller_actor
+    from rollsafe.config import RunConfig
+    from rollsafe.controller import Controller
+    from rollsafe.dataplane import make_dataplane
+    from rollsafe.phases import PHASES, PhaseRequest, SnapshotSpec
+    from rollsafe.scenario import row_content
+
+    ray = ray_session
+    config = RunConfig(run_id=RUN, group_size=2, groups_per_step=2)
+    aws = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "eu-west-1",
+    }
+    actor = start_controller_actor(
+        RUN,
+        config,
+        url,
+        snapshot_cache=tmp_path / "actor-cache",
+        runtime_env={"env_vars": aws},
+    )
+    try:
+        ray.get(actor.handout.remote([0, 1]))
+        episode = ray.get(actor.dispatch.remote(0, 0))
+        ray.get(actor.seal.remote(0, 0, episode.attempt, row_content(0, 0, 0)))
+        spec = SnapshotSpec(run_id=RUN, seq=1)
+        for phase in PHASES:
+            result = ray.get(actor.run_phase.remote(PhaseRequest(spec=spec, phase=phase)))
+        info = result.published
+        assert info is not None and info.counts["sealed_rollouts"] == 1
+    finally:
+        ray.kill(actor)
+    assert list((tmp_path / "actor-cache" / RUN / "snapshots").iterdir())  # staged there
+    store = store_at(url, tmp_path / "reader-cache", options)
+    assert [entry.name for entry in store.list()] == [info.name]
+    _, plan = Controller.restore(config, store, make_dataplane("memory"))
+    assert (plan.snapshot, plan.ready, sorted(plan.partial)) == (info.name, [], [0, 1])

@@ -1,8 +1,11 @@
-"""`rollsafe scenario run` as a user runs it: a separate process, exit codes, stdout/stderr."""
+"""`rollsafe scenario run` and `snapshots list` as a user runs them: a separate process, exit
+codes, stdout/stderr (in-process for memory://, which lives in one process)."""
 
 import json
+import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -182,3 +185,65 @@ def test_snapshots_list_shows_each_snapshot_and_why_it_is_refused(tmp_path):
     older.unlink()
     listing = rollsafe("snapshots", "list", snapshots, "--run", "scenario")
     assert listing.returncode == 1 and "verifies" in listing.stderr
+
+
+def test_snapshots_list_and_ls_take_a_file_url(tmp_path):
+    snapshots = tmp_path / "snaps"
+    run = scenario({"op": "handout", "groups": [1]}, {"op": "checkpoint"})
+    written = rollsafe(
+        "scenario", "run", write(tmp_path / "a.json", run), "--snapshot-dir", snapshots
+    )
+    assert written.returncode == 0, written.stderr
+    listing = rollsafe("snapshots", "list", f"file://{snapshots}", "--run", "scenario")
+    assert listing.returncode == 0, listing.stderr
+    assert "00000001-rollout" in listing.stdout and "valid" in listing.stdout
+    ls = subprocess.run(
+        [sys.executable, "-m", "rollsafe", "ls", "scenario"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "ROLLSAFE_SNAPSHOT_ROOT": f"file://{snapshots}"},
+    )
+    assert ls.returncode == 0, ls.stderr
+    assert "00000001-rollout" in ls.stdout
+
+
+def test_snapshots_list_and_ls_read_object_storage(tmp_path):
+    """memory:// lives in this process only, so the command runs in it (CliRunner)."""
+    fsspec = pytest.importorskip("fsspec")
+    from typer.testing import CliRunner
+
+    from rollsafe.cli import app
+    from rollsafe.snapshot import SnapshotKind
+    from rollsafe.snapshot.remote import RemoteSnapshotStore
+
+    url = f"memory://rollsafe-cli-{uuid.uuid4().hex[:12]}/snaps"
+    store = RemoteSnapshotStore(url, "cli-run", tmp_path / "writer")
+    for checkpoint in ("ck-1", "ck-2"):
+        draft = store.begin(SnapshotKind.ROLLOUT, checkpoint)
+        draft.write_bytes("state.bin", checkpoint.encode())
+        draft.publish(weight_version=1, loader_position=1)
+    try:
+        runner = CliRunner()
+        listing = runner.invoke(app, ["snapshots", "list", url, "--run", "cli-run"])
+        assert listing.exit_code == 0, listing.output
+        assert "00000002-rollout" in listing.output and "00000001-rollout" in listing.output
+        assert "ck-2" in listing.output and "invalid" not in listing.output
+        # damage the newest: it is named invalid, the older one still verifies
+        store.fs.pipe_file(f"{store.remote_run}/snapshots/00000002-rollout/state.bin", b"ck-X")
+        ls = runner.invoke(app, ["ls", "cli-run"], env={"ROLLSAFE_SNAPSHOT_ROOT": url})
+        assert ls.exit_code == 0, ls.output
+        assert "invalid" in ls.output and "sha256" in ls.output
+        before = sorted(store.fs.find(store.remote_run))
+        runner.invoke(app, ["snapshots", "list", url, "--run", "cli-run"])
+        assert sorted(store.fs.find(store.remote_run)) == before  # read-only
+        other = runner.invoke(app, ["snapshots", "list", url, "--run", "no-such-run"])
+        assert other.exit_code == 1 and "verifies" in other.output
+        odd = runner.invoke(app, ["snapshots", "list", "ftp://host/x", "--run", "cli-run"])
+        assert odd.exit_code == 2 and "unsupported snapshot storage scheme 'ftp'" in odd.output
+    finally:
+        fs = fsspec.filesystem("memory")
+        root = fs._strip_protocol(url).split("/")[1]
+        if fs.exists(f"/{root}"):
+            fs.rm(f"/{root}", recursive=True)

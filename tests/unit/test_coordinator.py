@@ -6,9 +6,10 @@ import threading
 import pytest
 
 from rollsafe.actor import ControllerService
+from rollsafe.checkpoint_state import ABORT, CheckpointRefused, SnapshotLost
 from rollsafe.config import RunConfig
 from rollsafe.controller import ROLLOUT_PARTITION, Controller
-from rollsafe.coordinator import ABORT, CheckpointOps, CheckpointRefused, SnapshotLost
+from rollsafe.coordinator import CheckpointOps
 from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import EnvUnavailable, InvalidInput, LedgerInvariantViolation
 from rollsafe.faults import ENV_VAR, InjectedFault, arm, disarm_all

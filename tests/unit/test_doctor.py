@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,7 @@ from rollsafe.doctor_temporal import (
 )
 from rollsafe.errors import InvalidInput
 from rollsafe.snapshot import _fs
+from rollsafe.snapshot import _objects as objects
 from rollsafe.temporal.search_attributes import ALL
 
 KEYWORD = IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD
@@ -268,6 +271,68 @@ def test_storage_fixes_follow_the_error(code: int, words: str) -> None:
 
 def test_storage_without_a_root_is_skipped() -> None:
     assert check_storage(None).status is Status.SKIPPED
+
+
+@pytest.fixture
+def bucket() -> Iterator[str]:
+    """A fresh memory:// bucket (object storage in this process), removed afterwards."""
+    fsspec = pytest.importorskip("fsspec")
+    name = f"doctor-{uuid.uuid4().hex[:12]}"
+    yield f"memory://{name}/snapshots"
+    fs = fsspec.filesystem("memory")
+    if fs.exists(f"/{name}"):
+        fs.rm(f"/{name}", recursive=True)
+
+
+def test_object_storage_probe_passes_and_leaves_nothing_behind(bucket: str) -> None:
+    check = check_storage(bucket)
+    assert check.status is Status.OK, check
+    assert "second create refused" in check.detail and ".rollsafe-doctor" in check.detail
+    fs, base = objects.open_filesystem(bucket)
+    assert fs.find(base) == []
+
+
+def test_a_store_that_ignores_conditional_creates_is_named(
+    bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An S3-compatible server that ignores If-None-Match: every create overwrites."""
+    fs, base = objects.open_filesystem(bucket)
+    real_pipe = fs.pipe_file
+
+    def overwriting(path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
+        real_pipe(path, value, **kwargs)
+
+    monkeypatch.setattr(fs, "pipe_file", overwriting)
+    check = check_storage(bucket)
+    assert check.status is Status.FAILED
+    assert "conditional create (If-None-Match: *) of an existing object was accepted" in (
+        check.detail
+    )
+    assert "412" in check.fix
+    assert fs.find(base) == []
+
+
+def test_an_unsupported_storage_url_is_named() -> None:
+    check = check_storage("ftp://host/snapshots")
+    assert check.status is Status.FAILED
+    assert "unsupported snapshot storage scheme 'ftp'" in check.detail
+    assert "s3://bucket/prefix" in check.fix
+
+
+def test_a_hung_object_store_fails_within_the_timeout(
+    bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fs, _base = objects.open_filesystem(bucket)
+    release = threading.Event()
+    monkeypatch.setattr(fs, "pipe_file", lambda *args, **kwargs: release.wait(30))
+    started = time.monotonic()
+    try:
+        check = check_storage(bucket, timeout_s=0.3)
+    finally:
+        release.set()
+    assert time.monotonic() - started < 5
+    assert check.status is Status.FAILED and "no answer from the object store" in check.detail
+    assert "AWS_ENDPOINT_URL" in check.fix
 
 
 # -- the command -----------------------------------------------------------------------------

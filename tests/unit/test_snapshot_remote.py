@@ -7,7 +7,9 @@ tests/integration/test_snapshot_s3.py; these run without any server.
 from __future__ import annotations
 
 import hashlib
+import shutil
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -16,12 +18,14 @@ import pytest
 fsspec = pytest.importorskip("fsspec")
 
 from rollsafe.actor import ControllerService  # noqa: E402
+from rollsafe.checkpoint_state import CheckpointRefused, SnapshotLost  # noqa: E402
 from rollsafe.config import RunConfig  # noqa: E402
 from rollsafe.controller import Controller  # noqa: E402
 from rollsafe.coordinator import CheckpointOps  # noqa: E402
 from rollsafe.dataplane import make_dataplane  # noqa: E402
 from rollsafe.errors import InvalidInput, NoValidSnapshot, SnapshotCorrupt  # noqa: E402
-from rollsafe.phases import PHASES, PhaseRequest, RestoreRequest, SnapshotSpec  # noqa: E402
+from rollsafe.faults import InjectedFault, arm, disarm_all  # noqa: E402
+from rollsafe.phases import PHASES, Phase, PhaseRequest, RestoreRequest, SnapshotSpec  # noqa: E402
 from rollsafe.scenario import row_content  # noqa: E402
 from rollsafe.snapshot import (  # noqa: E402
     MANIFEST_NAME,
@@ -365,6 +369,37 @@ def test_uploads_are_read_back_and_checked(url, tmp_path, monkeypatch):
     assert "snapshots/00000001-rollout/manifest.json" not in remote_keys(store)
 
 
+def test_a_hung_upload_is_abandoned_as_transient_and_the_retry_publishes(
+    url, tmp_path, monkeypatch
+):
+    """An upload that never answers must not hold publish (and the controller's publish
+    lock) forever: past its time limit it fails as transient, so Temporal retries."""
+    monkeypatch.setattr(objects, "OBJECT_TIMEOUT_S", 0.2)
+    store = store_at(url, tmp_path / "w")
+    release = threading.Event()
+    real_put = store.fs.put_file
+
+    def hung_put(lpath, rpath, **kwargs):
+        release.wait(60)  # a connection that never answers
+        return real_put(lpath, rpath, **kwargs)
+
+    monkeypatch.setattr(store.fs, "put_file", hung_put)
+    draft = store.begin(SnapshotKind.ROLLOUT, "ck-1")
+    draft.write_bytes("state.bin", b"state")
+    started = time.monotonic()
+    try:
+        with pytest.raises(objects.ObjectStoreUnavailable, match=r"upload of .*state\.bin: no "):
+            draft.publish(weight_version=1, loader_position=1)
+        assert time.monotonic() - started < 10
+    finally:
+        release.set()  # the abandoned call finishes: a late upload of the same bytes
+    monkeypatch.setattr(store.fs, "put_file", real_put)
+    assert objects.ObjectStoreUnavailable("x").transient
+    published = draft.publish(weight_version=1, loader_position=1)  # the retry
+    assert published.name == "00000001-rollout" and not published.reused
+    assert store_at(url, tmp_path / "r").select().read_bytes("state.bin") == b"state"
+
+
 def test_snapshot_digest_helper_matches_hashlib(url, tmp_path):
     fs, root = objects.open_filesystem(url)
     fs.pipe_file(f"{root}/blob", b"x" * 3_000_000)
@@ -434,6 +469,63 @@ def test_a_publish_that_dies_after_the_manifest_is_published_and_its_retry_reuse
     again = publish(store_at(url, tmp_path / "w2"), "ck-2", seq=2)
     assert again.reused and again.manifest_sha256 == reader.manifest_sha256
     assert store_at(url, tmp_path / "r2").select().latest_problem is None
+
+
+def test_a_retried_publish_whose_cache_is_gone_reuses_the_snapshot_in_the_bucket(url, tmp_path):
+    """A publish attempt created the manifest in the bucket, then failed; its retry runs
+    where the local draft cache is gone (a wiped disk, another host): it downloads and
+    verifies the published snapshot and reuses it, never refuses it as corrupt."""
+    config = RunConfig(run_id=RUN, group_size=2, groups_per_step=2)
+    cache = tmp_path / "host-a"
+    ops = ControllerService(config, url, snapshot_cache=cache)
+    ops.handout([0, 1])
+    episode = ops.dispatch(0, 0)
+    assert episode is not None
+    ops.seal(0, 0, episode.attempt, row_content(0, 0, episode.attempt))
+    spec = SnapshotSpec(run_id=RUN, seq=1)
+    for phase in PHASES[:-1]:
+        ops.run_phase(PhaseRequest(spec=spec, phase=phase))
+    arm("store.before_latest", "raise")
+    try:
+        with pytest.raises(InjectedFault):
+            ops.run_phase(PhaseRequest(spec=spec, phase=Phase.PUBLISH))
+    finally:
+        disarm_all()
+    shutil.rmtree(cache)
+
+    again = ops.run_phase(PhaseRequest(spec=spec, phase=Phase.PUBLISH))
+    info = again.published
+    assert info is not None and info.name == "00000001-rollout"
+    assert again.summary == "reused the earlier publish of 00000001-rollout"
+    assert Path(info.path).is_relative_to(cache)  # downloaded, verified, cached again
+    # the same on another host, from the bucket alone
+    other = ControllerService(config, url, snapshot_cache=tmp_path / "host-b")
+    elsewhere = other.run_phase(PhaseRequest(spec=spec, phase=Phase.PUBLISH)).published
+    assert elsewhere is not None
+    assert elsewhere.manifest_sha256 == info.manifest_sha256
+    # seq 1 belongs to the rollout checkpoint: any other checkpoint of it is refused
+    trainer = SnapshotSpec(run_id=RUN, seq=1, kind="trainer")
+    with pytest.raises(CheckpointRefused, match="published as 00000001-rollout by checkpoint"):
+        other.run_phase(PhaseRequest(spec=trainer, phase=Phase.PUBLISH))
+
+
+def test_a_retried_publish_finding_only_an_unfinished_upload_is_lost_not_corrupt(url, tmp_path):
+    """Objects of seq 2 without a manifest (an upload that died) are not a published
+    snapshot: the retry must start over (transient), not fail the run as corrupt."""
+    publish(store_at(url, tmp_path / "w0"), "ck-1")
+
+    def crash(at: str) -> None:
+        if at == "before_manifest":
+            raise Crash(at)
+
+    with pytest.raises(Crash):
+        publish(store_at(url, tmp_path / "w1", fault_hook=crash), f"{RUN}.rollout.00000002", 2)
+    config = RunConfig(run_id=RUN, group_size=2, groups_per_step=2)
+    fresh = ControllerService(config, url, snapshot_cache=tmp_path / "host-b")
+    spec = SnapshotSpec(run_id=RUN, seq=2)
+    with pytest.raises(SnapshotLost, match="seq 2 is not published") as caught:
+        fresh.run_phase(PhaseRequest(spec=spec, phase=Phase.PUBLISH))
+    assert caught.value.transient
 
 
 def test_accept_is_asked_before_a_candidate_is_downloaded(url, tmp_path):
