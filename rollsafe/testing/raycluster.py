@@ -353,11 +353,14 @@ def worker_process(
     *,
     cwd: Path,
     new_session: bool = True,
+    fault: str | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start ``rollsafe worker --run RUN_ID`` joining the Ray cluster at ``ray_address`` as a
     driver and Temporal at ``settings`` (address and namespace only: no TLS here), its output
-    in ``log``. ``new_session=False`` keeps it in the caller's session, so that it dies with
-    the node of a caller that is a Ray actor (:class:`WorkerLauncher`)."""
+    in ``log``, ``fault`` armed in it (``rollsafe.faults``). In a session of its own by
+    default (a Ctrl-C meant for the caller does not reach it); ``new_session=False`` keeps it
+    in the caller's, so that it dies with the node of a caller that is a Ray actor
+    (:class:`WorkerLauncher`)."""
     from rollsafe.faults import ENV_VAR
 
     # A Ray worker process's own RAY_* variables (its job, raylet, address) would mislead the
@@ -373,6 +376,8 @@ def worker_process(
         TEMPORAL_NAMESPACE=settings.namespace,
         TEMPORAL_CONFIG_FILE=str(log.parent / "no-temporal-config.toml"),
     )
+    if fault is not None:
+        env[ENV_VAR] = fault
     command = [sys.executable, "-m", "rollsafe", "worker", "--run", run_id]
     with log.open("wb") as out:
         return subprocess.Popen(

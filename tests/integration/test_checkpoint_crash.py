@@ -18,7 +18,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -45,6 +44,7 @@ from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
 from rollsafe.temporal.search_attributes import PHASE
 from rollsafe.testing.history import completed_attempts
+from rollsafe.testing.raycluster import stop_process, wait_worker_ready, worker_process
 from workflows.models import PhaseOptions, SnapshotInput, SnapshotOutcome
 from workflows.snapshot import RolloutSnapshot
 from workflows.supervisor import task_queue_for
@@ -56,7 +56,6 @@ REPO = Path(__file__).resolve().parents[2]
 # (PLATFORM.md: the retry starts ~1.3-1.8 s after the kill).
 OPTIONS = PhaseOptions(heartbeat_timeout_s=2, retry_initial_s=0.1, retry_maximum_s=0.5)
 WAIT_S = 60.0  # any one wait: generous on a loaded 2-core machine, still fails a hang
-BANNER = "rollsafe worker:"  # printed once the worker polls its task queue
 # Phases with a side effect the controller counts; the others have nothing to do in a run
 # without environments or engines, and must count zero.
 COUNTED = {
@@ -113,37 +112,18 @@ def controller_run(root: Path, runtime_env: dict[str, Any] | None = None) -> Ite
 
 
 class Workers:
-    """``rollsafe worker`` subprocesses, each in its own session (a Ctrl-C meant for pytest
-    does not reach it) and logging to a file (a full pipe would stall it)."""
+    """``rollsafe worker`` subprocesses (``rollsafe.testing.raycluster.worker_process``), each
+    in its own session and logging to a file (a full pipe would stall it)."""
 
     def __init__(self, server: DevServer, ray_address: str, logs: Path) -> None:
-        # Only our server: no TEMPORAL_* variable or config profile of this machine leaks in.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TEMPORAL_")}
-        env.pop(ENV_VAR, None)
-        env.update(
-            TEMPORAL_ADDRESS=server.address,
-            TEMPORAL_NAMESPACE=server.namespace,
-            TEMPORAL_CONFIG_FILE=str(logs / "no-temporal-config.toml"),
-            RAY_USAGE_STATS_ENABLED="0",
-        )
-        self.env = env
+        self.settings = server.settings()
         self.ray_address = ray_address
         self.logs = logs
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(self, run_id: str, fault: str | None = None) -> subprocess.Popen[bytes]:
-        env = dict(self.env, **({ENV_VAR: fault} if fault else {}))
-        command = [sys.executable, "-m", "rollsafe", "worker", "--run", run_id]
-        with self.log_path(len(self.procs)).open("wb") as log:
-            proc = subprocess.Popen(
-                [*command, "--ray-address", self.ray_address],
-                cwd=REPO,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        log = self.log_path(len(self.procs))
+        proc = worker_process(run_id, self.settings, self.ray_address, log, cwd=REPO, fault=fault)
         self.procs.append(proc)
         return proc
 
@@ -161,21 +141,12 @@ class Workers:
             raise AssertionError(f"still running after {WAIT_S:g} s: {self.log(proc)}") from None
 
     async def ready(self, proc: subprocess.Popen[bytes]) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while BANNER not in self.log_path(self.procs.index(proc)).read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"worker never became ready: {self.log(proc)}")
-            await asyncio.sleep(0.05)
+        log = self.log_path(self.procs.index(proc))
+        await asyncio.to_thread(wait_worker_ready, proc, log, WAIT_S)
 
     async def stop(self, proc: subprocess.Popen[bytes]) -> int:
         """SIGTERM, as an operator stops a worker; SIGKILL if it does not drain in time."""
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            return await asyncio.to_thread(proc.wait, 10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return await asyncio.to_thread(proc.wait)
+        return await asyncio.to_thread(stop_process, proc, 10)
 
     async def close(self) -> None:
         await asyncio.gather(*(self.stop(proc) for proc in self.procs))
