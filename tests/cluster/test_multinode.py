@@ -48,7 +48,6 @@ from rollsafe.testing.history import completed_attempts
 from rollsafe.testing.raycluster import (
     NodeSpec,
     RayCluster,
-    WorkerLauncher,
     alive,
     arm_fault,
     live_tokens,
@@ -57,9 +56,12 @@ from rollsafe.testing.raycluster import (
     node_ids,
     on,
     owned_groups,
+    where,
+)
+from rollsafe.testing.workers import (
+    WorkerLauncher,
     stop_process,
     wait_worker_ready,
-    where,
     worker_process,
 )
 from workflows.models import PhaseOptions, SnapshotOutcome

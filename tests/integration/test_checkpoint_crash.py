@@ -44,7 +44,7 @@ from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
 from rollsafe.temporal.search_attributes import PHASE
 from rollsafe.testing.history import completed_attempts
-from rollsafe.testing.raycluster import stop_process, wait_worker_ready, worker_process
+from rollsafe.testing.workers import stop_process, wait_worker_ready, worker_process
 from workflows.models import PhaseOptions, SnapshotInput, SnapshotOutcome
 from workflows.snapshot import RolloutSnapshot
 from workflows.supervisor import task_queue_for
