@@ -7,7 +7,9 @@ tests/integration/test_snapshot_s3.py; these run without any server.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import shutil
+import sys
 import threading
 import time
 import uuid
@@ -416,13 +418,13 @@ def test_a_damaged_published_seq_blocks_republishing_it(url, tmp_path):
         publish(store_at(url, tmp_path / "w2"), "ck-1", seq=1)
 
 
-def test_a_missing_backend_package_is_named(tmp_path):
-    try:
-        import gcsfs  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("gcsfs is installed here")
+def test_a_missing_backend_package_is_named(tmp_path, monkeypatch):
+    # As if gcsfs were not installed (it is, for the GCS tests): None in sys.modules makes
+    # every import of it raise ImportError, and fsspec forgets the class it may have cached.
+    registry = importlib.import_module("fsspec.registry")
+    monkeypatch.setitem(sys.modules, "gcsfs", None)
+    for protocol in ("gs", "gcs"):
+        monkeypatch.delitem(registry._registry, protocol, raising=False)
     with pytest.raises(InvalidInput, match=r"'gcsfs' package.*object-storage"):
         RemoteSnapshotStore("gs://bucket/snaps", RUN, tmp_path)
 
