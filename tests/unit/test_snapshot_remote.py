@@ -1,7 +1,8 @@
 """Snapshots on object storage (rollsafe.snapshot.remote) over fsspec's memory:// and file://.
 
-The S3 protocol itself (conditional PutObject against a moto server) is exercised in
-tests/integration/test_snapshot_s3.py; these run without any server.
+The S3 and GCS protocols themselves (conditional creates against moto and fake-gcs-server)
+are exercised in tests/integration/test_snapshot_object_storage.py; these run without any
+server.
 """
 
 from __future__ import annotations
