@@ -15,6 +15,10 @@ each result and each failure to its instance name. Its rules:
 Instance names are the mapping's keys; they name each instance's directory under a commit's
 ``dest_root`` and must be what the instance writes into its participant manifests.
 
+How the calls reach the instances (all at once, the background renewals, polling a parked
+one) is :mod:`rollsafe.env.fleet_instances`; what the fleet returns and the pure checks it
+applies to the replies are :mod:`rollsafe.env.fleet_rules`.
+
 A failed operation raises ONE error whose class is the most severe of the instances' errors
 (invariant > invalid input > unavailable > not ready) and whose message lists every failing
 instance. Note for retries: a resumed checkpoint id is never accepted again, so after a failed
@@ -26,16 +30,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from rollsafe.env.client import EnvClient, EpisodeParked
+from rollsafe.env.fleet_instances import (
+    Instances,
+    LeaseRenewer,
+    renewal_interval,
+    stop_task,
+    until_idle,
+)
 from rollsafe.env.fleet_rules import (
     FleetCommitted,
     FleetPrepared,
@@ -47,7 +57,6 @@ from rollsafe.env.fleet_rules import (
     _instance_commit,
     _reported,
     _restore_problem,
-    _summary,
     _twice,
 )
 from rollsafe.env.protocol import (
@@ -72,25 +81,14 @@ from rollsafe.errors import (
 )
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-M = TypeVar("M", bound=BaseModel)
-_INSTANCE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-MAX_RENEW_EVERY_S = 10.0
-MIN_RENEW_EVERY_S = 0.1
-MAX_POLL_S = 2.0
 
 
 class EnvFleet:
     """Every environment instance of a run, driven together. Owns (and closes) the clients."""
 
     def __init__(self, instances: Mapping[str, EnvClient]) -> None:
-        if not instances:
-            raise InvalidInput("an environment fleet needs at least one instance")
-        for name in instances:
-            if not _INSTANCE.match(name) or name in (".", ".."):
-                raise InvalidInput(f"instance name {name!r} is not [A-Za-z0-9._-]{{1,64}}")
-        self._instances = dict(instances)
-        self.names: tuple[str, ...] = tuple(sorted(self._instances))
+        self._instances = Instances(instances)
+        self.names: tuple[str, ...] = self._instances.names
 
     # -- checkpoint -----------------------------------------------------------------------------
 
@@ -98,7 +96,7 @@ class EnvFleet:
         """Park every instance, or none: on any failure every instance is resumed, then the
         error names each blocking instance (and its blockers)."""
         request = _build(PrepareRequest, checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
-        replies, failed = await self._each(self.names, lambda _, c: c.prepare(request))
+        replies, failed = await self._instances.each(self.names, lambda _, c: c.prepare(request))
         for name, reply in replies.items():
             if not reply.ready:
                 blockers = ", ".join(reply.blockers) or "no reason given"
@@ -123,7 +121,7 @@ class EnvFleet:
         # Two owners of one rollout is an invariant broken: it outranks any failure, which
         # then rides along as a note.
         twice = _twice("prepare", _reported(replies))
-        summary = self._summary("prepare", failed) if failed else None
+        summary = self._instances.summary("prepare", failed) if failed else None
         if twice is not None and summary is not None:
             twice.add_note(str(summary))
         return twice or summary
@@ -137,30 +135,30 @@ class EnvFleet:
         clean exit a failed resume is raised (the lease would end it, but later)."""
         opened = time.time()
         prepared = await self.prepare_all(checkpoint_id, deadline_ts)
-        every = renew_every_s if renew_every_s is not None else _renew_every(prepared)
+        every = renew_every_s if renew_every_s is not None else renewal_interval(prepared)
         # Each renewal holds the fleet as long as the first prepare did (and never less than
         # three renewals), so a lost coordinator's checkpoint still ends by itself.
         window = max(deadline_ts - opened, 3 * every)
-        renewer = _Renewer(self, checkpoint_id, window, every)
+        renewer = LeaseRenewer(self._instances, checkpoint_id, window, every)
         task = asyncio.create_task(renewer.run(), name=f"renew {checkpoint_id}")
         try:
             yield prepared
         except BaseException as exc:
-            await _stop(task)
+            await stop_task(task)
             for note in renewer.notes():
                 exc.add_note(note)
             await self._resume_noting(checkpoint_id, exc)
             raise
-        await _stop(task)
+        await stop_task(task)
         await self.resume_all(checkpoint_id)
 
     async def renew_all(self, checkpoint_id: str, deadline_ts: float) -> dict[str, float]:
         """Extend every lease (to ``deadline_ts`` + the instance's grace): lease end per
         instance."""
         request = _build(RenewRequest, checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
-        replies, failed = await self._each(self.names, lambda _, c: c.renew(request))
+        replies, failed = await self._instances.each(self.names, lambda _, c: c.renew(request))
         if failed:
-            raise self._summary("renew", failed)
+            raise self._instances.summary("renew", failed)
         return {name: reply.lease_expires_ts for name, reply in replies.items()}
 
     async def commit_all(
@@ -172,7 +170,7 @@ class EnvFleet:
         """Every instance exports exactly its part of ``scope`` into ``<dest_root>/<name>``
         (an instance without one commits an empty scope, so its participants are present).
         Resumes nothing on failure: that is the caller's exit path (:meth:`open` does it)."""
-        self._known(scope, "commit scope", InvalidInput)
+        self._instances.check_known(scope, "commit scope", InvalidInput)
         requests = {
             name: _build(
                 CommitRequest,
@@ -182,9 +180,9 @@ class EnvFleet:
             )
             for name in self.names
         }
-        replies, failed = await self._each(self.names, lambda n, c: c.commit(requests[n]))
+        replies, failed = await self._instances.each(self.names, lambda n, c: c.commit(requests[n]))
         if failed:
-            raise self._summary("commit", failed)
+            raise self._instances.summary("commit", failed)
         problems = [
             problem
             for name, reply in replies.items()
@@ -203,9 +201,9 @@ class EnvFleet:
     async def resume_all(self, checkpoint_id: str) -> dict[str, ResumeReply]:
         """Resume every instance (also the abort); tries all before raising."""
         request = _build(ResumeRequest, checkpoint_id=checkpoint_id)
-        replies, failed = await self._each(self.names, lambda _, c: c.resume(request))
+        replies, failed = await self._instances.each(self.names, lambda _, c: c.resume(request))
         if failed:
-            raise self._summary("resume", failed)
+            raise self._instances.summary("resume", failed)
         return replies
 
     # -- restore --------------------------------------------------------------------------------
@@ -222,7 +220,7 @@ class EnvFleet:
         """Each instance restores its part of ``scope`` (as committed: attempt n) from
         ``<root>/<name>``, as attempt n + 1; all or nothing (see :class:`FleetRestored`).
         ``prefixes`` (model call id -> staged prefix) goes to every instance restoring."""
-        self._known(scope, "restore scope", TopologyMismatch)
+        self._instances.check_known(scope, "restore scope", TopologyMismatch)
         names = tuple(name for name in self.names if scope.get(name))
         requests = {
             name: _build(
@@ -236,7 +234,7 @@ class EnvFleet:
             )
             for name in names
         }
-        replies, failed = await self._each(names, lambda n, c: c.restore(requests[n]))
+        replies, failed = await self._instances.each(names, lambda n, c: c.restore(requests[n]))
         why = {name: str(exc) for name, exc in failed.items()}
         for name, reply in replies.items():
             problem = _restore_problem(requests[name].scope, reply.restored)
@@ -265,11 +263,11 @@ class EnvFleet:
             )
             for name, request in requests.items()
         }
-        _, retire_failed = await self._each(
+        _, retire_failed = await self._instances.each(
             tuple(retire), lambda n, c: c.retire(RetireRequest(rollouts=retire[n]))
         )
         resume = ResumeRequest(checkpoint_id=restore_id)
-        _, resume_failed = await self._each(self.names, lambda _, c: c.resume(resume))
+        _, resume_failed = await self._instances.each(self.names, lambda _, c: c.resume(resume))
         for what, failures in (("retire", retire_failed), ("resume", resume_failed)):
             for name, exc in failures.items():
                 why[name] = "; ".join(filter(None, (why.get(name), f"{what} failed: {exc}")))
@@ -303,7 +301,7 @@ class EnvFleet:
         model: type[RetireRequest] | type[ForgetRequest],
         refs_by_instance: Mapping[str, Sequence[EpisodeRef]],
     ) -> dict[str, int]:
-        self._known(refs_by_instance, op, InvalidInput)
+        self._instances.check_known(refs_by_instance, op, InvalidInput)
         names = tuple(name for name in self.names if refs_by_instance.get(name))
         requests = {name: _build(model, rollouts=tuple(refs_by_instance[name])) for name in names}
 
@@ -313,9 +311,9 @@ class EnvFleet:
                 return (await client.retire(request)).count
             return (await client.forget(request)).count
 
-        counts, failed = await self._each(names, send)
+        counts, failed = await self._instances.each(names, send)
         if failed:
-            raise self._summary(op, failed)
+            raise self._instances.summary(op, failed)
         return counts
 
     # -- episodes -------------------------------------------------------------------------------
@@ -342,12 +340,12 @@ class EnvFleet:
                 if time.monotonic() >= give_up:
                     exc.add_note(f"{instance} still parked after {max_wait_s:g}s")
                     raise
-                await _until_idle(client, give_up, parked_retry_s)
+                await until_idle(client, give_up, parked_retry_s)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(client.aclose() for client in self._instances.values()))
+        await self._instances.aclose()
 
     async def __aenter__(self) -> EnvFleet:
         return self
@@ -358,37 +356,7 @@ class EnvFleet:
     # -- plumbing -------------------------------------------------------------------------------
 
     def _client(self, name: str) -> EnvClient:
-        try:
-            return self._instances[name]
-        except KeyError:
-            raise InvalidInput(f"no environment instance {name!r} (have {self.names})") from None
-
-    def _known(self, by_instance: Mapping[str, object], what: str, cls: type[Exception]) -> None:
-        unknown = sorted(set(by_instance) - set(self.names))
-        if unknown:
-            raise cls(f"{what} names unknown instance(s) {unknown}; the fleet has {self.names}")
-
-    async def _each(
-        self, names: Iterable[str], call: Callable[[str, EnvClient], Awaitable[T]]
-    ) -> tuple[dict[str, T], dict[str, Exception]]:
-        """``call`` on every named instance at once: results and failures by instance."""
-        names = tuple(names)
-        outcomes = await asyncio.gather(
-            *(call(name, self._instances[name]) for name in names), return_exceptions=True
-        )
-        done: dict[str, T] = {}
-        failed: dict[str, Exception] = {}
-        for name, outcome in zip(names, outcomes, strict=True):
-            if isinstance(outcome, Exception):
-                failed[name] = outcome
-            elif isinstance(outcome, BaseException):  # cancellation: not a result to keep
-                raise outcome
-            else:
-                done[name] = outcome
-        return done, failed
-
-    def _summary(self, op: str, failed: Mapping[str, Exception]) -> Exception:
-        return _summary(op, failed, len(self.names))
+        return self._instances.client(name)
 
     async def _resume_noting(self, checkpoint_id: str, error: BaseException) -> None:
         """Best-effort resume of every instance; its failures become notes on ``error``."""
@@ -397,60 +365,6 @@ class EnvFleet:
         except ValidationError as exc:  # an id no instance can have accepted
             error.add_note(f"resume skipped: {exc.errors()[0]['msg']}")
             return
-        _, failed = await self._each(self.names, lambda _, c: c.resume(request))
+        _, failed = await self._instances.each(self.names, lambda _, c: c.resume(request))
         for name, why in sorted(failed.items()):
             error.add_note(f"resume on {name} failed: {why}")
-
-
-class _Renewer:
-    """The background renewals of one open checkpoint."""
-
-    def __init__(self, fleet: EnvFleet, checkpoint_id: str, window_s: float, every_s: float):
-        self.fleet = fleet
-        self.checkpoint_id = checkpoint_id
-        self.window_s = window_s
-        self.every_s = every_s
-        self.rounds = 0
-        self.failures: dict[str, str] = {}  # the latest failure per instance
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.every_s)
-            await self._round()
-
-    async def _round(self) -> None:
-        request = RenewRequest(
-            checkpoint_id=self.checkpoint_id, deadline_ts=time.time() + self.window_s
-        )
-        # A failed renewal is not fatal here: the next round tries again, and a lease that did
-        # run out makes the body's next call (commit) fail on its own.
-        _, failed = await self.fleet._each(self.fleet.names, lambda _, c: c.renew(request))
-        self.rounds += 1
-        for name, exc in failed.items():
-            log.warning("renew %s on %s failed: %s", self.checkpoint_id, name, exc)
-            self.failures[name] = str(exc)
-
-    def notes(self) -> list[str]:
-        return [f"renewal on {name} failed: {why}" for name, why in sorted(self.failures.items())]
-
-
-def _renew_every(prepared: FleetPrepared) -> float:
-    lease_s = prepared.lease_expires_ts - time.time()
-    return max(min(lease_s / 3, MAX_RENEW_EVERY_S), MIN_RENEW_EVERY_S)
-
-
-async def _stop(task: asyncio.Task[None]) -> None:
-    # asyncio.wait, not `await task`: the task's CancelledError must not be mistaken for (or
-    # swallow) a cancellation of the caller.
-    task.cancel()
-    await asyncio.wait({task})
-
-
-async def _until_idle(client: EnvClient, give_up: float, first_s: float) -> None:
-    """Poll status with backoff until the instance is idle or ``give_up`` passes."""
-    delay = first_s
-    while True:
-        await asyncio.sleep(max(min(delay, give_up - time.monotonic()), 0.0))
-        if (await client.status()).phase == "idle" or time.monotonic() >= give_up:
-            return
-        delay = min(delay * 2, MAX_POLL_S)

@@ -160,7 +160,7 @@ def _rank(exc: Exception) -> int:
     return 0 if isinstance(exc, EnvNotReady) else 1
 
 
-def _summary(op: str, failed: Mapping[str, Exception], total: int) -> Exception:
+def failures_summary(op: str, failed: Mapping[str, Exception], total: int) -> Exception:
     """One error for several instances' failures, naming each instance."""
     listed = "; ".join(f"{name}: {exc}" for name, exc in sorted(failed.items()))
     message = f"{op} failed on {len(failed)} of {total} instance(s): {listed}"

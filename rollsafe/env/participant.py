@@ -2,7 +2,8 @@
 
 :class:`Participant` owns everything but the environment's own state: the phase machine, the
 lease, idempotent replay, retire marks, parking episodes at turn boundaries, and records on disk
-(:mod:`rollsafe.env.store`). The environment plugs in through
+(what goes in them: :mod:`rollsafe.env.participant_records`; the files:
+:mod:`rollsafe.env.store`). The environment plugs in through
 :class:`~rollsafe.env.hooks.EnvironmentHooks`; :mod:`rollsafe.env.router` serves it over HTTP.
 
 Control operations run one at a time under one lock (a second prepare of the same id waits for
@@ -16,7 +17,6 @@ import asyncio
 import time
 from collections.abc import Callable
 from contextlib import suppress
-from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -24,9 +24,10 @@ from pydantic import BaseModel
 from rollsafe.env import protocol as wire
 from rollsafe.env import store
 from rollsafe.env.hooks import EnvironmentHooks
+from rollsafe.env.participant_records import absolute, export_records, install, states_in_scope
 from rollsafe.env.protocol import EpisodeRef, EpisodeResult, Phase
 from rollsafe.env.session import Session
-from rollsafe.errors import InvalidInput, SnapshotCorrupt
+from rollsafe.errors import InvalidInput
 
 R = TypeVar("R", bound=BaseModel)
 _CAPTURED: dict[str, wire.Activity] = {"boundary": "boundary", "generating": "generating"}
@@ -223,11 +224,8 @@ class Participant:
                 return stored
             self._require(cid, "prepared")
             self._check_scope(request.scope)
-            dest = _absolute(request.dest, "dest")
-            records = [
-                {"episode": ep.model_dump(mode="json"), "state": self.env.export_episode(ep)}
-                for ep in request.scope
-            ]
+            dest = absolute(request.dest, "dest")
+            records = export_records(self.env, request.scope)
             env = self.env
             manifest = await asyncio.to_thread(
                 store.write_records, dest, env.name, env.kind, self.instance, cid, records
@@ -304,38 +302,19 @@ class Participant:
             self._require_future(request.deadline_ts)
             for ep in request.scope:
                 self._check_free(ep.next_attempt())
-            root = _absolute(request.root, "root")
+            root = absolute(request.root, "root")
             records = await asyncio.to_thread(
                 store.read_records, root, self.env.name, request.source_checkpoint_id
             )
-            states = _in_scope(records, request.scope, root)
-            self._install(request.scope, states, request.prefixes)
+            states = states_in_scope(records, request.scope, root)
+            install(self.env, request.scope, states, request.prefixes)
+            for ep in request.scope:  # each next attempt's run starts from its record
+                self._restored[ep.next_attempt().key] = states[ep.key]
             lease = self._open("restored", rid, request.deadline_ts)
             restored = tuple(ep.next_attempt() for ep in request.scope)
             reply = wire.RestoreReply(restored=restored, lease_expires_ts=lease)
             self._replies[(rid, "restore")] = reply
             return reply
-
-    def _install(
-        self,
-        scope: tuple[EpisodeRef, ...],
-        states: dict[str, dict[str, Any]],
-        prefixes: dict[str, Any],
-    ) -> None:
-        """All or nothing: a refused record drops every episode this call installed."""
-        done: list[EpisodeRef] = []
-        for ep in scope:
-            try:
-                done.append(ep)  # before: a half-installed record is dropped too
-                self.env.restore_episode(ep, states[ep.key], prefixes)
-            except Exception as exc:
-                for installed in done:
-                    self.env.drop_episode(installed.next_attempt())
-                raise SnapshotCorrupt(
-                    f"{self.env.name} refused the record of {ep.key}: {exc}; nothing restored"
-                ) from exc
-        for ep in scope:
-            self._restored[ep.next_attempt().key] = states[ep.key]
 
     # -- episodes -------------------------------------------------------------------------------
 
@@ -384,31 +363,3 @@ class Participant:
             retired=len(self._retired),
             participants=(self.env.name,),
         )
-
-
-def _absolute(path: str, field: str) -> Path:
-    # A relative path would land wherever this server happens to run.
-    if not Path(path).is_absolute():
-        raise InvalidInput(f"{field} must be an absolute path, not {path!r}")
-    return Path(path)
-
-
-def _in_scope(
-    records: list[dict[str, Any]], scope: tuple[EpisodeRef, ...], root: Path
-) -> dict[str, dict[str, Any]]:
-    """Scope episode key -> state; every scope episode must have a record."""
-    wanted = {ep.key for ep in scope}
-    states: dict[str, dict[str, Any]] = {}
-    for record in records:
-        try:
-            key = EpisodeRef.model_validate(record["episode"]).key
-        except ValueError:
-            raise SnapshotCorrupt(f"{root}: a record names no valid episode") from None
-        if key in wanted:
-            if not isinstance(record.get("state"), dict):
-                raise SnapshotCorrupt(f"{root}: the record of {key} holds no state object")
-            states[key] = record["state"]
-    missing = sorted(wanted - states.keys())
-    if missing:
-        raise SnapshotCorrupt(f"{root}: no record for {', '.join(missing)}; nothing restored")
-    return states
