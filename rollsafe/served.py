@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 from rollsafe.errors import RollsafeError
 
@@ -35,6 +35,24 @@ ENV_BANNER = r"rollsafe env serving {name} {instance} on (http://\S+)"
 
 class ServerDidNotStart(RollsafeError):
     """The process exited, or printed no listening line in time; its stderr tail is included."""
+
+
+def server_config(
+    app: Any, host: str, port: int, *, lifespan: Literal["on", "off"]
+) -> uvicorn.Config:
+    """How every rollsafe server runs under uvicorn: no access log, 5 s for requests in flight
+    at shutdown, idle connections kept SERVER_KEEPALIVE_S (longer than its clients keep them)."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        access_log=False,
+        lifespan=lifespan,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=SERVER_KEEPALIVE_S,
+    )
 
 
 def listening_url(server: uvicorn.Server) -> str:

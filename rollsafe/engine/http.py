@@ -49,7 +49,7 @@ from rollsafe.errors import (
     RollsafeError,
     TransientError,
 )
-from rollsafe.served import CLIENT_KEEPALIVE_S, SERVER_KEEPALIVE_S, listening_url
+from rollsafe.served import CLIENT_KEEPALIVE_S, listening_url, server_config
 
 M = TypeVar("M", bound=BaseModel)
 NDJSON = "application/x-ndjson"
@@ -236,15 +236,7 @@ class _Server(uvicorn.Server):
 async def serve(engine: ClosableEngine, host: str, port: int, token: str) -> None:
     """Serve ``engine`` until SIGINT/SIGTERM, then close it. Prints one line once listening."""
     app = engine_app(engine, token)
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        access_log=False,
-        lifespan="off",
-        timeout_graceful_shutdown=5,
-        timeout_keep_alive=SERVER_KEEPALIVE_S,
-    )
+    config = server_config(app, host, port, lifespan="off")
     try:
         await _Server(config, engine).serve()
     finally:

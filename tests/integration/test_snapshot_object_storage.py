@@ -24,13 +24,13 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import fsspec
@@ -41,6 +41,7 @@ from rollsafe.errors import InvalidInput, NoValidSnapshot
 from rollsafe.snapshot import SnapshotKind
 from rollsafe.snapshot import _objects as objects
 from rollsafe.snapshot.remote import RemoteSnapshotStore
+from rollsafe.testing.race import all_at_once
 
 RUN = "run-objects"
 REGION = "eu-west-1"  # any: moto serves every region; the CLI and actor get it from AWS_*
@@ -282,21 +283,15 @@ def test_conditional_put_has_exactly_one_winner(url, options):
     assert not objects.create_exclusive(fs, path, b"second")  # 412 from the server
     assert fs.cat_file(path) == b"first"
 
-    barrier = threading.Barrier(6)
-    results: dict[int, bool] = {}
-
-    def create(writer: int) -> None:
-        other_fs, _ = objects.open_filesystem(url, options)  # separate clients, one key
-        barrier.wait()
-        results[writer] = objects.create_exclusive(other_fs, f"{root}/race", b"%d" % writer)
-
-    threads = [threading.Thread(target=create, args=(i,)) for i in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    winners = [writer for writer, created in results.items() if created]
-    assert len(results) == 6 and len(winners) == 1, results
+    clients = [objects.open_filesystem(url, options)[0] for _ in range(6)]  # one key
+    results = all_at_once(
+        [
+            partial(objects.create_exclusive, client, f"{root}/race", b"%d" % writer)
+            for writer, client in enumerate(clients)
+        ]
+    )
+    winners = [writer for writer, created in enumerate(results) if created is True]
+    assert results.count(False) == 5 and len(winners) == 1, results
     assert fs.cat_file(f"{root}/race") == b"%d" % winners[0]  # the losers overwrote nothing
 
 
@@ -343,22 +338,12 @@ def test_two_publishers_of_one_seq_exactly_one_wins(url, options, tmp_path):
         )
         draft.write_bytes("state.bin", f"host {i}".encode() * 1000)
         drafts.append(draft)
-    barrier = threading.Barrier(2)
-    won, refused = [], []
-
-    def run(draft) -> None:
-        barrier.wait()
-        try:
-            won.append(draft.publish(weight_version=1, loader_position=1))
-        except InvalidInput as exc:
-            refused.append(exc)
-
-    threads = [threading.Thread(target=run, args=(d,)) for d in drafts]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert len(won) == 1 and len(refused) == 1
+    outcomes = all_at_once(
+        [partial(draft.publish, weight_version=1, loader_position=1) for draft in drafts]
+    )
+    won = [outcome for outcome in outcomes if not isinstance(outcome, Exception)]
+    refused = [outcome for outcome in outcomes if isinstance(outcome, InvalidInput)]
+    assert len(won) == 1 and len(refused) == 1, outcomes
     reader = store_at(url, tmp_path / "r", options).select()
     assert reader.manifest.checkpoint_id == won[0].manifest.checkpoint_id
     assert reader.latest_problem is None

@@ -23,6 +23,7 @@ import json
 import re
 import shlex
 import tomllib
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -309,13 +310,18 @@ def container(deployment: Doc) -> Doc:
     return first
 
 
+def errors_once_broken(kind: str, breaks: Callable[[Doc], object]) -> list[str]:
+    """What the checks say of a copy of the manifest of ``kind`` after ``breaks`` edits it."""
+    broken = copy.deepcopy(one(kind))
+    breaks(broken)
+    return manifest_errors(broken, K8S_VERSIONS[0])
+
+
 @pytest.mark.parametrize(
     ("case", "breaks", "at"), BROKEN_DEPLOYMENTS, ids=[c[0] for c in BROKEN_DEPLOYMENTS]
 )
 def test_a_broken_deployment_is_refused(case: str, breaks: Any, at: str) -> None:
-    broken = copy.deepcopy(one("Deployment"))
-    breaks(broken)
-    errors = manifest_errors(broken, K8S_VERSIONS[0])
+    errors = errors_once_broken("Deployment", breaks)
     assert len(errors) == 1 and errors[0].startswith(f"{at}:"), (case, errors)
 
 
@@ -368,9 +374,7 @@ BROKEN_RAYCLUSTERS = [
     ("case", "breaks", "error"), BROKEN_RAYCLUSTERS, ids=[c[0] for c in BROKEN_RAYCLUSTERS]
 )
 def test_a_broken_raycluster_is_refused(case: str, breaks: Any, error: str) -> None:
-    broken = copy.deepcopy(one("RayCluster"))
-    breaks(broken)
-    errors = manifest_errors(broken, K8S_VERSIONS[0])
+    errors = errors_once_broken("RayCluster", breaks)
     assert len(errors) == 1 and errors[0].startswith(error), (case, errors)
 
 

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ from rollsafe.dataplane import make_dataplane  # noqa: E402
 from rollsafe.errors import InvalidInput, NoValidSnapshot, SnapshotCorrupt  # noqa: E402
 from rollsafe.faults import InjectedFault, arm, disarm_all  # noqa: E402
 from rollsafe.phases import PHASES, Phase, PhaseRequest, RestoreRequest, SnapshotSpec  # noqa: E402
-from rollsafe.scenario import row_content  # noqa: E402
+from rollsafe.scenario import busy_run, row_content  # noqa: E402
 from rollsafe.snapshot import (  # noqa: E402
     MANIFEST_NAME,
     SnapshotKind,
@@ -41,6 +42,7 @@ from rollsafe.snapshot.location import open_snapshot_store  # noqa: E402
 from rollsafe.snapshot.remote import RemoteSnapshotStore  # noqa: E402
 from rollsafe.snapshot.select import EntryState  # noqa: E402
 from rollsafe.states import AttemptState  # noqa: E402
+from rollsafe.testing.race import all_at_once  # noqa: E402
 
 RUN = "run-remote"
 
@@ -123,16 +125,11 @@ def test_the_next_seq_and_the_pointer_follow_the_remote_store(url, tmp_path):
 
 
 def test_a_controller_restores_from_object_storage(url, tmp_path):
-    config = RunConfig(run_id=RUN, group_size=2, groups_per_step=2)
-    run = Controller(config, make_dataplane("memory"))
-    run.handout([0, 1, 2])
-    for idx, i in ((0, 0), (0, 1), (1, 0)):
-        run.dispatch(idx, i)
-        run.seal(idx, i, run.ledger.attempt(idx, i), row_content(idx, i, 0))
+    run = busy_run(RUN, make_dataplane("memory"))
     run.checkpoint(store_at(url, tmp_path / "trainer-host"), "ck-1")
 
     restored, plan = Controller.restore(
-        config, store_at(url, tmp_path / "new-host"), make_dataplane("memory")
+        run.config, store_at(url, tmp_path / "new-host"), make_dataplane("memory")
     )
     assert plan.loader_position == 3 and plan.ready == [0]
     assert restored.ledger.state(1, 0) == AttemptState.SEALED
@@ -231,19 +228,10 @@ def any_url(request, url, tmp_path):
 def test_conditional_create_has_exactly_one_winner(any_url):
     fs, root = objects.open_filesystem(any_url)
     path = f"{root}/{RUN}/latest/00000001.json"
-    barrier = threading.Barrier(8)
-    results: list[bool] = []
-
-    def create(i: int) -> None:
-        barrier.wait()
-        results.append(objects.create_exclusive(fs, path, f"writer {i}".encode()))
-
-    threads = [threading.Thread(target=create, args=(i,)) for i in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert sorted(results) == [False] * 7 + [True]
+    results = all_at_once(
+        [partial(objects.create_exclusive, fs, path, f"writer {i}".encode()) for i in range(8)]
+    )
+    assert results.count(True) == 1 and results.count(False) == 7, results
     assert fs.cat_file(path).startswith(b"writer ")
 
 
@@ -254,23 +242,12 @@ def test_two_concurrent_publishers_of_one_seq_exactly_one_wins(any_url, tmp_path
         draft = store.begin(SnapshotKind.ROLLOUT, f"ck-{i}", seq=5)
         draft.write_bytes("state.bin", f"state of host {i}".encode() * 1000)
         drafts.append(draft)
-    barrier = threading.Barrier(2)
-    won, refused = [], []
-
-    def run(draft) -> None:
-        barrier.wait()
-        try:
-            won.append(draft.publish(weight_version=1, loader_position=10))
-        except InvalidInput as exc:
-            refused.append(str(exc))
-
-    threads = [threading.Thread(target=run, args=(d,)) for d in drafts]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-
-    assert len(won) == 1 and len(refused) == 1
+    outcomes = all_at_once(
+        [partial(draft.publish, weight_version=1, loader_position=10) for draft in drafts]
+    )
+    won = [outcome for outcome in outcomes if not isinstance(outcome, Exception)]
+    refused = [str(outcome) for outcome in outcomes if isinstance(outcome, InvalidInput)]
+    assert len(won) == 1 and len(refused) == 1, outcomes
     winner = won[0].manifest.checkpoint_id
     assert "is claimed by checkpoint" in refused[0] or "already published" in refused[0]
     reader = store_at(any_url, tmp_path / "reader").select()
@@ -431,12 +408,8 @@ def test_a_missing_backend_package_is_named(tmp_path, monkeypatch):
 
 
 def test_checkpoint_ops_publish_to_and_restore_from_object_storage(url, tmp_path):
-    config = RunConfig(run_id=RUN, group_size=2, groups_per_step=2)
-    run = Controller(config, make_dataplane("memory"))
-    run.handout([0, 1, 2])
-    for idx, i in ((0, 0), (0, 1), (1, 0)):
-        run.dispatch(idx, i)
-        run.seal(idx, i, run.ledger.attempt(idx, i), row_content(idx, i, 0))
+    run = busy_run(RUN, make_dataplane("memory"))
+    config = run.config
     ops = CheckpointOps(run, store_at(url, tmp_path / "host-a"))
     spec = SnapshotSpec(run_id=RUN, seq=ops.next_seq())
     results = [ops.run_phase(PhaseRequest(spec=spec, phase=phase)) for phase in PHASES]

@@ -12,7 +12,7 @@ from reference.envs.workplace.env import WorkplaceEnv
 from reference.envs.workplace.faults import FaultMiddleware, FaultSwitches
 from rollsafe.engine.http import EngineClient
 from rollsafe.errors import InvalidInput
-from rollsafe.served import SERVER_KEEPALIVE_S, listening_url
+from rollsafe.served import listening_url, server_config
 
 
 def default_instance() -> str:
@@ -64,15 +64,7 @@ async def serve(
     app = FaultMiddleware(participant_app(participant, token), token, faults)
     # lifespan on: the app's lifespan runs the participant's lease watcher (a lease must run
     # out even when no request comes).
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=5,
-        timeout_keep_alive=SERVER_KEEPALIVE_S,
-    )
+    config = server_config(app, host, port, lifespan="on")
     try:
         await _Server(config, name).serve()
     finally:
