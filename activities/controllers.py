@@ -19,6 +19,8 @@ class ControllerUnavailable(TransientError):
 class ControllerHandle(Protocol):
     async def run_phase(self, request: PhaseRequest) -> PhaseResult: ...
 
+    async def renew_admission(self, spec: SnapshotSpec) -> bool: ...
+
     async def abort(self, spec: SnapshotSpec) -> PhaseResult: ...
 
     async def next_seq(self) -> int: ...
@@ -37,6 +39,9 @@ class LocalController:
 
     async def run_phase(self, request: PhaseRequest) -> PhaseResult:
         return await asyncio.to_thread(self.ops.run_phase, request)
+
+    async def renew_admission(self, spec: SnapshotSpec) -> bool:
+        return await asyncio.to_thread(self.ops.renew_admission, spec)
 
     async def abort(self, spec: SnapshotSpec) -> PhaseResult:
         return await asyncio.to_thread(self.ops.abort, spec)
@@ -77,6 +82,10 @@ class RayController:
     async def run_phase(self, request: PhaseRequest) -> PhaseResult:
         result: PhaseResult = await self._call("run_phase", request)
         return result
+
+    async def renew_admission(self, spec: SnapshotSpec) -> bool:
+        renewed: bool = await self._call("renew_admission", spec)
+        return renewed
 
     async def abort(self, spec: SnapshotSpec) -> PhaseResult:
         result: PhaseResult = await self._call("abort", spec)

@@ -3,12 +3,15 @@
 Activities are registered under the phase's name, so an operator sees the phase of a stuck
 snapshot as its pending activity. Long calls heartbeat every second (DESIGN.md section 5:
 heartbeat timeout ~5 s) so a killed worker's phase is retried within seconds, and a
-cancelled phase (abort) is noticed at the next beat.
+cancelled phase (abort) is noticed at the next beat. A phase that runs while its checkpoint
+holds admission closed also renews the gate's lease with every beat: a worker that dies
+stops renewing, and the gate reopens by itself once the lease runs out (rollsafe.gate).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -26,6 +29,7 @@ from rollsafe.phases import (
     RestorePlan,
     RestoreRequest,
     SnapshotSpec,
+    holds_admission,
 )
 from rollsafe.telemetry import phase_span
 from workflows.restore import RESTORE_CONTROLLER_ACTIVITY
@@ -39,9 +43,11 @@ WORKER_POINTS = register(
     *(f"worker.phase.{phase.value}.{when}" for phase in PHASES for when in ("before", "after"))
 )
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+Beat = Callable[[], Awaitable[object]]
 
 
-async def _heartbeating(call: Awaitable[T], detail: str) -> T:
+async def _heartbeating(call: Awaitable[T], detail: str, on_beat: Beat | None = None) -> T:
     task = asyncio.ensure_future(call)
     try:
         while True:
@@ -49,11 +55,22 @@ async def _heartbeating(call: Awaitable[T], detail: str) -> T:
             if done:
                 return task.result()
             activity.heartbeat(detail)
+            if on_beat is not None:
+                await _beat(on_beat, detail)
     except RollsafeError as exc:
         raise to_application_error(exc) from exc
     except asyncio.CancelledError:
         task.cancel()
         raise
+
+
+async def _beat(on_beat: Beat, detail: str) -> None:
+    """A renewal that fails is not the phase's failure: the next beat tries again, and a lease
+    that runs out only abandons the snapshot."""
+    try:
+        await asyncio.wait_for(on_beat(), HEARTBEAT_EVERY_S)
+    except (RollsafeError, TimeoutError) as exc:
+        log.warning("%s: renewing the admission lease failed: %s", detail, exc)
 
 
 class SnapshotActivities:
@@ -66,9 +83,10 @@ class SnapshotActivities:
                 raise ValueError(f"activity {phase.value} got a request for {request.phase}")
             controller = self._resolve(request.spec.run_id)
             spec = request.spec
+            renew = (lambda: controller.renew_admission(spec)) if holds_admission(phase) else None
             with phase_span(spec.run_id, spec.checkpoint_id, spec.seq, phase.value):
                 fault_point(f"worker.phase.{phase.value}.before")
-                result = await _heartbeating(controller.run_phase(request), phase.value)
+                result = await _heartbeating(controller.run_phase(request), phase.value, renew)
                 fault_point(f"worker.phase.{phase.value}.after")
             return result
 

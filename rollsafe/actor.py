@@ -9,6 +9,7 @@ unit tests never pay for it.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from rollsafe.coordinator import CheckpointOps
 from rollsafe.dataplane import Row, make_dataplane
 from rollsafe.errors import InvalidInput, TransientError
 from rollsafe.faults import fault_point, register
+from rollsafe.gate import Clock
 from rollsafe.ids import EpisodeId, validate_run_id
 from rollsafe.participants import Participants
 from rollsafe.snapshot import FAULT_POINTS
@@ -52,8 +54,9 @@ class ControllerService(CheckpointOps):
         keep_latest_k: int = 2,
         participants: Participants | None = None,
         *,
-        awaiting_restore: bool = False,
+        start_over: bool = False,
         snapshot_cache: Path | str | None = None,
+        clock: Clock = time.monotonic,
     ) -> None:
         # A path (a local disk or a shared POSIX mount) or object storage (s3://, gs://),
         # whose drafts are staged under ``snapshot_cache`` (docs/snapshot-format.md).
@@ -66,29 +69,31 @@ class ControllerService(CheckpointOps):
         )
         controller = Controller(config, make_dataplane(dataplane))
         super().__init__(
-            controller, store, participants=participants, awaiting_restore=awaiting_restore
+            controller, store, participants=participants, start_over=start_over, clock=clock
         )
 
+    # The run's changes are refused (AwaitingRestore) while the controller awaits its restore.
+
     def handout(self, groups: Sequence[int]) -> None:
-        with self.barrier:
+        with self.changing("handout"):
             self.controller.handout(groups)
 
     def dispatch(self, idx: int, i: int, owner: str | None = None) -> EpisodeId | None:
         """Dispatch one attempt through the admission gate, in the same step that marks it
         DISPATCHED; None when the gate is closed (the attempt stays RESERVED, spends nothing)."""
-        with self.barrier, self.gate.admission() as admitted:
+        with self.changing("dispatch"), self.gate.admission() as admitted:
             return self.controller.dispatch(idx, i, owner) if admitted else None
 
     def seal(self, idx: int, i: int, attempt: int, row: Row) -> bool:
-        with self.barrier:
+        with self.changing("seal"):
             return self.controller.seal(idx, i, attempt, row)
 
     def claim(self, groups: Sequence[int], step: int) -> None:
-        with self.barrier:
+        with self.changing("claim"):
             self.controller.claim(groups, step)
 
     def commit_step(self, groups: Sequence[int]) -> None:
-        with self.barrier:
+        with self.changing("commit_step"):
             self.controller.commit_step(groups)
 
     def select(self) -> list[int]:
@@ -126,6 +131,7 @@ def start_controller_actor(
     runtime_env: dict[str, Any] | None = None,
     ray_options: Mapping[str, Any] | None = None,
     snapshot_cache: Path | str | None = None,
+    start_over: bool = False,
 ) -> ActorHandle[ControllerService]:
     """The run's named controller actor, started if it is not running (get-if-exists: a
     second call gets the same actor and ignores its arguments). Not detached: it lives as
@@ -133,7 +139,12 @@ def start_controller_actor(
     (``s3://``, ``gs://``) whose drafts are staged under ``snapshot_cache``, a path on the
     nodes the actor may land on. ``ray_options``: further Ray actor options, e.g.
     where it runs (``{"resources": {"head_node": 0.01}}`` or a ``scheduling_strategy``);
-    its name, namespace and get-if-exists are this function's own."""
+    its name, namespace and get-if-exists are this function's own.
+
+    If the run already has published snapshots, the new controller awaits its restore: it
+    refuses work and snapshots (``AwaitingRestore``) until ``Checkpointer.restore`` has run,
+    so a snapshot of its empty state can never displace the run's real one. ``start_over``:
+    the run begins again from nothing instead (its old snapshots stay until retention)."""
     if config.run_id != run_id:
         raise InvalidInput(f"config is for run {config.run_id!r}, not {run_id!r}")
     reserved = sorted({"name", "namespace", "get_if_exists"} & set(ray_options or {}))
@@ -154,7 +165,12 @@ def start_controller_actor(
     cls = controller_actor_class()
     cache = None if snapshot_cache is None else str(snapshot_cache)
     handle: ActorHandle[ControllerService] = cls.options(**options).remote(
-        config, str(snapshot_root), dataplane, keep_latest_k, snapshot_cache=cache
+        config,
+        str(snapshot_root),
+        dataplane,
+        keep_latest_k,
+        snapshot_cache=cache,
+        start_over=start_over,
     )
     return handle
 

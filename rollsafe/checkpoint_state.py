@@ -25,8 +25,16 @@ class SnapshotLost(TransientError):
 
 
 class AwaitingRestore(TransientError):
-    """A controller started to be restored takes no snapshot until it is: a snapshot of its
-    empty state would become the newest one and hide the run's real state from the restore."""
+    """A fresh controller of a run that already has published snapshots is fenced (DESIGN.md
+    invariant 8): it takes no work and no snapshot until it has restored, or was started with
+    ``start_over=True``. A snapshot of its empty state would become the newest one, and
+    retention would delete the run's real state."""
+
+
+class AdmissionLeaseExpired(TransientError):
+    """The checkpoint held admission closed past its lease with no phase renewing it (no
+    worker left to run them): the gate reopened by itself, and the snapshot is abandoned
+    (its draft discarded, nothing published). The next snapshot starts afresh."""
 
 
 class CheckpointRefused(InvalidInput):
@@ -40,6 +48,8 @@ class OpsStatus(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     run_id: str
+    # Fenced: started for a run with published snapshots, not restored yet (AwaitingRestore).
+    awaiting_restore: bool
     open_checkpoint: str | None
     gate_open: bool
     gate_holder: str | None

@@ -8,38 +8,47 @@
         await ckpt.train_step_committed(step)
     outcome = await ckpt.snapshot_now(timeout=120)
 
-Every call first asks the Temporal server about the run's supervisor (``rollsafe/{run_id}``):
-once it has failed, every call raises :class:`SnapshotsFailed` naming why, so a trainer
-learns that its run is no longer being checkpointed at its next step, not from a log line.
+What the trainer says on its hot path (``train_step_committed``, ``trainer_checkpoint_saved``
+and ``_removed``) is one signal to the run's supervisor (``rollsafe/{run_id}``): durable once
+the server has it, no worker needed, bounded by ``notify_timeout_s``. Only when the server
+refuses it does the SDK ask why, so a supervisor that has failed raises
+:class:`SnapshotsFailed` naming why at the trainer's next step, not in a log line.
+
+A run no worker serves takes no snapshot, however long it trains: every
+:meth:`Checkpointer.status` and, from ``worker_check_every_s`` after :meth:`Checkpointer.start`
+on and at most that often, ``train_step_committed`` look at the run's task queue, and the SDK
+logs a warning (once, until a worker is back) when no worker polls it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Sequence
-from contextlib import asynccontextmanager
+import logging
+import operator
+import time
+from collections.abc import Awaitable, Sequence
 from datetime import timedelta
-from typing import Self, TypeVar
+from typing import Any, Self, TypeVar
 
+from pydantic import BaseModel, ConfigDict
 from temporalio.client import (
     Client,
     WorkflowExecutionDescription,
     WorkflowExecutionStatus,
     WorkflowFailureError,
     WorkflowHandle,
-    WorkflowQueryFailedError,
     WorkflowUpdateFailedError,
     WorkflowUpdateRPCTimeoutOrCancelledError,
 )
 from temporalio.common import WorkflowIDConflictPolicy
-from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from rollsafe.errors import CheckpointTimeout, InvariantError, TemporalUnavailable, TransientError
+from rollsafe.errors import CheckpointTimeout, InvalidInput, InvariantError, TemporalUnavailable
 from rollsafe.ids import validate_run_id
 from rollsafe.phases import RestorePlan, RestoreRequest
 from rollsafe.temporal.connect import ConnectionSettings, connect
 from rollsafe.temporal.failures import describe_failure
+from rollsafe.temporal.pollers import WORKER_SEEN_WITHIN_S, WorkerPresence, worker_presence
 from workflows.models import (
     PhaseOptions,
     SnapshotOutcome,
@@ -48,16 +57,18 @@ from workflows.models import (
     SupervisorStatus,
 )
 from workflows.restore import RestoreRun, restore_workflow_id
-from workflows.snapshot import RolloutSnapshot
 from workflows.supervisor import SnapshotSupervisor, supervisor_id, task_queue_for
 
 # Queries and updates need a live worker: say so, rather than hang, when none serves the run.
 WORKER_TIMEOUT_S = 5.0
-_ACCEPTED = "abort accepted in phase "  # RolloutSnapshot.abort's answer, then the phase
-_TOO_LATE = "TooLate"  # RolloutSnapshot.abort's validator refusal
+# A signal to the supervisor (a trainer step's notice) returns within this, or raises.
+NOTIFY_TIMEOUT_S = 2.0
+# train_step_committed looks at the run's task queue at most this often (one RPC).
+WORKER_CHECK_EVERY_S = 30.0
 
 T = TypeVar("T")
 SupervisorHandle = WorkflowHandle[SnapshotSupervisor, None]
+log = logging.getLogger(__name__)
 
 
 async def _within(seconds: float | None, call: Awaitable[T]) -> T:
@@ -70,6 +81,17 @@ async def _within(seconds: float | None, call: Awaitable[T]) -> T:
         if deadline.expired():
             raise TimeoutError from None
         raise
+
+
+class CheckpointerStatus(BaseModel):
+    """What :meth:`Checkpointer.status` reports."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str
+    workers: WorkerPresence  # who polls the run's task queue, from the server
+    supervisor: SupervisorStatus | None  # None: no worker answered its status query
+    warnings: list[str]  # what keeps the run from being checkpointed, if anything
 
 
 class SnapshotsFailed(InvariantError):
@@ -91,10 +113,6 @@ class SupervisorNotRunning(InvariantError):
     """The run has no running supervisor: never started, stopped or terminated."""
 
 
-class NoWorker(TransientError):
-    """No checkpoint worker answered a query: none serves the run's task queue right now."""
-
-
 class Checkpointer:
     """One run's checkpointing, seen from the trainer. ``client`` (tests, or a caller that
     already has one) must use the pydantic data converter, as
@@ -104,7 +122,10 @@ class Checkpointer:
     :meth:`start` creates it; a trainer attaching to a running one gets that one's settings.
     """
 
-    worker_timeout_s = WORKER_TIMEOUT_S  # how long a call waits for a worker to answer
+    worker_timeout_s = WORKER_TIMEOUT_S  # how long a query or update waits for a worker
+    notify_timeout_s = NOTIFY_TIMEOUT_S  # how long a signal may take
+    worker_check_every_s = WORKER_CHECK_EVERY_S
+    worker_seen_within_s = WORKER_SEEN_WITHIN_S  # a worker polled this recently: present
 
     def __init__(
         self,
@@ -130,8 +151,13 @@ class Checkpointer:
         )
         # Trainer checkpoint paths by step: the supervisor's signal carries only the step.
         self.saved_checkpoints: dict[int, str] = {}
+        # The anchors this trainer knows it holds (None: it has said nothing yet); start()
+        # hands them to the supervisor, which may be new or may hold older ones.
+        self._anchors: set[int] | None = None
         self._settings = settings
         self._client = client
+        self._workers_checked_at: float | None = None
+        self._warned_no_worker = False
 
     @property
     def workflow_id(self) -> str:
@@ -140,91 +166,83 @@ class Checkpointer:
     async def start(self) -> Self:
         """Connect (unless a client was given) and start the run's supervisor, or attach to
         the one already running: a restarted trainer continues the same run's checkpointing.
-        After a failed or stopped supervisor this starts a fresh one."""
-        if self._client is None:
-            self._client = await connect(self._settings)
-        await self._client.start_workflow(
+        After a failed or stopped supervisor this starts a fresh one. The anchors this
+        trainer knows (from :meth:`restore`'s ``weight_versions`` and the checkpoints it
+        saved) replace the supervisor's."""
+        client = await self._connected()
+        held = self._anchors
+        await client.start_workflow(
             SnapshotSupervisor.run,
             SupervisorInput(config=self.config),
             id=self.workflow_id,
             task_queue=self.task_queue,
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            start_signal=None if held is None else "trainer_checkpoints_held",
+            start_signal_args=[] if held is None else [sorted(held)],
         )
+        # Workers and trainer often start together: the first look, a step's, comes after
+        # worker_check_every_s, so a worker still connecting is not reported missing.
+        self._workers_checked_at = time.monotonic()
         return self
 
-    async def train_step_committed(self, step: int) -> str:
-        """Tell the run a train step committed; a snapshot that has not captured yet is now
-        stale and aborts. Returns what happened to the running snapshot, one line:
-        ``aborted snapshot <seq> in phase <p>``, ``too late: ...`` (it captured already and
-        will publish) or ``no snapshot running``."""
-        async with self._supervisor() as (handle, description):
-            answer = "no snapshot running"
-            # The running snapshot from the server's record of pending children, not the
-            # status query: a query needs a worker, and a trainer step must not wait for one.
-            for child in description.raw_description.pending_children:
-                if child.workflow_type_name == RolloutSnapshot.__name__:
-                    answer = await self._abort(child.workflow_id, step)
-            # After the abort, so its answer is the child's own: the supervisor signals the
-            # child too, and a child aborted that way first would answer "too late" (resume).
-            await handle.signal(SnapshotSupervisor.train_step_committed, step)
-            return answer
-
-    async def _abort(self, workflow_id: str, step: int) -> str:
-        assert self._client is not None
-        seq = workflow_id.rpartition("/")[2]
-        child = self._client.get_workflow_handle_for(RolloutSnapshot.run, workflow_id)
-        try:
-            answer = await _within(
-                self.worker_timeout_s,
-                child.execute_update(
-                    RolloutSnapshot.abort, f"trainer_state_changed: step {step} committed"
-                ),
-            )
-        except TimeoutError:
-            return (
-                f"abort of snapshot {seq} unconfirmed: no worker answered within "
-                f"{self.worker_timeout_s:g} s (the supervisor aborts it when one does)"
-            )
-        except WorkflowUpdateFailedError as exc:
-            cause = exc.cause
-            if isinstance(cause, ApplicationError) and cause.type == _TOO_LATE:
-                return "too late: " + cause.message.removeprefix("too late: ")
-            return f"no snapshot running (snapshot {seq}: {cause})"
-        except RPCError as exc:
-            if exc.status != RPCStatusCode.NOT_FOUND:
-                raise
-            return f"no snapshot running (snapshot {seq} is not running now)"
-        return f"aborted snapshot {seq} in phase {answer.removeprefix(_ACCEPTED)}"
+    async def train_step_committed(self, step: int) -> None:
+        """Tell the run a train step committed: a snapshot that has not captured yet is now
+        stale and aborts (its outcome: ``skipped``, reason ``trainer_state_changed: step N
+        committed``). One signal, returned once the server has it (within
+        ``notify_timeout_s``, else :class:`TemporalUnavailable`); no worker is waited for."""
+        await self._notify(SnapshotSupervisor.train_step_committed, _step(step))
+        if self._workers_due():
+            try:
+                await self._check_workers()
+            except (RPCError, TimeoutError) as exc:  # a look, not the step's business
+                log.debug("run %s: looking for workers failed: %s", self.run_id, exc)
 
     async def trainer_checkpoint_saved(self, step: int, path: str) -> None:
-        """Ask for a trainer snapshot anchored at ``step``. ``path`` (the trainer checkpoint)
-        is kept in :attr:`saved_checkpoints` on this side only: the supervisor's signal carries
-        the step alone, so the operator view does not show it yet."""
-        async with self._supervisor() as (handle, _):
-            await handle.signal(SnapshotSupervisor.trainer_checkpoint_saved, step)
-            self.saved_checkpoints[step] = path
+        """The trainer saved a checkpoint of weight version ``step`` (the number of optimizer
+        steps committed; the controller's weight version goes up by one per committed step):
+        ask for a snapshot anchored to it, and hold it as an anchor, so retention keeps the
+        newest snapshot at that weight version until :meth:`trainer_checkpoint_removed`.
+        ``path`` is kept in :attr:`saved_checkpoints` on this side only."""
+        step = _step(step)
+        await self._notify(SnapshotSupervisor.trainer_checkpoint_saved, step)
+        self.saved_checkpoints[step] = path
+        self._anchors = {*(self._anchors or ()), step}
+
+    async def trainer_checkpoint_removed(self, step: int) -> None:
+        """The trainer deleted its checkpoint of weight version ``step``: retention no longer
+        keeps a snapshot for it."""
+        step = _step(step)
+        await self._notify(SnapshotSupervisor.trainer_checkpoint_removed, step)
+        self.saved_checkpoints.pop(step, None)
+        self._anchors = (self._anchors or set()) - {step}
 
     async def snapshot_now(self, timeout: float | None = None) -> SnapshotOutcome:
         """Take a rollout snapshot now (after any queued ones) and return its outcome. After
         ``timeout`` seconds raises :class:`CheckpointTimeout`; a request that reached the
         supervisor is not withdrawn: that snapshot still runs, and its outcome later shows in
-        ``status().state.last_outcome``."""
-        async with self._supervisor() as (handle, _):
-            try:
-                return await _within(
-                    timeout, handle.execute_update(SnapshotSupervisor.snapshot_now)
-                )
-            except TimeoutError:
-                raise CheckpointTimeout(
-                    f"run {self.run_id!r}: snapshot_now did not finish within {timeout:g} s"
-                ) from None
+        ``status().supervisor.state.last_outcome``."""
+        handle = await self._supervisor()
+        try:
+            return await _within(timeout, handle.execute_update(SnapshotSupervisor.snapshot_now))
+        except TimeoutError:
+            raise CheckpointTimeout(
+                f"run {self.run_id!r}: snapshot_now did not finish within {timeout:g} s"
+            ) from None
+        except (RPCError, WorkflowUpdateFailedError):
+            await self._running(handle)  # raises the supervisor's own error if it closed
+            raise
 
-    async def status(self) -> SupervisorStatus:
-        """The supervisor's counts, last outcome and running snapshot. Raises
-        :class:`NoWorker` when no checkpoint worker answers (queries run on a worker)."""
-        async with self._supervisor() as (handle, _):
+    async def status(self) -> CheckpointerStatus:
+        """The workers the server sees on the run's task queue and, when one answers within
+        ``worker_timeout_s``, the supervisor's counts, last outcome and running snapshot.
+        Raises the supervisor's own error when it is not running."""
+        handle = await self._supervisor()
+        workers = await self._check_workers()
+        supervisor: SupervisorStatus | None = None
+        warnings = [] if workers.present else [workers.absence()]
+        if workers.present:
             try:
-                return await handle.query(
+                supervisor = await handle.query(
                     SnapshotSupervisor.status, rpc_timeout=timedelta(seconds=self.worker_timeout_s)
                 )
             except RPCError as exc:
@@ -232,15 +250,21 @@ class Checkpointer:
                 if exc.status not in (RPCStatusCode.CANCELLED, RPCStatusCode.DEADLINE_EXCEEDED):
                     raise
                 await self._running(handle)  # closed meanwhile: say so instead
-                raise NoWorker(
-                    f"run {self.run_id!r}: no checkpoint worker answered within "
-                    f"{self.worker_timeout_s:g} s; is one serving task queue {self.task_queue!r}?"
-                ) from None
+                warnings.append(f"no checkpoint worker answered within {self.worker_timeout_s:g} s")
+        return CheckpointerStatus(
+            run_id=self.run_id, workers=workers, supervisor=supervisor, warnings=warnings
+        )
+
+    async def workers(self) -> WorkerPresence:
+        """Who polls the run's task queue, as the Temporal server has seen them (no worker
+        needed to answer)."""
+        return await worker_presence(
+            await self._connected(), self.task_queue, self.worker_seen_within_s
+        )
 
     async def stop(self) -> None:
         """End the run's periodic snapshots (the supervisor finishes its current one first)."""
-        async with self._supervisor() as (handle, _):
-            await handle.signal(SnapshotSupervisor.stop)
+        await self._notify(SnapshotSupervisor.stop)
 
     async def restore(
         self, restore_id: str, weight_versions: Sequence[int] | None = None
@@ -248,16 +272,16 @@ class Checkpointer:
         """Restore the run's controller from its newest snapshot that verifies, through the
         RestoreRun workflow (DESIGN.md section 6). Idempotent per ``restore_id``: a retried
         restore returns the first plan. Needs no supervisor: a trainer restores before
-        :meth:`start`. ``weight_versions``: those the trainer holds checkpoints of; only a
-        snapshot taken at one of them is restored (None: any). A snapshot that cannot be
-        restored raises :class:`RestoreFailed` naming the error; the run refuses to start
-        rather than start from nothing."""
-        if self._client is None:
-            self._client = await connect(self._settings)
+        :meth:`start`. ``weight_versions``: those the trainer holds checkpoints of (its
+        anchors, which :meth:`start` then hands to the supervisor); only a snapshot taken at
+        one of them is restored (None: any). A snapshot that cannot be restored raises
+        :class:`RestoreFailed` naming the error; the run refuses to start rather than start
+        from nothing."""
+        client = await self._connected()
         anchors = tuple(weight_versions) if weight_versions is not None else None
         request = RestoreRequest(run_id=self.run_id, restore_id=restore_id, weight_versions=anchors)
         try:
-            return await self._client.execute_workflow(
+            plan = await client.execute_workflow(
                 RestoreRun.run,
                 request,
                 id=restore_workflow_id(self.run_id, restore_id),
@@ -268,22 +292,68 @@ class Checkpointer:
             raise RestoreFailed(
                 f"restore of run {self.run_id!r} failed: {error_type}: {message}"
             ) from exc
+        if anchors is not None:
+            self._anchors = set(anchors)
+        return plan
 
-    @asynccontextmanager
-    async def _supervisor(
-        self,
-    ) -> AsyncIterator[tuple[SupervisorHandle, WorkflowExecutionDescription]]:
-        """The running supervisor's handle and description. A failed or closed supervisor
-        raises its own error, also when it closes during the call, never a bare RPC error."""
+    # ---- helpers ---------------------------------------------------------------------------
+
+    async def _connected(self) -> Client:
+        if self._client is None:
+            self._client = await connect(self._settings)
+        return self._client
+
+    def _handle(self) -> SupervisorHandle:
         if self._client is None:
             raise SupervisorNotRunning(f"run {self.run_id!r}: call Checkpointer.start() first")
-        handle = self._client.get_workflow_handle_for(SnapshotSupervisor.run, self.workflow_id)
-        description = await self._running(handle)
+        return self._client.get_workflow_handle_for(SnapshotSupervisor.run, self.workflow_id)
+
+    async def _supervisor(self) -> SupervisorHandle:
+        """The running supervisor's handle (one ``describe``); a failed or closed one raises
+        its own error."""
+        handle = self._handle()
+        await self._running(handle)
+        return handle
+
+    async def _notify(self, signal: Any, *args: Any) -> None:
+        """Signal the supervisor within ``notify_timeout_s``. Only a refusal costs a
+        ``describe``, which names why (failed, stopped, never started)."""
+        handle = self._handle()
         try:
-            yield handle, description
-        except (RPCError, WorkflowQueryFailedError, WorkflowUpdateFailedError):
-            await self._running(handle)  # raises the supervisor's own error if it closed
+            await _within(
+                self.notify_timeout_s,
+                handle.signal(signal, *args, rpc_timeout=timedelta(seconds=self.notify_timeout_s)),
+            )
+        except TimeoutError:
+            raise TemporalUnavailable(
+                f"run {self.run_id!r}: the Temporal server did not take the notice within "
+                f"{self.notify_timeout_s:g} s"
+            ) from None
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                await self._running(handle)  # raises why it is not running
+            if exc.status in (RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.UNAVAILABLE):
+                raise TemporalUnavailable(
+                    f"run {self.run_id!r}: signalling {self.workflow_id} failed: "
+                    f"{exc.status.name} {exc.message}"
+                ) from exc
             raise
+
+    def _workers_due(self) -> bool:
+        checked = self._workers_checked_at
+        return checked is None or time.monotonic() - checked >= self.worker_check_every_s
+
+    async def _check_workers(self) -> WorkerPresence:
+        """Look at the run's task queue; warn once when no worker polls it (again once a
+        worker came back and went away)."""
+        self._workers_checked_at = time.monotonic()
+        workers = await _within(self.notify_timeout_s, self.workers())
+        if workers.present:
+            self._warned_no_worker = False
+        elif not self._warned_no_worker:
+            self._warned_no_worker = True
+            log.warning("run %s: %s", self.run_id, workers.absence())
+        return workers
 
     async def _running(self, handle: SupervisorHandle) -> WorkflowExecutionDescription:
         try:
@@ -317,3 +387,15 @@ class Checkpointer:
         except WorkflowFailureError as exc:
             return SnapshotsFailed(self.run_id, *describe_failure(exc))
         return SnapshotsFailed(self.run_id, "Unknown", "the supervisor failed")
+
+
+def _step(step: int) -> int:
+    """A step (or weight version) as the supervisor's signals carry it: an int >= 0 (numpy
+    integers too, as training loops often count with them)."""
+    try:
+        value = operator.index(step)
+    except TypeError:
+        value = -1
+    if isinstance(step, bool) or value < 0:
+        raise InvalidInput(f"a step is an integer >= 0, got {step!r}")
+    return value

@@ -12,18 +12,33 @@ The draft lives only in this process (the Ray actor outlives checkpoint workers)
 that finds no draft looks the snapshot up in the store (on disk, or in the bucket, whatever
 this host's cache holds): an earlier attempt may have published it.
 
+Two fences keep a snapshot from doing harm when its surroundings died:
+
+- a controller started for a run that already has published snapshots is *awaiting restore*
+  (DESIGN.md invariant 8): it refuses work and snapshots (``AwaitingRestore``) until it has
+  restored, or the caller said the run starts over (``start_over=True``);
+- ``close_admission`` takes a lease on the gate (:mod:`rollsafe.gate`), renewed by every
+  phase that runs while the gate is closed and by their activities' heartbeats. If it runs
+  out, admission has reopened by itself and the checkpoint is abandoned: its draft is
+  discarded and every later phase but ``resume`` refuses with ``AdmissionLeaseExpired``.
+
 Plain Python, no Ray: :mod:`rollsafe.actor` wraps this class in a one-line actor.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from rollsafe import metrics
 from rollsafe.checkpoint_state import (
     ABORT,
     KEEP_CHECKPOINTS,
+    AdmissionLeaseExpired,
     AwaitingRestore,
     CheckpointRecord,
     CheckpointRefused,
@@ -38,7 +53,7 @@ from rollsafe.dataplane import make_dataplane
 from rollsafe.engine.staging import drop_staged
 from rollsafe.errors import InvalidInput
 from rollsafe.faults import fault_point
-from rollsafe.gate import AdmissionGate
+from rollsafe.gate import AdmissionGate, Clock, GateChange
 from rollsafe.participant_phases import NOTHING_TO_DO, ParticipantPhases
 from rollsafe.participants import ENVS_DIR, RECORD_FILE, Participants
 from rollsafe.phases import (
@@ -49,8 +64,12 @@ from rollsafe.phases import (
     RestorePlan,
     RestoreRequest,
     SnapshotSpec,
+    holds_admission,
 )
-from rollsafe.snapshot import PublishedSnapshot, SnapshotStore, accept_weight_versions
+from rollsafe.snapshot import EntryState, PublishedSnapshot, SnapshotStore, accept_weight_versions
+
+log = logging.getLogger(__name__)
+_PUBLISHED_STATES = (EntryState.VALID, EntryState.INVALID, EntryState.UNCHECKED)
 
 
 class CheckpointOps:
@@ -58,21 +77,26 @@ class CheckpointOps:
         self,
         controller: Controller,
         store: SnapshotStore,
-        gate: AdmissionGate | None = None,
         participants: Participants | None = None,
         *,
-        awaiting_restore: bool = False,
+        start_over: bool = False,
+        clock: Clock = time.monotonic,
     ) -> None:
+        """``start_over``: the run begins again although it has published snapshots (they
+        stay on disk until retention removes them); without it such a controller awaits its
+        restore. ``clock``: the admission lease's (tests pass a fake one)."""
         if store.run_id != controller.config.run_id:
             raise InvalidInput(
                 f"store of run {store.run_id!r}, controller of {controller.config.run_id!r}"
             )
         self.controller = controller
         self.store = store
-        self.gate = gate or AdmissionGate()
+        self.gate = AdmissionGate(clock, on_expired=self._admission_expired)
         # The run's environments and engines; None: phases 3-7 have nothing to do.
         self.participants = participants
-        self._awaiting_restore = awaiting_restore
+        self._awaiting_restore = not start_over and any(
+            entry.state in _PUBLISHED_STATES for entry in store.list(verify=False)
+        )
         # Held by capture and by every call that changes the controller's state
         # (rollsafe.actor.ControllerService), so a capture sees the run standing still.
         self.barrier = threading.Lock()
@@ -102,7 +126,7 @@ class CheckpointOps:
                 )
             fault_point(f"phase.{phase}.before")
             with metrics.timed_phase(spec.run_id, phase):
-                result = self._run(spec, phase, record)
+                result = self._run(request, record)
             fault_point(f"phase.{phase}.after")
             record.results[phase] = result
             return result
@@ -135,8 +159,11 @@ class CheckpointOps:
             )
             return record.aborted
 
-    def _run(self, spec: SnapshotSpec, phase: Phase, record: CheckpointRecord) -> PhaseResult:
+    def _run(self, request: PhaseRequest, record: CheckpointRecord) -> PhaseResult:
+        spec, phase = request.spec, request.phase
         cid = spec.checkpoint_id
+        if phase is not Phase.RESUME:
+            self._check_lease(spec)
         if phase is Phase.OPEN:
             return self._open_draft(spec, record)
         if phase is Phase.RESUME:
@@ -159,11 +186,13 @@ class CheckpointOps:
                         f"checkpoint {cid} already resumed: it may not close admission again"
                     )
                 self._require_open(spec)
-                change = self.gate.close(cid)
+                change = self.gate.close(cid, request.admission_lease_s)
             metrics.admission_closed(spec.run_id, cid, change)
             self._effect(phase, change.changed)
             return phase_result(spec, phase, f"admission {change.detail}")
         entry = self._require_open(spec)
+        if holds_admission(phase):
+            self.gate.renew(cid)
         if phase is Phase.CAPTURE:
             return self._capture(spec, entry)
         if self.participants is None:
@@ -196,12 +225,11 @@ class CheckpointOps:
 
     def _open_draft(self, spec: SnapshotSpec, record: CheckpointRecord) -> PhaseResult:
         cid = spec.checkpoint_id
+        stale = self._open
+        if stale is not None and self.gate.expired(stale.spec.checkpoint_id) is not None:
+            self._abandon(stale)  # no phase of it came back to notice: never publishable
         with self._meta:
-            if self._awaiting_restore:
-                raise AwaitingRestore(
-                    f"checkpoint {cid}: the controller of run {self.store.run_id} was started "
-                    "to be restored and takes no snapshot until it is"
-                )
+            self._check_fence(f"checkpoint {cid}")
             if record.resumed:  # a stray late attempt would hold a draft nobody finishes
                 raise CheckpointRefused(f"checkpoint {cid} already ended: it may not open again")
             current = self._open
@@ -251,6 +279,7 @@ class CheckpointOps:
                         loader_position=done.loader_position,
                         anchor_step=spec.anchor_step,
                         counts=done.counts,
+                        anchors=spec.anchors,
                     )
                     self._effect(Phase.PUBLISH, not published.reused)
                 with self._meta:
@@ -337,6 +366,7 @@ class CheckpointOps:
         with self._meta:
             return OpsStatus(
                 run_id=self.store.run_id,
+                awaiting_restore=self._awaiting_restore,
                 open_checkpoint=self._open.spec.checkpoint_id if self._open else None,
                 gate_open=self.gate.is_open,
                 gate_holder=self.gate.holder,
@@ -345,7 +375,64 @@ class CheckpointOps:
                 done={cid: [p.value for p in r.results] for cid, r in self._records.items()},
             )
 
+    def renew_admission(self, spec: SnapshotSpec) -> bool:
+        """Extend the admission lease of ``spec``'s checkpoint (its activities call this
+        with every heartbeat). False when it does not hold the gate: nothing changes."""
+        return self.gate.renew(spec.checkpoint_id)
+
+    @contextmanager
+    def changing(self, what: str) -> Iterator[None]:
+        """The capture barrier, for a call that changes the run's state: refused while the
+        controller awaits its restore."""
+        with self.barrier:
+            with self._meta:
+                self._check_fence(what)
+            yield
+
     # ---- helpers ---------------------------------------------------------------------------
+
+    def _check_fence(self, what: str) -> None:
+        if self._awaiting_restore:
+            raise AwaitingRestore(
+                f"{what} refused: run {self.store.run_id} has published snapshots and this "
+                "controller has not restored one; restore it first (Checkpointer.restore), "
+                "or start the controller with start_over=True to begin the run again"
+            )
+
+    def _check_lease(self, spec: SnapshotSpec) -> None:
+        """Refuse every phase but resume of a checkpoint whose admission lease expired,
+        discarding its draft first (it can never be published)."""
+        lease_s = self.gate.expired(spec.checkpoint_id)
+        if lease_s is None:
+            return
+        entry = self._entry(spec.checkpoint_id)
+        if entry is not None:
+            self._abandon(entry)
+        raise AdmissionLeaseExpired(
+            f"checkpoint {spec.checkpoint_id}: admission stayed closed past its {lease_s:g} s "
+            "lease with no phase renewing it (no worker left?) and reopened by itself; the "
+            "snapshot is abandoned, nothing of it is published: take the next one"
+        )
+
+    def _abandon(self, entry: OpenCheckpoint) -> None:
+        with entry.lock:
+            entry.broken = entry.broken or "admission lease expired"
+            entry.draft.discard()
+        with self._meta:
+            if self._open is entry:
+                self._open = None
+
+    def _admission_expired(self, checkpoint_id: str) -> None:
+        """The gate's hook (called under its lock): the park window ended by the lease."""
+        metrics.admission_reopened(
+            self.store.run_id, checkpoint_id, GateChange(True, "lease expired")
+        )
+        log.warning(
+            "run %s: checkpoint %s held admission closed past its lease; admission reopened "
+            "by itself and the snapshot is abandoned",
+            self.store.run_id,
+            checkpoint_id,
+        )
 
     def _record(self, spec: SnapshotSpec) -> CheckpointRecord:
         if spec.run_id != self.store.run_id:

@@ -27,10 +27,11 @@
     └── InvalidInput                   malformed user input (scenario file, CLI argument, id)
 
 The trainer SDK (:mod:`rollsafe.client`) adds ``SnapshotsFailed``, ``SupervisorNotRunning``
-and ``RestoreFailed`` (invariant) and ``NoWorker`` (transient); the coordinator
-(:mod:`rollsafe.checkpoint_state`) ``SnapshotLost`` and ``AwaitingRestore`` (transient) and
-``CheckpointRefused`` (invalid input); snapshots on object storage ``ObjectStoreUnavailable``
-(transient); the controller service ``ControllerNotFound`` (transient); fault injection
+and ``RestoreFailed`` (invariant); the coordinator (:mod:`rollsafe.checkpoint_state`)
+``SnapshotLost``, ``AwaitingRestore`` (a fresh controller of a run with snapshots, until it
+restores) and ``AdmissionLeaseExpired`` (transient) and ``CheckpointRefused`` (invalid
+input); snapshots on object storage ``ObjectStoreUnavailable`` (transient); the controller
+service ``ControllerNotFound`` (transient); fault injection
 ``InjectedFault`` (transient).
 
 At the Temporal boundary each maps to ``ApplicationError(type=<class name>,

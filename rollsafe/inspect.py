@@ -18,9 +18,10 @@ from temporalio.client import (
 from temporalio.service import RPCError
 
 from rollsafe.temporal.failures import describe_failure
+from rollsafe.temporal.pollers import WorkerPresence, worker_presence
 from rollsafe.temporal.search_attributes import KIND, PHASE
 from workflows.models import SupervisorStatus
-from workflows.supervisor import SnapshotSupervisor, supervisor_id
+from workflows.supervisor import SnapshotSupervisor, supervisor_id, task_queue_for
 
 QUERY_TIMEOUT_S = 2.0
 _STATE_PREFIX = "PENDING_ACTIVITY_STATE_"
@@ -53,6 +54,7 @@ class RunView(BaseModel):
     supervisor: str  # the supervisor workflow's status (RUNNING, FAILED, ...) or "absent"
     supervisor_failure: str | None = None
     status: SupervisorStatus | None = None  # None: no worker answered the query
+    workers: WorkerPresence | None = None  # who polls the run's task queue
     snapshots: list[SnapshotView] = []
 
 
@@ -60,8 +62,9 @@ def _age(moment: datetime | None, now: float) -> float | None:
     return None if moment is None else max(0.0, now - moment.timestamp())
 
 
-async def inspect_run(client: Client, run_id: str) -> RunView:
+async def inspect_run(client: Client, run_id: str, task_queue: str | None = None) -> RunView:
     view = RunView(run_id=run_id, supervisor="absent")
+    view.workers = await worker_presence(client, task_queue or task_queue_for(run_id))
     handle = client.get_workflow_handle_for(SnapshotSupervisor.run, supervisor_id(run_id))
     try:
         description = await handle.describe()
@@ -138,10 +141,12 @@ def render(view: RunView) -> str:
         lines.append(
             f"  published {state.published}, skipped {state.skipped}, failed {state.failed}, "
             f"consecutive failures {state.consecutive_failures}, "
-            f"queued {view.status.queued_requests}"
+            f"queued {view.status.queued_requests}, anchors {state.anchors or 'none'}"
         )
     elif view.supervisor == "RUNNING":
         lines.append("  (no worker answered the status query: showing server-side state only)")
+    if view.workers is not None and not view.workers.present:
+        lines.append(f"  {view.workers.absence()}")
     if not view.snapshots:
         lines.append("  no snapshot running")
     for snap in view.snapshots:

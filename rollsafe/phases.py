@@ -10,7 +10,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+
+from rollsafe.gate import ADMISSION_LEASE_S
 
 
 class Phase(StrEnum):
@@ -37,6 +39,13 @@ def abortable(phase: Phase | None) -> bool:
     return phase is None or PHASES.index(phase) < PHASES.index(NO_ABORT_FROM)
 
 
+def holds_admission(phase: Phase) -> bool:
+    """Whether a snapshot in ``phase`` holds the admission gate closed (after
+    ``close_admission``, before ``resume``): such a phase renews the gate's lease while it
+    runs."""
+    return PHASES.index(Phase.CLOSE_ADMISSION) < PHASES.index(phase) < PHASES.index(Phase.RESUME)
+
+
 def checkpoint_id_for(run_id: str, seq: int, kind: str) -> str:
     """Minted from the workflow's input, never at random: a retried activity or a replayed
     workflow names the same checkpoint."""
@@ -52,6 +61,9 @@ class SnapshotSpec(BaseModel):
     seq: int = Field(ge=1)
     kind: Literal["rollout", "trainer"] = "rollout"
     anchor_step: int | None = Field(default=None, ge=0)
+    # Anchors: the weight versions the trainer holds checkpoints of when the snapshot
+    # starts. Publish's retention keeps the newest snapshot at each (docs/snapshot-format.md).
+    anchors: tuple[NonNegativeInt, ...] = ()
 
     @property
     def checkpoint_id(self) -> str:
@@ -63,6 +75,8 @@ class PhaseRequest(BaseModel):
 
     spec: SnapshotSpec
     phase: Phase
+    # close_admission: how long the gate stays closed without a renewal (rollsafe.gate).
+    admission_lease_s: float = Field(default=ADMISSION_LEASE_S, gt=0)
 
 
 class PublishedSnapshotInfo(BaseModel):

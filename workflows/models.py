@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
+    from rollsafe.gate import ADMISSION_LEASE_S
     from rollsafe.phases import Phase, PhaseResult, PublishedSnapshotInfo, SnapshotSpec
 
 
@@ -22,6 +23,19 @@ class PhaseOptions(BaseModel):
     retry_maximum_s: float = Field(default=5.0, gt=0)
     # Attempts per phase before the snapshot fails (and the supervisor counts a failure).
     retry_attempts: int = Field(default=5, ge=1)
+    # How long admission stays closed with no phase renewing its lease (their heartbeats do,
+    # every second): past it the gate reopens by itself and the snapshot is abandoned.
+    admission_lease_s: float = Field(default=ADMISSION_LEASE_S, gt=0)
+
+    @model_validator(mode="after")
+    def _lease_outlasts_a_heartbeat(self) -> PhaseOptions:
+        if self.admission_lease_s <= self.heartbeat_timeout_s:
+            raise ValueError(
+                f"admission_lease_s ({self.admission_lease_s:g}) must exceed "
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g}): otherwise the lease runs "
+                "out before Temporal retries a dead worker's phase on another one"
+            )
+        return self
 
 
 class SnapshotInput(BaseModel):
@@ -86,6 +100,9 @@ class SupervisorState(BaseModel):
     last_outcome: SnapshotOutcome | None = None
     last_committed_step: int | None = None
     pending_anchors: list[int] = Field(default_factory=list)  # trainer steps to anchor
+    # Anchors still held: weight versions the trainer holds checkpoints of (sorted). Every
+    # snapshot's retention keeps the newest snapshot at each (docs/snapshot-format.md).
+    anchors: list[int] = Field(default_factory=list)
 
 
 class SupervisorInput(BaseModel):

@@ -139,7 +139,9 @@ class RolloutSnapshot:
         self._phase, self._phase_started_at = phase, workflow.time()
         workflow.upsert_search_attributes([PHASE.value_set(phase.value)])
         workflow.set_current_details(f"snapshot {self._checkpoint_id}: phase **{phase.value}**")
-        phase_request = PhaseRequest(spec=request.spec, phase=phase)
+        phase_request = PhaseRequest(
+            spec=request.spec, phase=phase, admission_lease_s=request.options.admission_lease_s
+        )
         if phase in PARTICIPANT_PHASES and not request.participants:
             handle = start_local_activity(phase.value, phase_request, PhaseResult, request.options)
         else:

@@ -1,10 +1,12 @@
 """SnapshotSupervisor: one per run (id ``rollsafe/{run_id}``), one snapshot at a time.
 
 Takes periodic snapshots on a timer, anchored snapshots when the trainer saves a checkpoint,
-and snapshots on demand (``snapshot_now``). Transient failures are counted across snapshots;
-after ``max_consecutive_failures`` in a row, or at once on an invariant failure, the
-supervisor fails with a typed error the trainer's next SDK call sees. Continues as new before
-its history grows large.
+and snapshots on demand (``snapshot_now``). Keeps the run's anchors (weight versions the
+trainer holds checkpoints of, from ``trainer_checkpoint_saved`` / ``_removed`` / ``_held``)
+and hands them to every snapshot, whose retention keeps the newest snapshot at each.
+Transient failures are counted across snapshots; after ``max_consecutive_failures`` in a row,
+or at once on an invariant failure, the supervisor fails with a typed error the trainer's
+next SDK call sees. Continues as new before its history grows large.
 """
 
 from __future__ import annotations
@@ -109,7 +111,13 @@ class SnapshotSupervisor:
         seq = state.next_seq
         state.next_seq += 1
         self._taken += 1
-        spec = SnapshotSpec(run_id=config.run_id, seq=seq, kind=kind, anchor_step=anchor)
+        spec = SnapshotSpec(
+            run_id=config.run_id,
+            seq=seq,
+            kind=kind,
+            anchor_step=anchor,
+            anchors=tuple(state.anchors),
+        )
         self._running = seq
         try:
             outcome = await workflow.execute_child_workflow(
@@ -161,7 +169,20 @@ class SnapshotSupervisor:
 
     @workflow.signal
     def trainer_checkpoint_saved(self, step: int) -> None:
+        """A trainer checkpoint of weight version ``step``: an anchored snapshot, and an
+        anchor retention keeps a snapshot for until the checkpoint is removed."""
         self._enqueue("trainer", step)
+        self._state.anchors = sorted({*self._state.anchors, step})
+
+    @workflow.signal
+    def trainer_checkpoint_removed(self, step: int) -> None:
+        """The trainer deleted its checkpoint of weight version ``step``: no longer an anchor."""
+        self._state.anchors = [held for held in self._state.anchors if held != step]
+
+    @workflow.signal
+    def trainer_checkpoints_held(self, steps: list[int]) -> None:
+        """Every anchor the trainer holds (a restarted trainer says so): replaces the set."""
+        self._state.anchors = sorted(set(steps))
 
     @workflow.signal
     async def train_step_committed(self, step: int) -> None:

@@ -54,7 +54,7 @@ class RunController(ControllerService):
         turns: int,
         keep_latest_k: int = 8,
         *,
-        awaiting_restore: bool = False,
+        start_over: bool = False,
     ) -> None:
         self.loop = LoopThread()
         self.fleet, self.engine = self.loop.run(_clients(endpoints))
@@ -68,7 +68,7 @@ class RunController(ControllerService):
             snapshot_root,
             keep_latest_k=keep_latest_k,
             participants=participants,
-            awaiting_restore=awaiting_restore,
+            start_over=start_over,
         )
         self._running: dict[tuple[int, int], Future[None]] = {}
         self._dispatcher = _Dispatcher(self)
@@ -117,7 +117,7 @@ class RunController(ControllerService):
             time.sleep(0.02)
 
     def evict(self, groups: Sequence[int]) -> None:
-        with self.barrier:
+        with self.changing("evict"):
             for idx in groups:
                 self.controller.evict(idx)
 

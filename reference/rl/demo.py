@@ -103,7 +103,7 @@ class Demo:
 
     # ---- the processes ---------------------------------------------------------------------
 
-    def start_actor(self, endpoints: Endpoints, *, awaiting_restore: bool) -> ActorController:
+    def start_actor(self, endpoints: Endpoints, *, start_over: bool) -> ActorController:
         import ray
 
         cls: Any = ray.remote(RunController)
@@ -117,7 +117,7 @@ class Demo:
             str(self.work / "snapshots"),
             endpoints,
             self.settings.turns,
-            awaiting_restore=awaiting_restore,
+            start_over=start_over,
         )
         ray.get(handle.status.remote())  # constructed, or its error raised here
         return ActorController(handle, actor_name(self.settings.run_id))
@@ -222,12 +222,13 @@ class Demo:
                 f"[start] Temporal {dev.address}, Ray, engine, {len(INSTANCES)} environments "
                 f"({self.elapsed():.1f}s)"
             )
-            controller = self.start_actor(endpoints, awaiting_restore=False)
+            # A new run: snapshots a previous demo left in --out are not its own to restore.
+            controller = self.start_actor(endpoints, start_over=True)
             self.start_worker(env, worker_fault_spec(self.faults.get("coordinator")))
             checkpointer = self._checkpointer(dev)
             asyncio.run(checkpointer.start())
             run = ReferenceRun(self.settings, endpoints, self.work, self.options.out, controller)
-            run.listener = CheckpointerListener(checkpointer, self.say)
+            run.listener = CheckpointerListener(checkpointer)
             stack.enter_context(self.worker_watch(env))
             step_to_crash = crash_step(self.faults.get("run"))
             with SnapshotWatch(
@@ -314,8 +315,9 @@ class Demo:
         run.controller.kill()
         run.abandon()
         endpoints = servers.start()
-        # Until its restore, a periodic snapshot of its empty state must not happen.
-        controller = self.start_actor(endpoints, awaiting_restore=True)
+        # The run has published snapshots: until its restore the new controller is fenced,
+        # so a periodic snapshot of its empty state cannot displace the real one.
+        controller = self.start_actor(endpoints, start_over=False)
         self.start_worker(env)
         self.crashed = False
         restore_id = f"r-{uuid.uuid4().hex[:6]}"
@@ -325,7 +327,7 @@ class Demo:
         restored = ReferenceRun(self.settings, endpoints, self.work, self.options.out, controller)
         restored.resume_from(plan, restore_id)
         asyncio.run(checkpointer.start())
-        restored.listener = CheckpointerListener(checkpointer, self.say)
+        restored.listener = CheckpointerListener(checkpointer)
         resumed = sum(len(g.resumed) for g in plan.partial.values())
         for name, why in plan.environments_failed.items():
             self.say(f"[restore] {name} could not restore its episodes (restarted instead): {why}")
@@ -354,13 +356,12 @@ class CheckpointerListener:
     committed step aborts a snapshot that has not captured yet (it would be stale), and a
     trainer checkpoint asks for a snapshot anchored at it."""
 
-    def __init__(self, checkpointer: Any, say: Callable[[str], None]) -> None:
-        self.checkpointer, self.say = checkpointer, say
+    def __init__(self, checkpointer: Any) -> None:
+        self.checkpointer = checkpointer
 
     def step_committed(self, step: int) -> None:
-        answer = asyncio.run(self.checkpointer.train_step_committed(step))
-        if answer.startswith("aborted"):
-            self.say(f"[snapshot] step {step + 1} committed: {answer} (stale)")
+        # One signal; a snapshot it made stale shows as skipped in the snapshot watch.
+        asyncio.run(self.checkpointer.train_step_committed(step))
 
     def checkpoint_saved(self, weight_version: int, path: Path) -> None:
         asyncio.run(self.checkpointer.trainer_checkpoint_saved(weight_version, str(path)))

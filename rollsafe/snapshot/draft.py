@@ -13,7 +13,7 @@ import os
 import stat
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
@@ -165,13 +165,15 @@ class SnapshotDraft:
         loader_position: int,
         anchor_step: int | None = None,
         counts: Mapping[str, int] | None = None,
+        anchors: Collection[int] = (),
     ) -> PublishedSnapshot:
         """Write the manifest last and atomically make the snapshot visible (see
-        :meth:`SnapshotStore.publish_draft` for the steps and the idempotent re-publish)."""
+        :meth:`SnapshotStore.publish_draft` for the steps, the idempotent re-publish, and
+        retention's ``anchors``)."""
         self._check_open()
         self._check_complete()
         manifest = self._manifest(weight_version, loader_position, anchor_step, counts)
-        return self._store.publish_draft(self, manifest)
+        return self._store.publish_draft(self, manifest, anchors)
 
     def discard(self) -> None:
         """Delete the draft. A no-op once published or discarded, so ``finally: discard()``

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import builtins
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from rollsafe.snapshot.manifest import (
     parse_manifest,
     relpath_problem,
 )
+from rollsafe.snapshot.retention import plan_retention
 from rollsafe.snapshot.select import (
     Accept,
     EntryState,
@@ -232,14 +234,17 @@ class RemoteSnapshotStore(SnapshotStore):
         claims = objects.list_names(self.fs, self._remote(pointers.CLAIMS_DIR))
         return seqs + [seq for name in claims if (seq := pointers.seq_of(name)) is not None]
 
-    def publish_draft(self, draft: SnapshotDraft, manifest: SnapshotManifest) -> PublishedSnapshot:
+    def publish_draft(
+        self, draft: SnapshotDraft, manifest: SnapshotManifest, anchors: Collection[int] = ()
+    ) -> PublishedSnapshot:
         """Claim the seq, upload and check every file, create the manifest (the commit
-        point), create this seq's LATEST pointer, apply retention. A seq already published
-        by this checkpoint is reused (activities run at least once); by another, refused."""
+        point), create this seq's LATEST pointer, apply retention (keeping the newest
+        snapshot at each of ``anchors``). A seq already published by this checkpoint is
+        reused (activities run at least once); by another, refused."""
         name = _fs.snapshot_dir_name(manifest.seq, manifest.kind)
         published = self._candidates()[0]
         if existing := [n for seq, n in published if seq == manifest.seq]:
-            return self._reuse_remote(existing[0], draft, manifest)
+            return self._reuse_remote(existing[0], draft, manifest, anchors)
         if published and manifest.seq < published[0][0]:
             raise InvalidInput(
                 f"seq {manifest.seq} is older than the newest published seq {published[0][0]}"
@@ -262,16 +267,20 @@ class RemoteSnapshotStore(SnapshotStore):
             raise
         if not won:  # an attempt of this same checkpoint (it holds the claim) got there first
             draft.unwrite_manifest()
-            return self._reuse_remote(name, draft, manifest)
+            return self._reuse_remote(name, draft, manifest, anchors)
         local = self._keep_local(draft, name)
         self._hit("before_latest")
         self._point_latest_remote(name, manifest, digest)
         self._hit("before_retention")
-        self._retain_remote()
+        self._retain_remote(anchors)
         return PublishedSnapshot(local, manifest, digest, reused=False)
 
     def _reuse_remote(
-        self, name: str, draft: SnapshotDraft, manifest: SnapshotManifest
+        self,
+        name: str,
+        draft: SnapshotDraft,
+        manifest: SnapshotManifest,
+        anchors: Collection[int],
     ) -> PublishedSnapshot:
         try:
             path, found, digest = self._fetch(name)
@@ -282,7 +291,7 @@ class RemoteSnapshotStore(SnapshotStore):
         refuse_other_checkpoint(name, found, manifest)
         draft.discard()
         self._point_latest_remote(name, found, digest)
-        self._retain_remote()
+        self._retain_remote(anchors)
         return PublishedSnapshot(path, found, digest, reused=True)
 
     def _keep_local(self, draft: SnapshotDraft, name: str) -> Path:
@@ -299,23 +308,14 @@ class RemoteSnapshotStore(SnapshotStore):
         folder = self._remote(pointers.POINTERS_DIR)
         pointers.create_pointer(self.fs, folder, self.run_id, name, manifest, digest)
 
-    def _retain_remote(self) -> None:
-        """Keep the newest ``keep_latest_k`` snapshots whose manifest reads back; delete
-        every snapshot prefix older than the last one kept (published or a dead upload),
-        manifest first so a half-deleted snapshot is invisible; then the local copies."""
-        kept: builtins.list[str] = []
-        doomed = []
-        for seq, name in self._names():
-            if len(kept) >= self.keep_latest_k:
-                doomed.append((seq, name))
-                continue
-            try:
-                self._read_manifest(name)
-            except _Refused:
-                continue  # unpublished or damaged: neither counted nor deleted
-            kept.append(name)
-        oldest_kept = min((_fs.parse_dir_name(n) or (0,))[0] for n in kept) if kept else None
-        for seq, name in doomed:
+    def _retain_remote(self, anchors: Collection[int]) -> None:
+        """Apply retention (:mod:`rollsafe.snapshot.retention`) to every snapshot prefix
+        (published or a dead upload): each one deleted goes manifest first, so a half-deleted
+        snapshot is invisible, then its files, pointer and claim; then claims and pointers of
+        seqs that never got a prefix, below the cut; then local copies no longer kept."""
+        names = self._names()
+        plan = plan_retention(names, self._remote_weight_version, self.keep_latest_k, anchors)
+        for seq, name in [(seq, name) for seq, name in names if name in plan.delete]:
             prefix = self._remote(_fs.SNAPSHOTS_DIR, name)
             objects.remove_objects(self.fs, [self._manifest_path(name)])
             rest = [f"{prefix}/{key}" for key in objects.find_objects(self.fs, prefix)]
@@ -327,22 +327,30 @@ class RemoteSnapshotStore(SnapshotStore):
                     self._remote(pointers.CLAIMS_DIR, pointers.seq_file(seq)),
                 ],
             )
-        if oldest_kept is not None and len(kept) >= self.keep_latest_k:
-            # claims and pointers of seqs that never got a snapshot prefix (died early)
+        if plan.cut is not None:
+            kept = {seq for seq, name in names if name in plan.keep}
             for folder in (pointers.CLAIMS_DIR, pointers.POINTERS_DIR):
                 orphans = [
                     self._remote(folder, n)
                     for n in objects.list_names(self.fs, self._remote(folder))
-                    if (old := pointers.seq_of(n)) is not None and old < oldest_kept
+                    if (old := pointers.seq_of(n)) is not None
+                    and old < plan.cut
+                    and old not in kept
                 ]
                 objects.remove_objects(self.fs, orphans)
         if self.snapshots_dir.is_dir():
             local = [
                 child
                 for child in self.snapshots_dir.iterdir()
-                if _fs.parse_dir_name(child.name) is not None and child.name not in kept
+                if _fs.parse_dir_name(child.name) is not None and child.name not in plan.keep
             ]
             self._to_trash(local, delete=False)
+
+    def _remote_weight_version(self, name: str) -> int | None:
+        try:
+            return self._read_manifest(name).weight_version
+        except _Refused:
+            return None  # unpublished or damaged
 
 
 def _verify_local(path: Path, run_id: str) -> tuple[SnapshotManifest, str]:

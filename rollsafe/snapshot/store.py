@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import builtins
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from rollsafe.ids import validate_run_id
 from rollsafe.snapshot import _fs
 from rollsafe.snapshot.draft import SnapshotDraft
 from rollsafe.snapshot.manifest import LatestPointer, SnapshotKind, SnapshotManifest
+from rollsafe.snapshot.retention import plan_retention
 from rollsafe.snapshot.select import (
     Accept,
     SnapshotEntry,
@@ -174,14 +175,18 @@ class SnapshotStore:
     def remove_draft_dir(self, path: Path) -> None:
         self._to_trash([path])
 
-    def publish_draft(self, draft: SnapshotDraft, manifest: SnapshotManifest) -> PublishedSnapshot:
+    def publish_draft(
+        self, draft: SnapshotDraft, manifest: SnapshotManifest, anchors: Collection[int] = ()
+    ) -> PublishedSnapshot:
         """Steps, under the exclusive lock: refuse or reuse an existing snapshot with this
         seq; write manifest.json last and fsync it; rename the draft to its final name (the
-        commit point) and fsync ``snapshots/``; point ``LATEST`` at it; apply retention."""
+        commit point) and fsync ``snapshots/``; point ``LATEST`` at it; apply retention,
+        keeping the newest snapshot at each of ``anchors`` (weight versions the trainer holds
+        checkpoints of)."""
         with _fs.locked_dir(self.snapshots_dir, exclusive=True):
             existing = self._published_with_seq(manifest.seq)
             if existing is not None:
-                return self._reuse(existing, draft, manifest)
+                return self._reuse(existing, draft, manifest, anchors)
             newest = max(self._published_seqs(), default=None)
             if newest is not None and manifest.seq < newest:
                 raise InvalidInput(
@@ -192,7 +197,7 @@ class SnapshotStore:
             self._hit("before_latest")
             self._point_latest(final.name, manifest, digest)
             self._hit("before_retention")
-            self._retain()
+            self._retain(anchors)
         return PublishedSnapshot(final, manifest, digest, reused=False)
 
     def _commit(self, draft: SnapshotDraft, manifest: SnapshotManifest, final: Path) -> str:
@@ -209,7 +214,11 @@ class SnapshotStore:
         return digest
 
     def _reuse(
-        self, existing: Path, draft: SnapshotDraft, manifest: SnapshotManifest
+        self,
+        existing: Path,
+        draft: SnapshotDraft,
+        manifest: SnapshotManifest,
+        anchors: Collection[int],
     ) -> PublishedSnapshot:
         """A published snapshot already has this seq. Same checkpoint: the earlier attempt
         of this publish won (activities run at least once), so return it and finish its
@@ -229,7 +238,7 @@ class SnapshotStore:
                 digest,
             ):
                 self._point_latest(existing.name, found, digest)
-            self._retain()
+            self._retain(anchors)
         return PublishedSnapshot(existing, found, digest, reused=True)
 
     def _point_latest(self, name: str, manifest: SnapshotManifest, digest: str) -> None:
@@ -245,28 +254,25 @@ class SnapshotStore:
         )
         _fs.write_atomic(self.latest_path, (pointer.model_dump_json(indent=2) + "\n").encode())
 
-    def _retain(self) -> None:
-        """Keep the newest ``keep_latest_k`` snapshots whose manifest reads back; delete the
-        published snapshots older than the last one kept. Only manifests are read (not every
-        file hashed); an unreadable snapshot newer than the cut is left for an operator and
-        is not counted, so damage never costs the older good snapshots."""
-        kept = 0
-        doomed = []
-        for seq, name in sorted(self._published(), reverse=True):
-            path = self.snapshots_dir / name
-            if kept >= self.keep_latest_k:
-                if path.is_dir() and not path.is_symlink():
-                    doomed.append(path)
-            elif self._manifest_matches(path, seq):
-                kept += 1
-        self._to_trash(doomed, delete=False)
+    def _retain(self, anchors: Collection[int]) -> None:
+        """Apply retention (:mod:`rollsafe.snapshot.retention`). Only manifests are read (not
+        every file hashed)."""
+        plan = plan_retention(
+            self._published(), self._readable_weight_version, self.keep_latest_k, anchors
+        )
+        doomed = [self.snapshots_dir / name for name in plan.delete]
+        self._to_trash([p for p in doomed if p.is_dir() and not p.is_symlink()], delete=False)
 
-    def _manifest_matches(self, path: Path, seq: int) -> bool:
+    def _readable_weight_version(self, name: str) -> int | None:
+        """The weight version in ``name``'s manifest; None if it does not read back as the
+        snapshot its directory name says."""
         try:
-            manifest, _digest = load_manifest(path, self.run_id)
+            manifest, _digest = load_manifest(self.snapshots_dir / name, self.run_id)
         except (SnapshotCorrupt, SchemaMismatch, OSError):
-            return False
-        return _fs.snapshot_dir_name(seq, manifest.kind) == path.name and manifest.seq == seq
+            return None
+        if _fs.snapshot_dir_name(manifest.seq, manifest.kind) != name:
+            return None
+        return manifest.weight_version
 
     def _to_trash(self, paths: builtins.list[Path], *, delete: bool = True) -> None:
         """Rename each directory to a trash name (one atomic step out of view), fsync, then

@@ -164,11 +164,13 @@ async def workers(server: DevServer, ray_session: Any, tmp_path: Path) -> AsyncI
 # ---- helpers -------------------------------------------------------------------------------
 
 
-async def start_snapshot(client: Client, run: Run) -> WorkflowHandle[Any, SnapshotOutcome]:
+async def start_snapshot(
+    client: Client, run: Run, options: PhaseOptions = OPTIONS
+) -> WorkflowHandle[Any, SnapshotOutcome]:
     spec = SnapshotSpec(run_id=run.run_id, seq=1)
     return await client.start_workflow(
         RolloutSnapshot.run,
-        SnapshotInput(spec=spec, options=OPTIONS),
+        SnapshotInput(spec=spec, options=options),
         id=f"rollsafe/{run.run_id}/snapshot/1",
         task_queue=task_queue_for(run.run_id),
     )
@@ -293,3 +295,60 @@ async def test_two_workers_on_one_queue_the_survivor_finishes_a_killed_capture(
         for later in (Phase.CAPTURE, Phase.RESUME, Phase.PUBLISH):
             assert attempts[later.value][1] == survivor.pid
         assert survivor.poll() is None, workers.log(survivor)
+
+
+# ---- the admission lease -------------------------------------------------------------------
+
+# Twice the heartbeat timeout: a live worker's phases renew it every second.
+LEASED = OPTIONS.model_copy(update={"admission_lease_s": 4.0})
+
+
+async def gate_reopened(run: Run) -> OpsStatus:
+    deadline = time.monotonic() + WAIT_S
+    while not (status := run.status()).gate_open:
+        assert time.monotonic() < deadline, f"admission still closed: {status}"
+        await asyncio.sleep(0.1)
+    return status
+
+
+async def test_the_only_worker_dying_after_close_admission_reopens_it_by_the_lease(
+    client: Client, workers: Workers, tmp_path: Path
+) -> None:
+    with controller_run(tmp_path / "snapshots") as run:
+        doomed = workers.start(run.run_id, fault="worker.phase.close_admission.after")
+        handle = await start_snapshot(client, run, LEASED)
+        assert await workers.exited(doomed) == EXIT_CODE, workers.log(doomed)
+        assert run.status().gate.closes == 1
+
+        # No worker left: nobody renews the lease, and admission reopens by itself.
+        status = await gate_reopened(run)
+        assert (status.gate.expired, status.gate.opens) == (1, 0), status
+        assert ray.get(run.actor.dispatch.remote(2, 0)) is not None
+
+        # A worker comes back: the snapshot is abandoned as transient, nothing published.
+        await release_sticky_task(client, handle)
+        workers.start(run.run_id)
+        outcome = await asyncio.wait_for(handle.result(), WAIT_S)
+        assert (outcome.status, outcome.error_type, outcome.transient) == (
+            "failed",
+            "AdmissionLeaseExpired",
+            True,
+        ), outcome
+        assert run.store.list() == []  # no draft left, nothing published
+        status = run.status()
+        assert status.gate_open and status.open_checkpoint is None
+        assert status.effects[Phase.PUBLISH.value] == 0
+
+
+async def test_a_phase_longer_than_the_lease_is_renewed_by_its_heartbeats(
+    client: Client, workers: Workers, tmp_path: Path
+) -> None:
+    """The drain takes 6 s in the controller, past the 4 s lease: the worker's heartbeats
+    renew it, so a live snapshot is never abandoned for being slow."""
+    slow = {"env_vars": {ENV_VAR: "phase.drain.before:sleep:6"}}
+    with controller_run(tmp_path / "snapshots", runtime_env=slow) as run:
+        workers.start(run.run_id)
+        handle = await start_snapshot(client, run, LEASED)
+        outcome = await asyncio.wait_for(handle.result(), WAIT_S)
+        check_published_once(run, outcome)
+        assert run.status().gate.expired == 0

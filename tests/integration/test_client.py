@@ -5,19 +5,22 @@ importable from each other in importlib mode)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
+from temporalio.client import Client, Interceptor, OutboundInterceptor
 
 from rollsafe.client import (
     Checkpointer,
-    NoWorker,
     RestoreFailed,
     SnapshotsFailed,
     SupervisorNotRunning,
 )
-from rollsafe.errors import CheckpointTimeout
+from rollsafe.errors import CheckpointTimeout, InvalidInput
 from rollsafe.faults import arm, disarm_all
 from rollsafe.phases import Phase
 from workflows.models import PhaseOptions
@@ -25,13 +28,39 @@ from workflows.models import PhaseOptions
 FAST = PhaseOptions(retry_initial_s=0.05, retry_maximum_s=0.2, retry_attempts=3)
 
 
-def checkpointer(harness, max_consecutive_failures: int = 3) -> Checkpointer:
+def checkpointer(harness, max_consecutive_failures: int = 3, client=None) -> Checkpointer:
     return Checkpointer(
         harness.run_id,
-        client=harness.client,
+        client=client or harness.client,
         options=FAST,
         max_consecutive_failures=max_consecutive_failures,
     )
+
+
+class CountingCalls(Interceptor):
+    """Counts the client's calls by kind (describe, signal, query, ...): what the SDK costs."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+
+    def intercept_client(self, next: OutboundInterceptor) -> OutboundInterceptor:
+        calls = self.calls
+
+        class Counting(OutboundInterceptor):
+            async def describe_workflow(self, input: Any) -> Any:
+                calls["describe"] += 1
+                return await super().describe_workflow(input)
+
+            async def signal_workflow(self, input: Any) -> None:
+                calls["signal"] += 1
+                await super().signal_workflow(input)
+
+        return Counting(next)
+
+
+def counted(client: Client) -> tuple[Client, CountingCalls]:
+    counter = CountingCalls()
+    return Client(**{**client.config(), "interceptors": [counter]}), counter
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], within_s: float = 10.0) -> None:
@@ -48,15 +77,16 @@ async def test_start_twice_attaches_and_snapshot_now_publishes(harness) -> None:
         restarted = await checkpointer(harness, max_consecutive_failures=5).start()
         again = await harness.client.get_workflow_handle(ckpt.workflow_id).describe()
         assert again.run_id == first.run_id  # the restarted trainer attached, no new run
-        assert await restarted.train_step_committed(3) == "no snapshot running"
+        assert await restarted.train_step_committed(3) is None
         await restarted.trainer_checkpoint_saved(4, "/ckpt/step-4")
         assert restarted.saved_checkpoints == {4: "/ckpt/step-4"}
         await eventually(lambda: _published(ckpt, 1))  # the anchored snapshot
         outcome = await ckpt.snapshot_now()
         assert outcome.status == "published" and outcome.seq == 2, outcome.reason
-        status = await ckpt.status()
+        status = await supervisor_status(ckpt)
         assert status.state.published == 2 and status.state.failed == 0
         assert status.state.last_committed_step == 3 and status.running_seq is None
+        assert status.state.anchors == [4]
         await ckpt.stop()
         await harness.client.get_workflow_handle(ckpt.workflow_id).result()
         plan = await ckpt.restore("after-stop")
@@ -65,8 +95,14 @@ async def test_start_twice_attaches_and_snapshot_now_publishes(harness) -> None:
         await ckpt.status()
 
 
+async def supervisor_status(ckpt: Checkpointer) -> Any:
+    status = await ckpt.status()
+    assert status.supervisor is not None, status.warnings
+    return status.supervisor
+
+
 async def _published(ckpt: Checkpointer, count: int) -> bool:
-    return (await ckpt.status()).state.published >= count
+    return (await supervisor_status(ckpt)).state.published >= count
 
 
 async def test_train_step_committed_aborts_before_capture_and_is_too_late_after(
@@ -77,7 +113,7 @@ async def test_train_step_committed_aborts_before_capture_and_is_too_late_after(
         ckpt = await checkpointer(harness).start()
         pending = asyncio.create_task(ckpt.snapshot_now())
         await eventually(lambda: _in_phase(harness, 1, Phase.DRAIN))
-        assert await ckpt.train_step_committed(7) == "aborted snapshot 1 in phase drain"
+        await ckpt.train_step_committed(7)
         outcome = await pending
         assert outcome.status == "skipped" and "step 7 committed" in outcome.reason
         assert harness.store.list() == [] and harness.ops.status().gate_open
@@ -86,10 +122,9 @@ async def test_train_step_committed_aborts_before_capture_and_is_too_late_after(
         arm("phase.publish.before", "sleep:2")
         pending = asyncio.create_task(ckpt.snapshot_now())
         await eventually(lambda: _in_phase(harness, 2, Phase.PUBLISH))
-        answer = await ckpt.train_step_committed(8)
-        assert answer.startswith("too late: ") and "publish" in answer, answer
+        await ckpt.train_step_committed(8)  # captured already: it publishes
         assert (await pending).status == "published"
-        status = await ckpt.status()
+        status = await supervisor_status(ckpt)
         assert (status.state.skipped, status.state.published) == (1, 1)
         assert status.state.last_committed_step == 8
 
@@ -106,7 +141,7 @@ async def test_persistent_failures_surface_as_snapshots_failed(harness) -> None:
     async with harness.worker():
         ckpt = await checkpointer(harness, max_consecutive_failures=2).start()
         assert (await ckpt.snapshot_now()).status == "failed"
-        assert (await ckpt.status()).state.consecutive_failures == 1
+        assert (await supervisor_status(ckpt)).state.consecutive_failures == 1
         assert (await ckpt.snapshot_now()).status == "failed"
         for call in (ckpt.status, lambda: ckpt.train_step_committed(9)):
             with pytest.raises(SnapshotsFailed, match="TooManyConsecutiveSnapshotFailures"):
@@ -141,6 +176,9 @@ async def test_a_call_without_a_supervisor_says_to_call_start(harness) -> None:
         await never_started.status()
     with pytest.raises(SupervisorNotRunning, match=r"no checkpoint supervisor.*start\(\)"):
         await checkpointer(harness).train_step_committed(1)
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(InvalidInput, match="a step is an integer >= 0"):
+            await checkpointer(harness).train_step_committed(bad)  # type: ignore[arg-type]
 
 
 async def test_without_a_worker_calls_answer_instead_of_hanging(harness) -> None:
@@ -148,13 +186,48 @@ async def test_without_a_worker_calls_answer_instead_of_hanging(harness) -> None
     ckpt.worker_timeout_s = 0.5
     async with harness.worker():
         await ckpt.start()
-        await ckpt.status()  # the supervisor has run its first task
+        await supervisor_status(ckpt)  # the supervisor has run its first task
     await asyncio.sleep(0.1)  # sdk-python #300
-    with pytest.raises(NoWorker, match="no checkpoint worker answered"):
-        await ckpt.status()
-    started = time.monotonic()
-    assert await ckpt.train_step_committed(2) == "no snapshot running"
-    assert time.monotonic() - started < 0.5  # describe and signal only: no worker needed
+    status = await ckpt.status()  # the stopped worker's last poll is recent: "present"
+    assert status.supervisor is None
+    assert status.warnings == ["no checkpoint worker answered within 0.5 s"]
+    await ckpt.train_step_committed(2)  # a signal: no worker needed
+
+
+async def test_a_run_no_worker_serves_is_reported_once_and_in_status(harness, caplog) -> None:
+    ckpt = checkpointer(harness)
+    ckpt.worker_check_every_s = 0.0  # every step looks (the default: every 30 s)
+    with caplog.at_level(logging.WARNING, logger="rollsafe.client"):
+        await ckpt.start()
+        for step in range(3):
+            await ckpt.train_step_committed(step)
+    absent = [r.getMessage() for r in caplog.records if "no checkpoint worker polls" in r.message]
+    assert len(absent) == 1 and harness.task_queue in absent[0], caplog.text
+    status = await ckpt.status()
+    assert not status.workers.present and status.workers.newest_poll_age_s is None
+    assert status.supervisor is None and "no worker has ever polled" in status.warnings[0]
+
+    async with harness.worker():
+        await eventually(lambda: _present(ckpt))
+        caplog.clear()
+        await ckpt.train_step_committed(3)
+        assert (await supervisor_status(ckpt)).state.last_committed_step == 3
+    assert "no checkpoint worker" not in caplog.text
+
+
+async def _present(ckpt: Checkpointer) -> bool:
+    return (await ckpt.workers()).present
+
+
+async def test_train_step_committed_is_one_signal(harness) -> None:
+    client, counter = counted(harness.client)
+    async with harness.worker():
+        ckpt = await checkpointer(harness, client=client).start()
+        counter.calls.clear()
+        for step in range(5):
+            await ckpt.train_step_committed(step)
+        await ckpt.trainer_checkpoint_saved(5, "/ckpt/5")
+    assert counter.calls == {"signal": 6}  # no describe, no worker waited for
 
 
 async def test_restore_without_a_snapshot_raises_restore_failed(harness) -> None:

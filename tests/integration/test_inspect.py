@@ -68,6 +68,7 @@ async def test_inspect_shows_the_stuck_phase_with_and_without_a_worker(
         assert [p.activity for p in snapshot.pending] == ["drain"]
         assert snapshot.pending[0].attempt == 1
         assert live.supervisor == "absent"  # started without a supervisor
+        assert live.workers is not None and live.workers.present
 
         # The worker is gone: the phase is still visible from the server alone.
         await asyncio.sleep(0.1)
@@ -78,3 +79,10 @@ async def test_inspect_shows_the_stuck_phase_with_and_without_a_worker(
         await handle.terminate("test over")
     finally:
         disarm_all()
+
+
+async def test_inspect_says_when_no_worker_serves_the_run(server: DevServer) -> None:
+    client = await connect(server.settings())
+    view = await inspect_run(client, f"unserved-{uuid.uuid4().hex[:8]}")
+    assert view.workers is not None and not view.workers.present
+    assert "no checkpoint worker polls task queue 'rollsafe.unserved-" in render(view)

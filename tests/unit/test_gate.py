@@ -91,3 +91,58 @@ def test_invalid_checkpoint_ids_are_refused(bad):
         gate.close(bad)
     with pytest.raises(InvalidInput):
         gate.open(bad)
+
+
+class FakeClock:
+    """The gate's clock, moved by the test: a lease expires when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_lease_not_renewed_reopens_the_gate_by_itself():
+    clock, expired = FakeClock(), []
+    gate = AdmissionGate(clock, on_expired=expired.append)
+    assert "lease 10 s" in gate.close("ck-1", lease_s=10).detail
+    clock.now += 9.9
+    assert not gate.admit() and gate.holder == "ck-1" and gate.expired("ck-1") is None
+    clock.now += 0.1
+    assert gate.admit()  # the dispatch that finds the lease run out gets through
+    assert gate.is_open and gate.expired("ck-1") == 10 and expired == ["ck-1"]
+    counters = gate.counters()
+    assert (counters.closes, counters.opens, counters.expired) == (1, 0, 1)
+
+
+def test_renewals_keep_the_gate_closed_and_stop_once_it_expired():
+    clock = FakeClock()
+    gate = AdmissionGate(clock)
+    assert not gate.renew("ck-1")  # not closed yet: nothing to renew
+    gate.close("ck-1", lease_s=10)
+    for _ in range(5):
+        clock.now += 8
+        assert gate.renew("ck-1")
+    assert gate.holder == "ck-1"  # 40 s closed, never more than 8 s without a renewal
+    assert not gate.renew("ck-2")  # only the holder renews
+    clock.now += 10
+    assert not gate.renew("ck-1") and gate.is_open  # too late: it expired
+    late = gate.open("ck-1")  # the checkpoint's resume, when a worker came back
+    assert not late.changed and "reopened by itself" in late.detail and "10 s" in late.detail
+
+
+def test_after_an_expiry_the_next_checkpoint_closes_the_gate():
+    clock, expired = FakeClock(), []
+    gate = AdmissionGate(clock, on_expired=expired.append)
+    gate.close("ck-1", lease_s=5)
+    clock.now += 5
+    assert gate.close("ck-2", lease_s=5).changed  # ck-1's lease was noticed first
+    assert gate.holder == "ck-2" and expired == ["ck-1"]
+    assert gate.expired("ck-2") is None and gate.open("ck-2").changed
+    assert gate.counters().expired == 1
+
+
+def test_a_lease_must_be_positive():
+    with pytest.raises(InvalidInput, match="lease must be > 0"):
+        AdmissionGate().close("ck-1", lease_s=0)

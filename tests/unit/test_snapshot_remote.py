@@ -418,10 +418,9 @@ def test_checkpoint_ops_publish_to_and_restore_from_object_storage(url, tmp_path
 
     # a new controller on another host, restoring from the bucket alone: the run's service
     # (what the Ray actor runs) given the bucket's URL
-    other = ControllerService(
-        config, url, awaiting_restore=True, snapshot_cache=tmp_path / "host-b"
-    )
+    other = ControllerService(config, url, snapshot_cache=tmp_path / "host-b")
     assert isinstance(other.store, RemoteSnapshotStore)
+    assert other.status().awaiting_restore  # the bucket holds the run's snapshots
     plan = other.restore(RestoreRequest(run_id=RUN, restore_id="r-1"))
     assert (plan.snapshot, plan.checkpoint_id) == (info.name, info.checkpoint_id)
     assert other.controller.ledger.state(1, 0) == AttemptState.SEALED

@@ -1,0 +1,206 @@
+"""The controller's two fences (rollsafe.coordinator): a fresh controller of a run that has
+published snapshots awaits its restore (DESIGN.md invariant 8), and admission closed past its
+lease reopens by itself and abandons its snapshot (invariant 6). A fake clock moves the lease;
+nothing sleeps."""
+
+import pytest
+
+from rollsafe.actor import ControllerService
+from rollsafe.checkpoint_state import AdmissionLeaseExpired, AwaitingRestore
+from rollsafe.config import RunConfig
+from rollsafe.controller import Controller
+from rollsafe.coordinator import CheckpointOps
+from rollsafe.dataplane import make_dataplane
+from rollsafe.errors import NoValidSnapshot
+from rollsafe.phases import PHASES, Phase, PhaseRequest, RestoreRequest, SnapshotSpec
+from rollsafe.scenario import busy_run, row_content
+from rollsafe.snapshot import EntryState, SnapshotStore
+
+RUN = "fenced"
+LEASE_S = 10.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run(ops: CheckpointOps, phase: Phase, seq: int = 1):
+    spec = SnapshotSpec(run_id=RUN, seq=seq)
+    return ops.run_phase(PhaseRequest(spec=spec, phase=phase, admission_lease_s=LEASE_S))
+
+
+def publish_one(root) -> str:
+    """The run before the crash: one published snapshot of a busy controller."""
+    ops = CheckpointOps(busy_run(RUN, make_dataplane("memory")), SnapshotStore(root, RUN))
+    published = [run(ops, phase) for phase in PHASES][-1].published
+    assert published is not None
+    return published.name
+
+
+def names(store: SnapshotStore) -> list[tuple[str, EntryState]]:
+    return [(entry.name, entry.state) for entry in store.list()]
+
+
+def config() -> RunConfig:
+    return RunConfig(run_id=RUN, group_size=2, groups_per_step=2)
+
+
+# ---- a fresh controller awaits its restore ------------------------------------------------
+
+
+def test_a_fresh_controller_of_a_run_with_snapshots_takes_no_work_and_no_snapshot(
+    tmp_path, snapshot_tree
+):
+    name = publish_one(tmp_path)
+    before = snapshot_tree(tmp_path)
+    fresh = ControllerService(config(), tmp_path)  # the restarted trainer's controller
+    assert fresh.status().awaiting_restore
+    for refused in (
+        lambda: fresh.handout([0]),
+        lambda: fresh.dispatch(0, 0),
+        lambda: fresh.seal(0, 0, 0, row_content(0, 0, 0)),
+        lambda: fresh.claim([0], 0),
+        lambda: fresh.commit_step([0]),
+    ):
+        with pytest.raises(AwaitingRestore, match=r"restore it first.*start_over=True"):
+            refused()
+    with pytest.raises(AwaitingRestore, match="00000002 refused") as caught:
+        run(fresh, Phase.OPEN, seq=2)  # the supervisor's periodic snapshot
+    assert caught.value.transient
+    assert snapshot_tree(tmp_path) == before  # nothing written, nothing retained away
+
+    plan = fresh.restore(RestoreRequest(run_id=RUN, restore_id="r-1"))
+    assert (plan.snapshot, plan.loader_position, plan.ready) == (name, 3, [0])
+    assert not fresh.status().awaiting_restore
+    fresh.handout([3])  # restored: the run goes on
+    assert [run(fresh, phase, seq=2) for phase in PHASES][-1].published is not None
+
+
+def test_start_over_says_the_run_begins_again(tmp_path):
+    publish_one(tmp_path)
+    fresh = ControllerService(config(), tmp_path, start_over=True)
+    assert not fresh.status().awaiting_restore
+    fresh.handout([0])
+    assert fresh.next_seq() == 2  # seqs go on above the old run's snapshots
+    assert [run(fresh, phase, seq=2) for phase in PHASES][-1].published is not None
+
+
+def test_a_controller_of_a_new_run_is_not_fenced(tmp_path):
+    fresh = ControllerService(config(), tmp_path)
+    assert not fresh.status().awaiting_restore
+    fresh.handout([0])
+
+
+def test_a_failed_restore_leaves_the_fence_up(tmp_path):
+    publish_one(tmp_path)
+    fresh = ControllerService(config(), tmp_path)
+    # Only a snapshot at weight version 7 would do: there is none.
+    with pytest.raises(NoValidSnapshot, match="no trainer checkpoint of its weight version 0"):
+        fresh.restore(RestoreRequest(run_id=RUN, restore_id="r-1", weight_versions=(7,)))
+    assert fresh.status().awaiting_restore
+    with pytest.raises(AwaitingRestore):
+        fresh.handout([0])
+
+
+# ---- the admission lease -------------------------------------------------------------------
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def leased(tmp_path, clock) -> tuple[CheckpointOps, SnapshotStore]:
+    store = SnapshotStore(tmp_path, RUN)
+    return CheckpointOps(busy_run(RUN, make_dataplane("memory")), store, clock=clock), store
+
+
+def test_phases_renew_the_lease_while_they_run(leased, clock):
+    ops, _ = leased
+    run(ops, Phase.OPEN)
+    run(ops, Phase.CLOSE_ADMISSION)
+    for phase in PHASES[PHASES.index(Phase.RETIRE_DROPPED) : PHASES.index(Phase.RESUME)]:
+        clock.now += LEASE_S - 1  # each phase starts just inside the lease
+        run(ops, phase)
+    assert not ops.status().gate_open  # closed 54 s, never 10 s without a renewal
+    clock.now += LEASE_S - 1
+    assert ops.renew_admission(SnapshotSpec(run_id=RUN, seq=1))  # an activity's heartbeat
+    clock.now += LEASE_S - 1
+    run(ops, Phase.RESUME)
+    assert run(ops, Phase.PUBLISH).published is not None
+    assert ops.status().gate.expired == 0
+
+
+def test_a_lease_that_runs_out_reopens_admission_and_abandons_the_snapshot(leased, clock):
+    ops, store = leased
+    run(ops, Phase.OPEN)
+    run(ops, Phase.CLOSE_ADMISSION)
+    assert [e.state for e in store.list()] == [EntryState.TEMP]
+    clock.now += LEASE_S  # the only worker died: nobody renews
+    status = ops.status()
+    assert status.gate_open and status.gate.expired == 1 and status.gate.opens == 0
+
+    # A worker comes back and retries the next phase: refused, transient, draft gone.
+    with pytest.raises(AdmissionLeaseExpired, match=r"past its 10 s lease") as caught:
+        run(ops, Phase.RETIRE_DROPPED)
+    assert caught.value.transient
+    assert store.list() == [] and ops.status().open_checkpoint is None
+    for phase in (Phase.CAPTURE, Phase.PUBLISH):
+        with pytest.raises(AdmissionLeaseExpired):
+            run(ops, phase)
+    resumed = run(ops, Phase.RESUME)  # compensation runs, and says what happened
+    assert "reopened by itself" in resumed.summary
+    assert store.list() == [] and ops.effects[Phase.PUBLISH.value] == 0
+
+    # The next snapshot starts afresh and publishes.
+    assert [run(ops, phase, seq=2) for phase in PHASES][-1].published is not None
+
+
+def test_a_lease_that_runs_out_after_capture_publishes_nothing(leased, clock):
+    ops, store = leased
+    for phase in PHASES[: PHASES.index(Phase.RESUME)]:
+        run(ops, phase)
+    clock.now += LEASE_S  # died between capture and resume
+    run(ops, Phase.RESUME)
+    with pytest.raises(AdmissionLeaseExpired):
+        run(ops, Phase.PUBLISH)
+    assert store.list() == []
+
+
+def test_a_new_checkpoint_opens_over_one_whose_lease_expired_unnoticed(leased, clock):
+    """No phase of the old checkpoint ever came back (its workflow was terminated): the next
+    open discards its draft instead of waiting for it forever."""
+    ops, store = leased
+    run(ops, Phase.OPEN)
+    run(ops, Phase.CLOSE_ADMISSION)
+    clock.now += LEASE_S
+    assert [run(ops, phase, seq=2) for phase in PHASES][-1].published is not None
+    assert [e.name for e in store.list()] == ["00000002-rollout"]
+
+
+def test_dispatch_is_refused_until_the_lease_runs_out(tmp_path, clock):
+    service = ControllerService(config(), tmp_path, clock=clock)
+    service.handout([0])
+    run(service, Phase.OPEN)
+    run(service, Phase.CLOSE_ADMISSION)
+    assert service.dispatch(0, 0) is None
+    clock.now += LEASE_S
+    episode = service.dispatch(0, 0)
+    assert episode is not None and episode.attempt == 0
+
+
+def test_controller_restore_is_unaffected_by_an_abandoned_snapshot(leased, clock, tmp_path):
+    ops, store = leased
+    assert [run(ops, phase) for phase in PHASES][-1].published is not None
+    run(ops, Phase.OPEN, seq=2)
+    run(ops, Phase.CLOSE_ADMISSION, seq=2)
+    clock.now += LEASE_S
+    with pytest.raises(AdmissionLeaseExpired):
+        run(ops, Phase.CAPTURE, seq=2)
+    _, plan = Controller.restore(config(), store, make_dataplane("memory"))
+    assert plan.snapshot == "00000001-rollout"
