@@ -75,6 +75,9 @@ class ControllerService(CheckpointOps):
     # The run's changes are refused (AwaitingRestore) while the controller awaits its restore.
 
     def handout(self, groups: Sequence[int]) -> None:
+        """The data loader hands out these dataset indices (at or above the loader position,
+        no repeats): each becomes a group of ``group_size`` rollouts, reserved at the current
+        weight version; the loader position moves past the highest."""
         with self.changing("handout"):
             self.controller.handout(groups)
 
@@ -85,22 +88,51 @@ class ControllerService(CheckpointOps):
             return self.controller.dispatch(idx, i, owner) if admitted else None
 
     def seal(self, idx: int, i: int, attempt: int, row: Row) -> bool:
+        """Commit rollout ``i`` of group ``idx`` (its dispatched ``attempt``): ``row`` is its
+        training row, named numpy arrays (``rollsafe.dataplane.Row``), stored in the data
+        plane under the rollout's key and digested. False when this exact seal was already
+        applied (a retry); a different row for a sealed rollout is refused."""
         with self.changing("seal"):
             return self.controller.seal(idx, i, attempt, row)
 
     def claim(self, groups: Sequence[int], step: int) -> None:
+        """The trainer takes these ready groups for ``step`` (its optimizer has not committed):
+        a restore before :meth:`commit_step` gives them back as ready."""
         with self.changing("claim"):
             self.controller.claim(groups, step)
 
     def commit_step(self, groups: Sequence[int]) -> None:
+        """The step that claimed ``groups`` committed: they leave the run for good (their rows
+        are dropped) and the weight version goes up by one."""
         with self.changing("commit_step"):
             self.controller.commit_step(groups)
 
+    def evict(self, groups: Sequence[int]) -> None:
+        """Drop these ready groups on purpose (e.g. :meth:`stale` ones): never trained, never
+        owed back. Record the eviction on your side first, so a crash cannot lose it."""
+        with self.changing("evict"):
+            for idx in groups:
+                self.controller.evict(idx)
+
     def select(self) -> list[int]:
+        """The ready groups the sampler picks for the next step (``groups_per_step`` of them),
+        or [] while not enough are ready."""
         with self.barrier:
             return self.controller.select()
 
+    def stale(self) -> list[int]:
+        """Ready groups the sampler will never pick (past ``staleness_window``): evicting
+        them is the run's call (:meth:`evict`)."""
+        with self.barrier:
+            return self.controller.stale()
+
+    def loader_position(self) -> int:
+        """The next dataset index to hand out (every index below it was handed out)."""
+        with self.barrier:
+            return self.controller.loader_position
+
     def attempt(self, idx: int, i: int) -> int:
+        """The current attempt number of rollout ``i`` of group ``idx``."""
         with self.barrier:
             return self.controller.ledger.attempt(idx, i)
 

@@ -37,6 +37,13 @@ class AdmissionLeaseExpired(TransientError):
     (its draft discarded, nothing published). The next snapshot starts afresh."""
 
 
+class AnchorPassed(InvalidInput):
+    """A trainer snapshot anchored at weight version N found the controller at another one
+    when it came to capture (a step committed first, or the anchor given was not the trainer
+    checkpoint's weight version). It is skipped, not failed: a snapshot at another version
+    could never be restored with that checkpoint."""
+
+
 class CheckpointRefused(InvalidInput):
     """A phase the checkpoint may not run: another checkpoint is open, or this one was
     already aborted or resumed. Retrying cannot help."""

@@ -39,6 +39,7 @@ from rollsafe.checkpoint_state import (
     ABORT,
     KEEP_CHECKPOINTS,
     AdmissionLeaseExpired,
+    AnchorPassed,
     AwaitingRestore,
     CheckpointRecord,
     CheckpointRefused,
@@ -249,6 +250,7 @@ class CheckpointOps:
         with entry.lock, self.barrier:
             self._check_usable(entry)
             if entry.captured is None:
+                self._check_anchor(spec)
                 before = len(entry.draft.files)
                 try:
                     entry.captured = self.controller.write_snapshot(entry.draft)
@@ -397,6 +399,17 @@ class CheckpointOps:
                 f"{what} refused: run {self.store.run_id} has published snapshots and this "
                 "controller has not restored one; restore it first (Checkpointer.restore), "
                 "or start the controller with start_over=True to begin the run again"
+            )
+
+    def _check_anchor(self, spec: SnapshotSpec) -> None:
+        """A trainer snapshot captures at its anchor's weight version or not at all."""
+        version = self.controller.weight_version
+        if spec.kind == "trainer" and spec.anchor_step is not None and spec.anchor_step != version:
+            raise AnchorPassed(
+                f"anchor_passed: snapshot {spec.checkpoint_id} is anchored at weight version "
+                f"{spec.anchor_step} and the controller is at {version} (a step committed "
+                "before it could capture); to be sure of a snapshot at a trainer checkpoint, "
+                "await Checkpointer.snapshot_now() before the next step commits"
             )
 
     def _check_lease(self, spec: SnapshotSpec) -> None:

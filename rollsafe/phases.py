@@ -39,6 +39,11 @@ def abortable(phase: Phase | None) -> bool:
     return phase is None or PHASES.index(phase) < PHASES.index(NO_ABORT_FROM)
 
 
+# Errors (ApplicationError types) by which a phase says the snapshot should not be taken at
+# all: it ends "skipped", the error's message its reason, not "failed" (rollsafe.checkpoint_state).
+SKIPPING_ERRORS = frozenset({"AnchorPassed"})
+
+
 def holds_admission(phase: Phase) -> bool:
     """Whether a snapshot in ``phase`` holds the admission gate closed (after
     ``close_admission``, before ``resume``): such a phase renews the gate's lease while it

@@ -18,7 +18,14 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 
 with workflow.unsafe.imports_passed_through():
-    from rollsafe.phases import PHASES, Phase, PhaseRequest, PhaseResult, abortable
+    from rollsafe.phases import (
+        PHASES,
+        SKIPPING_ERRORS,
+        Phase,
+        PhaseRequest,
+        PhaseResult,
+        abortable,
+    )
     from rollsafe.temporal.failures import root_application_error
     from rollsafe.temporal.search_attributes import KIND, PHASE, RUN_ID
     from workflows.models import PhaseOptions, SnapshotInput, SnapshotOutcome, SnapshotStatus
@@ -115,8 +122,12 @@ class RolloutSnapshot:
                 await self._run_phase(request, phase)
         except ActivityError as exc:
             error_type, transient = failure_type(exc)
-            outcome = self._outcome(request, "failed", str(exc.cause or exc), error_type)
-            outcome = outcome.model_copy(update={"transient": transient})
+            reason = str(exc.cause or exc)
+            if error_type in SKIPPING_ERRORS:
+                outcome = self._outcome(request, "skipped", reason)
+            else:
+                outcome = self._outcome(request, "failed", reason, error_type)
+                outcome = outcome.model_copy(update={"transient": transient})
         except (asyncio.CancelledError, CancelledError):
             await self._compensate(request, discard=True)
             raise

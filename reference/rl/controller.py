@@ -116,11 +116,6 @@ class RunController(ControllerService):
                 raise TimeoutError(self._stuck(timeout_s))
             time.sleep(0.02)
 
-    def evict(self, groups: Sequence[int]) -> None:
-        with self.changing("evict"):
-            for idx in groups:
-                self.controller.evict(idx)
-
     def raise_failed(self) -> None:
         """An episode's failure, raised here (the first one found)."""
         for future in self._running.values():
@@ -159,10 +154,6 @@ class RunController(ControllerService):
                 for idx in groups
                 for i in range(self.controller.config.group_size)
             ]
-
-    def loader_position(self) -> int:
-        with self.barrier:
-            return self.controller.loader_position
 
     def close(self) -> None:
         """Cancel the episodes still running and close the clients (a crashed run's episodes

@@ -78,15 +78,16 @@ async def test_start_twice_attaches_and_snapshot_now_publishes(harness) -> None:
         again = await harness.client.get_workflow_handle(ckpt.workflow_id).describe()
         assert again.run_id == first.run_id  # the restarted trainer attached, no new run
         assert await restarted.train_step_committed(3) is None
-        await restarted.trainer_checkpoint_saved(4, "/ckpt/step-4")
-        assert restarted.saved_checkpoints == {4: "/ckpt/step-4"}
+        # The controller is at weight version 0: a checkpoint of it anchors a snapshot.
+        await restarted.trainer_checkpoint_saved(0, "/ckpt/v0")
+        assert restarted.saved_checkpoints == {0: "/ckpt/v0"}
         await eventually(lambda: _published(ckpt, 1))  # the anchored snapshot
         outcome = await ckpt.snapshot_now()
         assert outcome.status == "published" and outcome.seq == 2, outcome.reason
         status = await supervisor_status(ckpt)
         assert status.state.published == 2 and status.state.failed == 0
         assert status.state.last_committed_step == 3 and status.running_seq is None
-        assert status.state.anchors == [4]
+        assert status.state.anchors == [0]
         await ckpt.stop()
         await harness.client.get_workflow_handle(ckpt.workflow_id).result()
         plan = await ckpt.restore("after-stop")
@@ -127,6 +128,21 @@ async def test_train_step_committed_aborts_before_capture_and_is_too_late_after(
         status = await supervisor_status(ckpt)
         assert (status.state.skipped, status.state.published) == (1, 1)
         assert status.state.last_committed_step == 8
+
+
+async def test_a_trainer_snapshot_past_its_anchor_is_skipped_not_published(harness) -> None:
+    """A checkpoint of weight version 4 while the controller is at 0 (a step committed before
+    the anchored snapshot could capture looks the same): no snapshot at the wrong version."""
+    async with harness.worker():
+        ckpt = await checkpointer(harness).start()
+        await ckpt.trainer_checkpoint_saved(4, "/ckpt/v4")
+        outcome = await ckpt.snapshot_now()  # queued after the anchored one
+        assert outcome.status == "published" and outcome.published is not None
+        assert outcome.published.weight_version == 0
+        status = await supervisor_status(ckpt)
+        assert (status.state.skipped, status.state.failed, status.state.published) == (1, 0, 1)
+    names = [entry.name for entry in harness.store.list()]
+    assert names == ["00000002-rollout"]  # nothing of the trainer snapshot, seq 1
 
 
 async def _in_phase(harness, seq: int, phase: Phase) -> bool:

@@ -6,13 +6,20 @@ nothing sleeps."""
 import pytest
 
 from rollsafe.actor import ControllerService
-from rollsafe.checkpoint_state import AdmissionLeaseExpired, AwaitingRestore
+from rollsafe.checkpoint_state import AdmissionLeaseExpired, AnchorPassed, AwaitingRestore
 from rollsafe.config import RunConfig
 from rollsafe.controller import Controller
 from rollsafe.coordinator import CheckpointOps
 from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import NoValidSnapshot
-from rollsafe.phases import PHASES, Phase, PhaseRequest, RestoreRequest, SnapshotSpec
+from rollsafe.phases import (
+    PHASES,
+    SKIPPING_ERRORS,
+    Phase,
+    PhaseRequest,
+    RestoreRequest,
+    SnapshotSpec,
+)
 from rollsafe.scenario import busy_run, row_content
 from rollsafe.snapshot import EntryState, SnapshotStore
 
@@ -204,3 +211,22 @@ def test_controller_restore_is_unaffected_by_an_abandoned_snapshot(leased, clock
         run(ops, Phase.CAPTURE, seq=2)
     _, plan = Controller.restore(config(), store, make_dataplane("memory"))
     assert plan.snapshot == "00000001-rollout"
+
+
+# ---- a trainer snapshot captures at its anchor or not at all ---------------------------------
+
+
+def test_a_trainer_snapshot_captures_only_at_its_anchors_weight_version(leased):
+    ops, store = leased  # busy_run: weight version 0
+    spec = SnapshotSpec(run_id=RUN, seq=1, kind="trainer", anchor_step=1)
+    for phase in PHASES[: PHASES.index(Phase.CAPTURE)]:
+        ops.run_phase(PhaseRequest(spec=spec, phase=phase))
+    with pytest.raises(AnchorPassed, match=r"anchored at weight version 1.*at 0") as caught:
+        ops.run_phase(PhaseRequest(spec=spec, phase=Phase.CAPTURE))
+    assert not caught.value.transient and type(caught.value).__name__ in SKIPPING_ERRORS
+    ops.abort(spec)
+    assert store.list() == []
+
+    at_zero = SnapshotSpec(run_id=RUN, seq=2, kind="trainer", anchor_step=0)
+    results = [ops.run_phase(PhaseRequest(spec=at_zero, phase=phase)) for phase in PHASES]
+    assert results[-1].published is not None and results[-1].published.weight_version == 0
