@@ -87,7 +87,7 @@ class Calendar(EnvironmentHooks):
     def export_episode(self, episode: EpisodeRef) -> dict[str, Any]:
         return self.state[episode.key]
 
-    def restore_episode(self, episode: EpisodeRef, record: dict[str, Any], _p: Any) -> None:
+    def restore_episode(self, episode: EpisodeRef, record: dict[str, Any]) -> None:
         self.state[episode.next_attempt().key] = record
 
     def drop_episode(self, episode: EpisodeRef) -> None:

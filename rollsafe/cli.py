@@ -9,6 +9,7 @@ from typing import Annotated, NoReturn
 
 import typer
 
+from rollsafe.cli_env import register_env_commands
 from rollsafe.cli_run import register_run_commands
 from rollsafe.dataplane import backend_running
 from rollsafe.doctor import register_doctor_command
@@ -151,130 +152,6 @@ def engine_serve(
     asyncio.run(serve(engine, host, port, token))
 
 
-env_cli = typer.Typer(no_args_is_help=True, help="Serve a reference environment over HTTP.")
-app.add_typer(env_cli, name="env")
-ENVIRONMENTS = ("workplace",)
-
-
-@env_cli.command("serve")
-def env_serve(
-    name: Annotated[str, typer.Argument(help="the environment: workplace")],
-    port: Annotated[
-        int, typer.Option(help="TCP port (0: any free one; the line printed names it)")
-    ],
-    token: Annotated[
-        str, typer.Option(envvar="ROLLSAFE_ENV_TOKEN", help="bearer token clients must send")
-    ],
-    engine_url: Annotated[str, typer.Option(help="the policy engine, e.g. http://host:port")],
-    engine_token: Annotated[
-        str, typer.Option(envvar="ROLLSAFE_ENGINE_TOKEN", help="the engine's bearer token")
-    ],
-    instance: Annotated[
-        str | None, typer.Option(help="instance name (default: <name>-<pid>)")
-    ] = None,
-    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
-    lease_grace_s: Annotated[
-        float, typer.Option(help="a checkpoint's lease runs this long past its deadline")
-    ] = 30.0,
-    tool_wait_s: Annotated[
-        float, typer.Option(help="how long a prepare waits for tool calls to end")
-    ] = 5.0,
-    faults: Annotated[
-        str,
-        typer.Option(
-            envvar="ROLLSAFE_ENV_FAULTS",
-            help="test fault switches, e.g. slow_prepare:2.0,unavailable,die_on:commit",
-        ),
-    ] = "",
-    max_tokens: Annotated[int, typer.Option(min=1, help="tokens each policy call generates")] = 12,
-) -> None:
-    """Serve environment NAME's checkpoint protocol and /episodes/run until SIGINT/SIGTERM.
-    Prints one line, `rollsafe env serving <name> <instance> on http://host:port`, once
-    listening."""
-    import asyncio
-
-    if name not in ENVIRONMENTS:
-        _fail(InvalidInput(f"no environment {name!r}; known: {', '.join(ENVIRONMENTS)}"), 2)
-    if not token.strip():
-        _fail(InvalidInput("--token (or ROLLSAFE_ENV_TOKEN) must not be empty"), 2)
-    from reference.envs.workplace.faults import parse_faults
-    from reference.envs.workplace.serve import serve
-
-    try:
-        switches = parse_faults(faults)
-        asyncio.run(
-            serve(
-                host=host,
-                port=port,
-                token=token,
-                engine_url=engine_url,
-                engine_token=engine_token,
-                instance=instance,
-                lease_grace_s=lease_grace_s,
-                tool_wait_s=tool_wait_s,
-                faults=switches,
-                max_tokens=max_tokens,
-            )
-        )
-    except RollsafeError as exc:
-        _fail(exc, 2)
-
-
-@app.command("env-check")
-def env_check(
-    url: Annotated[str, typer.Argument(help="the instance, e.g. http://host:port")],
-    token: Annotated[
-        str, typer.Option(envvar="ROLLSAFE_ENV_TOKEN", help="the instance's bearer token")
-    ],
-    task: Annotated[
-        str | None,
-        typer.Option(help="an episode task as a JSON object (without: episode checks skip)"),
-    ] = None,
-    lease_wait_s: Annotated[
-        float,
-        typer.Option(help="wait this long past a deadline for the lease to run out (0: skip)"),
-    ] = 60.0,
-    as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
-) -> None:
-    """Run the checkpoint protocol's conformance checks against the instance at URL (it must
-    be idle and may run other episodes meanwhile). One line per check (on stderr with --json,
-    which prints the report). Exit 0: every check passed or was skipped. 1: a check failed
-    (named). 2: bad arguments, the instance unreachable, or the token refused (401)."""
-    import asyncio
-    import json
-
-    from rollsafe.env.conformance import run_conformance
-
-    try:
-        episode_task = None if task is None else json.loads(task)
-    except ValueError as exc:
-        _fail(InvalidInput(f"--task is not JSON: {exc}"), 2)
-    if episode_task is not None and not isinstance(episode_task, dict):
-        _fail(InvalidInput("--task must be a JSON object"), 2)
-    if not token.strip() or lease_wait_s < 0:
-        _fail(InvalidInput("--token must not be empty and --lease-wait-s not negative"), 2)
-    try:
-        report = asyncio.run(
-            run_conformance(
-                url,
-                token,
-                task=episode_task,
-                lease_wait_s=lease_wait_s,
-                progress=lambda line: typer.echo(line, err=as_json),
-            )
-        )
-    except RollsafeError as exc:
-        _fail(exc, 2)
-    if as_json:
-        typer.echo(report.model_dump_json(indent=2))
-    else:
-        failed = [c.name for c in report.checks if not c.passed]
-        verdict = f"FAILED: {', '.join(failed)}" if failed else "all checks passed"
-        typer.echo(f"{report.url} ({report.instance}): {verdict} in {report.seconds:.1f}s")
-    if not report.passed:
-        raise typer.Exit(1)
-
-
 app.command("server")(server_command)
 
 
@@ -370,6 +247,7 @@ def ls_command(
     snapshots_list(root, run)
 
 
+register_env_commands(app, _fail)
 register_run_commands(app, _fail)
 register_doctor_command(app)
 

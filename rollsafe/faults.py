@@ -7,7 +7,9 @@ subprocess or a Ray actor started with it is armed), a comma-separated list of `
 default), ``raise`` (:class:`InjectedFault`, a transient error), ``invariant``
 (:class:`InjectedInvariantFault`, one that must not be retried) or ``sleep:<seconds>`` (a
 slow step). In-process tests use :func:`arm` (optionally firing only ``times`` times) and
-:func:`disarm_all` instead.
+:func:`disarm_all` instead, and may arm ``hold``: the point blocks the thread that reaches
+it until the test calls :func:`release` (:func:`wait_reached` tells when one got there), so
+a test can catch a call mid-flight without sleeping.
 
 Every point is declared with :func:`register` when its module is imported, so an armed name
 that no code declares (a typo) fails loudly at the first check, listing the known names,
@@ -21,7 +23,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rollsafe.errors import InvalidInput, InvariantError, TransientError
 from rollsafe.phases import PHASES
@@ -50,14 +52,17 @@ class InjectedInvariantFault(InvariantError):
 
 @dataclass
 class _Armed:
-    kind: str  # exit | raise | invariant | sleep
+    kind: str  # exit | raise | invariant | sleep | hold
     seconds: float = 0.0
     left: int | None = None  # fires this many more times; None: until disarmed
+    reached: threading.Event = field(default_factory=threading.Event)  # hold: one got there
+    released: threading.Event = field(default_factory=threading.Event)  # hold: let them go
 
 
 _lock = threading.Lock()
 _known: set[str] = set()
 _armed: dict[str, _Armed] = {}
+_holds: dict[str, _Armed] = {}  # armed with hold, kept after they fire: release finds them
 _parsed: tuple[str, dict[str, _Armed]] = ("", {})  # the last ROLLSAFE_FAULT value seen
 
 
@@ -79,15 +84,39 @@ def arm(name: str, action: str, times: int | None = None) -> None:
     _check_known([name])
     if times is not None and (type(times) is not int or times < 1):
         raise InvalidInput(f"times must be an integer >= 1, got {times!r}")
-    armed = _parse_action(action, "")
+    armed = _Armed("hold") if action == "hold" else _parse_action(action, "")
     armed.left = times
     with _lock:
         _armed[name] = armed
+        _holds[name] = armed
+
+
+def wait_reached(name: str, timeout: float) -> bool:
+    """Whether a thread reached the held point ``name`` within ``timeout`` seconds."""
+    with _lock:
+        held = _holds.get(name)
+    if held is None or held.kind != "hold":
+        raise InvalidInput(f"fault point {name!r} is not armed with hold")
+    return held.reached.wait(timeout)
+
+
+def release(name: str) -> None:
+    """Let every thread held at ``name`` go on (and any that reaches it later)."""
+    with _lock:
+        held = _holds.get(name)
+    if held is None or held.kind != "hold":
+        raise InvalidInput(f"fault point {name!r} is not armed with hold")
+    held.released.set()
 
 
 def disarm_all() -> None:
+    """Disarm every point; threads held at a point are let go."""
     with _lock:
         _armed.clear()
+        holds = list(_holds.values())
+        _holds.clear()
+    for held in holds:
+        held.released.set()
 
 
 def fault_point(name: str) -> None:
@@ -109,11 +138,20 @@ def fault_point(name: str) -> None:
         raise InjectedFault(name)
     if armed.kind == "invariant":
         raise InjectedInvariantFault(name)
+    if armed.kind == "hold":
+        armed.reached.set()
+        armed.released.wait()
+        return
     time.sleep(armed.seconds)  # a phase that takes long: heartbeats, timeouts, aborts
 
 
 def _parse_action(action: str, where: str) -> _Armed:
     kind, _, arg = action.partition(":")
+    if kind == "hold":
+        raise InvalidInput(
+            f"{where}fault action 'hold' is for in-process tests (rollsafe.faults.arm): "
+            "no other process could release it"
+        )
     if kind in ("exit", "raise", "invariant") and not arg:
         return _Armed(kind)
     if kind == "sleep":

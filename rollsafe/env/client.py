@@ -247,6 +247,10 @@ class EnvClient:
             return cls(self.base_url, op, reason, detail)
         if status == 422:
             return InvalidInput(f"{where}: malformed request ({reason}): {detail}")
+        if status == 500:  # retried like any 5xx, but said for what it is
+            return EnvUnavailable(
+                f"{where}: server error, a bug in the environment ({reason}): {detail}"
+            )
         if status >= 500:
             return EnvUnavailable(f"{where}: unavailable ({status} {reason}): {detail}")
         return InvalidInput(f"{where}: refused ({status} {reason}): {detail}")

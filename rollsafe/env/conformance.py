@@ -3,34 +3,44 @@
 Each check returns a detail line or raises :class:`CheckFailed`, and leaves the instance idle.
 Ids are fresh. Commit files are verified here when the URL is a loopback one (else missing
 files are a warning). An episode parked ``generating`` must stay committable even though this
-suite cuts no engine call: a conforming server holds a response that arrives while parked."""
+suite cuts no engine call: a conforming server holds a response that arrives while parked.
+
+With a task, one episode runs first, uninterrupted: a task shorter than
+:data:`MIN_TASK_TURNS` turns is refused up front (an episode must be parked mid-way for its
+restore to be checked). The restore check parks episodes after their first turn, restores
+them as attempt n + 1 and requires each to continue its record: it reports the boundary it
+continued from (``restored_at_turn``: the parked turn, or the next one if a call was in
+flight), and it ends as the uninterrupted attempt did (same turns, same reward; sampling and
+effects are keyed by rollout and turn, never by attempt). An environment that restarts a
+restored attempt from its task fails it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import shutil
-import tempfile
 import time
-import uuid
 from collections.abc import Awaitable, Callable
-from contextlib import suppress
 from pathlib import Path
-from typing import Any, TypeAlias
-from urllib.parse import urlsplit
+from typing import Any
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollsafe.engine.http import EngineClient
 from rollsafe.env import protocol as w
 from rollsafe.env import store
-from rollsafe.env.client import EnvClient, EnvRefused, EpisodeParked
+from rollsafe.env.conformance_restore import cut_resume, probe, restore
+from rollsafe.env.conformance_run import (
+    EPISODE_S,
+    CheckFailed,
+    Run,
+    Skip,
+    expect,
+    park_commit,
+    prep_request,
+)
 from rollsafe.errors import EnvUnavailable, InvalidInput
-
-EPISODE_S = 120.0  # one episode's time limit
-Headers = dict[str, str]
-Reply: TypeAlias = httpx.Response
-Tasks = dict[str, asyncio.Task[w.EpisodeResult]]
 
 
 class CheckResult(BaseModel):
@@ -53,122 +63,7 @@ class ConformanceReport(BaseModel):
     checks: tuple[CheckResult, ...]
 
 
-class CheckFailed(Exception): ...  # an expectation did not hold; the message says which
-
-
-class _Skip(Exception): ...  # the check does not apply here; the message says why
-
-
-def expect(ok: bool, what: str) -> None:
-    if not ok:
-        raise CheckFailed(what)
-
-
-def _prep(cid: str, in_s: float = 10.0) -> w.PrepareRequest:
-    return w.PrepareRequest(checkpoint_id=cid, deadline_ts=time.time() + in_s)
-
-
-class _Run:
-    """One suite run against one instance: clients, fresh ids, and what to clean up."""
-
-    def __init__(self, url: str, token: str, task: dict[str, Any] | None, wait_s: float) -> None:
-        self.task, self.lease_wait_s, self.auth = task, wait_s, {"authorization": f"Bearer {token}"}
-        self.root = Path(tempfile.mkdtemp(prefix="rollsafe-conformance-"))
-        self.local_files = urlsplit(url).hostname in ("localhost", "127.0.0.1", "::1")
-        self.env = EnvClient(url, token, timeout_s=15.0)
-        self.http = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=15.0)
-        self.tag, self.count, self.instance = uuid.uuid4().hex[:8], 0, ""
-        self.opened: list[str] = []
-        self.retired: list[w.EpisodeRef] = []
-        self.running: Tasks = {}
-
-    def new_id(self) -> str:
-        self.opened.append(cid := f"conf-{uuid.uuid4().hex}")  # resumed when the check ends
-        return cid
-
-    def new_ref(self) -> w.EpisodeRef:
-        self.count += 1
-        return w.EpisodeRef(rollout_id=f"conf-{self.tag}-{self.count}_g0", attempt=0)
-
-    def new_dir(self) -> Path:
-        return Path(tempfile.mkdtemp(dir=self.root))
-
-    def run(self, ref: w.EpisodeRef, timeout_s: float = EPISODE_S) -> Awaitable[w.EpisodeResult]:
-        run = w.RunEpisode(episode=ref, task=self.task or {})
-        return self.env.run_episode(run, timeout_s=timeout_s)
-
-    async def commit(self, cid: str, scope: tuple[w.EpisodeRef, ...], dest: Path) -> w.CommitReply:
-        body = w.CommitRequest(checkpoint_id=cid, scope=scope, dest=str(dest))
-        return await self.env.commit(body)
-
-    async def resume(self, cid: str) -> w.ResumeReply:
-        return await self.env.resume(w.ResumeRequest(checkpoint_id=cid))
-
-    async def raw(self, op: str, body: bytes | None = None, head: Headers | None = None) -> Reply:
-        path = w.EPISODES_RUN if op == "run" else f"{w.PREFIX}/{op}"
-        method, sent = "GET" if op == "status" else "POST", self.auth if head is None else head
-        return await self.http.request(method, path, content=body, headers=sent)
-
-    async def idle(self) -> w.StatusReply:
-        status = await self.env.status()
-        expect(status.phase == "idle", f"status is {status.phase} ({status.checkpoint_id})")
-        return status
-
-    async def finish(self, tasks: Tasks, within: float, when: str) -> list[w.EpisodeResult]:
-        if tasks:
-            await asyncio.wait(tasks.values(), timeout=within)
-        late = sorted(k for k, t in tasks.items() if not t.done())
-        expect(not late, f"{', '.join(late)} did not finish within {within:.0f}s {when}")
-        return [t.result() for t in tasks.values()]
-
-    async def refused(self, call: Awaitable[object], reason: str | None, what: str) -> str:
-        try:
-            await call
-        except (EnvRefused, EpisodeParked) as exc:
-            expect(reason in (None, exc.reason), f"{what}: 409 {exc.reason}, want {reason}")
-            return exc.reason
-        raise CheckFailed(f"{what}: accepted, want 409 {reason or ''}")
-
-    async def cleanup(self) -> str | None:
-        """Resume, forget, await episodes; a problem if the instance is then not idle."""
-        undo: list[Awaitable[object]] = [self.resume(cid) for cid in self.opened]
-        if self.retired:
-            undo.append(self.env.forget(w.ForgetRequest(rollouts=tuple(self.retired))))
-        every = asyncio.gather(*undo, *self.running.values(), return_exceptions=True)
-        with suppress(TimeoutError):  # errors: the check reported them; late episodes: cancelled
-            await asyncio.wait_for(every, 30)
-        self.opened, self.retired, self.running = [], [], {}
-        status = await self.env.status()
-        return None if status.phase == "idle" else f"left it {status.phase} {status.checkpoint_id}"
-
-
-async def _park_commit(r: _Run, n: int) -> tuple[str, w.PrepareReply, w.CommitReply, Path]:
-    """Start ``n`` episodes (given a task); once live, prepare, commit the parked ones at once,
-    check that those not listed end by themselves. Leaves the instance committed; returns the
-    id, the replies and the dest."""
-    running: Tasks = {}
-    if r.task is not None:
-        refs = [r.new_ref() for _ in range(n)]
-        r.running = running = {ref.key: asyncio.ensure_future(r.run(ref)) for ref in refs}
-    until = time.monotonic() + 10
-    while (await r.env.status()).live_episodes < sum(not t.done() for t in running.values()):
-        await asyncio.gather(*(t for t in running.values() if t.done()))  # raises a refusal
-        expect(time.monotonic() < until, f"status never counted {n} live episodes")
-        await asyncio.sleep(0.02)
-    await asyncio.sleep(0.05)  # so they are mid-episode
-    cid, dest = r.new_id(), r.new_dir()
-    prep = await r.env.prepare(_prep(cid))
-    expect(prep.ready, f"prepare {cid} not ready: {'; '.join(prep.blockers)}")
-    parked = [p for p in prep.parked if p.episode.key in running]
-    commit = await r.commit(cid, scope := tuple(p.episode for p in parked), dest)
-    expect(commit.committed == scope, f"committed {commit.committed}, not {scope}")
-    listed = {p.episode.key for p in prep.parked} | {e.key for e in prep.restarts}
-    unlisted = {k: t for k, t in running.items() if k not in listed}
-    await r.finish(unlisted, 10, "while committed, yet prepare did not list them as parked")
-    return cid, prep, commit, dest
-
-
-def _verify_files(r: _Run, dest: Path, cid: str, commit: w.CommitReply) -> str:
+def _verify_files(r: Run, dest: Path, cid: str, commit: w.CommitReply) -> str:
     expect(bool(commit.participants), "commit named no participant manifest")
     keys, missing = {e.key for e in commit.committed}, []
     for m in commit.participants:
@@ -188,7 +83,7 @@ def _verify_files(r: _Run, dest: Path, cid: str, commit: w.CommitReply) -> str:
     return f"{verified}; warning: none here for {missing} (a remote disk)" if missing else verified
 
 
-async def status_shape(r: _Run) -> str:
+async def status_shape(r: Run) -> str:
     reply = await r.raw("status")
     expect(reply.status_code == 200, f"status answered {reply.status_code}: {reply.text[:200]}")
     status = w.StatusReply.model_validate_json(reply.content)
@@ -197,19 +92,19 @@ async def status_shape(r: _Run) -> str:
     return f"instance {status.instance}, participants {', '.join(status.participants)}"
 
 
-async def auth(r: _Run) -> str:
+async def auth(r: Run) -> str:
     before, cid = await r.idle(), r.new_id()  # resumed at the end, should a 401 prepare open it
-    body = _prep(cid).model_dump_json()
+    body = prep_request(cid).model_dump_json()
     for label, headers in (("a wrong", {"authorization": "Bearer conf-wrong"}), ("no", {})):
         for op in ("status", "prepare"):
             reply = await r.raw(op, body.encode() if op == "prepare" else None, headers)
             expect(reply.status_code == 401, f"{op} with {label} token: {reply.status_code}")
     expect((await r.idle()).retired == before.retired, "a refused request changed the status")
-    await r.env.prepare(_prep(cid))  # the refused prepare left its id usable
+    await r.env.prepare(prep_request(cid))  # the refused prepare left its id usable
     return "401 on status and prepare for a wrong and a missing token; nothing changed"
 
 
-async def malformed_bodies(r: _Run) -> str:
+async def malformed_bodies(r: Run) -> str:
     before, cid, ts = await r.idle(), r.new_id(), time.time() + 10
     ref = {"rollout_id": "conf-bad id", "attempt": 0}
     cases: list[tuple[str, bytes | dict[str, Any], str | None]] = [
@@ -231,8 +126,8 @@ async def malformed_bodies(r: _Run) -> str:
     return f"{len(cases)} malformed bodies: 422 naming the field"
 
 
-async def prepare_commit_resume(r: _Run) -> str:
-    cid, prep, commit, dest = await _park_commit(r, 3)
+async def prepare_commit_resume(r: Run) -> str:
+    cid, prep, commit, dest = await park_commit(r, 3)
     expect(not r.running or bool(prep.parked or prep.restarts), "no episode in flight at prepare")
     await r.refused(r.run(r.new_ref(), 5), "checkpoint_parked", "a new episode while committed")
     renew = await r.env.renew(w.RenewRequest(checkpoint_id=cid, deadline_ts=time.time() + 30))
@@ -248,9 +143,9 @@ async def prepare_commit_resume(r: _Run) -> str:
     return f"{len(r.running)} running, parked {kinds}, committed {n}; {files}"
 
 
-async def idempotent_replay(r: _Run) -> str:
+async def idempotent_replay(r: Run) -> str:
     cid, dest = r.new_id(), r.new_dir()
-    first = await r.env.prepare(request := _prep(cid))
+    first = await r.env.prepare(request := prep_request(cid))
     expect(await r.env.prepare(request) == first, "a repeated prepare replied differently")
     done = await r.commit(cid, (), dest)
     expect(await r.commit(cid, (), dest) == done, "a repeated commit replied differently")
@@ -259,30 +154,30 @@ async def idempotent_replay(r: _Run) -> str:
     return f"prepare, commit (sha256 {done.participants[0].sha256[:12]}) and resume replayed"
 
 
-async def resumed_id_refused(r: _Run) -> str:
+async def resumed_id_refused(r: Run) -> str:
     cid = r.new_id()
-    await r.env.prepare(_prep(cid))
+    await r.env.prepare(prep_request(cid))
     await r.resume(cid)
-    await r.refused(r.env.prepare(_prep(cid)), "checkpoint_resumed", "prepare again")
+    await r.refused(r.env.prepare(prep_request(cid)), "checkpoint_resumed", "prepare again")
     renew = w.RenewRequest(checkpoint_id=cid, deadline_ts=time.time() + 10)
     await r.refused(r.env.renew(renew), "checkpoint_resumed", "renew after resume")
     return "prepare and renew of a resumed id: 409 checkpoint_resumed"
 
 
-async def wrong_phase(r: _Run) -> str:
+async def wrong_phase(r: Run) -> str:
     a, b = r.new_id(), r.new_id()
     idle = await r.refused(r.commit(r.new_id(), (), r.new_dir()), None, "commit before prepare")
-    await r.env.prepare(_prep(a))
+    await r.env.prepare(prep_request(a))
     r.retired.append(ref := r.new_ref())
     await r.refused(r.env.retire(w.RetireRequest(rollouts=(ref,))), "wrong_phase", "retire")
-    await r.refused(r.env.prepare(_prep(b)), "other_checkpoint", "a second prepare")
+    await r.refused(r.env.prepare(prep_request(b)), "other_checkpoint", "a second prepare")
     await r.refused(r.commit(b, (), r.new_dir()), "other_checkpoint", "commit of another id")
     other, status = await r.resume(b), await r.env.status()
     expect(not other.resumed and status.checkpoint_id == a, f"resume of {b} touched {a}")
     return f"commit while idle: 409 {idle}; retire, other checkpoint ids refused while prepared"
 
 
-async def retire_forget(r: _Run) -> str:
+async def retire_forget(r: Run) -> str:
     r.retired.append(ref := r.new_ref())
     retired = await r.env.retire(w.RetireRequest(rollouts=(ref,)))
     expect(retired.count == 1 and (await r.idle()).retired >= 1, f"retire counted {retired}")
@@ -293,30 +188,9 @@ async def retire_forget(r: _Run) -> str:
     return f"retired episode refused; after forget it ran {result.turns} turns"
 
 
-async def restore(r: _Run) -> str:
-    cid, prep, commit, dest = await _park_commit(r, 2)
-    if not commit.committed:
-        expect(not prep.parked and bool(prep.restarts), "no episode parked: a longer task?")
-        raise _Skip("the instance parked no episode (restarts only): nothing to restore")
-    await r.resume(cid)
-    await r.finish(r.running, EPISODE_S, "after resume")
-    rid, nexts = r.new_id(), tuple(e.next_attempt() for e in commit.committed)
-    source = {"source_checkpoint_id": cid, "root": str(dest), "scope": commit.committed}
-    request = {"restore_id": rid, "deadline_ts": time.time() + 30, **source}
-    reply = await r.env.restore(w.RestoreRequest.model_validate(request))
-    expect(reply.restored == nexts, f"restore listed {reply.restored}, want {nexts}")
-    status = await r.env.status()
-    expect((status.phase, status.checkpoint_id) == ("restored", rid), f"status: {status}")
-    await r.refused(r.run(nexts[0], 5), "checkpoint_parked", "attempt n+1 before resume")
-    expect((await r.resume(rid)).resumed, f"resume of restore {rid} did not resume it")
-    results = await asyncio.gather(*(r.run(ep) for ep in nexts))
-    expect(all(x.restored for x in results), "a restored attempt says restored=False")
-    return f"restored {', '.join(e.key for e in nexts)}; each continued to its end"
-
-
-async def lease_expiry(r: _Run) -> str:
+async def lease_expiry(r: Run) -> str:
     if r.lease_wait_s <= 0:
-        raise _Skip("lease_wait_s is 0: not waiting for a lease to run out")
+        raise Skip("lease_wait_s is 0: not waiting for a lease to run out")
     cid, deadline = r.new_id(), time.time() + 1
     prep = await r.env.prepare(w.PrepareRequest(checkpoint_id=cid, deadline_ts=deadline))
     while (status := await r.env.status()).phase != "idle":
@@ -324,23 +198,25 @@ async def lease_expiry(r: _Run) -> str:
         expect(late < r.lease_wait_s + 0.5, f"still {status.phase} {late:.1f}s past the deadline")
         await asyncio.sleep(0.1)
     late, grace = time.time() - deadline, prep.lease_expires_ts - deadline
-    await r.refused(r.env.prepare(_prep(cid)), "checkpoint_resumed", "preparing the expired id")
+    again = r.env.prepare(prep_request(cid))
+    await r.refused(again, "checkpoint_resumed", "preparing the expired id")
     return f"idle {late:.1f}s past the deadline (lease grace {grace:.1f}s); the id is refused"
 
 
-Check = Callable[[_Run], Awaitable[str]]
+Check = Callable[[Run], Awaitable[str]]
 CHECKS: tuple[Check, ...] = (status_shape, auth, malformed_bodies, prepare_commit_resume)
-CHECKS += (idempotent_replay, resumed_id_refused, wrong_phase, retire_forget, restore, lease_expiry)
-NEEDS_TASK = (retire_forget, restore)
+CHECKS += (idempotent_replay, resumed_id_refused, wrong_phase, retire_forget, restore)
+CHECKS += (cut_resume, lease_expiry)
+NEEDS_TASK = (retire_forget, restore, cut_resume)
 
 
-async def _check(r: _Run, fn: Check) -> CheckResult:
+async def _check(r: Run, fn: Check) -> CheckResult:
     began, skipped = time.monotonic(), False
     try:
         if fn in NEEDS_TASK and r.task is None:
-            raise _Skip("no task given: needs episodes")
+            raise Skip("no task given: needs episodes")
         detail, passed = await fn(r), True  # every call and wait in it has a time limit
-    except _Skip as exc:
+    except Skip as exc:
         detail, passed, skipped = str(exc), True, True
     except Exception as exc:  # CheckFailed, or whatever the server did: reported as found
         passed = False
@@ -361,13 +237,20 @@ async def run_conformance(
     *,
     task: dict[str, Any] | None = None,
     lease_wait_s: float = 60.0,
+    engine_url: str | None = None,
+    engine_token: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> ConformanceReport:
     """Run every check against the (idle) instance at ``url``, in turn, reporting each done
-    one to ``progress``. :class:`~rollsafe.errors.EnvUnavailable`: unreachable at all;
-    :class:`~rollsafe.errors.InvalidInput`: it refuses the token (401). Nothing to check."""
+    one to ``progress``; with the instance's engine (``engine_url``), a call is cut and must
+    resume. :class:`~rollsafe.errors.EnvUnavailable`: unreachable at all;
+    :class:`~rollsafe.errors.InvalidInput`: it refuses the token (401), or the task is too
+    short. Nothing to check."""
     began, results = time.monotonic(), []
-    r = _Run(url, token, task, lease_wait_s)
+    engine = None
+    if engine_url is not None:
+        engine = EngineClient(engine_url, engine_token or "", timeout=15.0)
+    r = Run(url, token, task, lease_wait_s, engine)
     try:
         try:
             first = await r.raw("status")
@@ -375,6 +258,8 @@ async def run_conformance(
             raise EnvUnavailable(f"environment at {url}: unreachable: {exc!r}") from None
         if first.status_code == 401:
             raise InvalidInput(f"environment at {url} refused the token (401): {first.text}")
+        if task is not None:
+            await probe(r)
         for fn in CHECKS:
             results.append(c := await _check(r, fn))
             mark = "SKIP" if c.skipped else "PASS" if c.passed else "FAIL"
@@ -383,6 +268,8 @@ async def run_conformance(
     finally:
         await r.env.aclose()
         await r.http.aclose()
+        if engine is not None:
+            await engine.aclose()
         shutil.rmtree(r.root, ignore_errors=True)
     passed, seconds = all(x.passed for x in results), time.monotonic() - began
     return ConformanceReport(

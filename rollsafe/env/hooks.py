@@ -1,32 +1,48 @@
 """What an environment implements to become a checkpoint participant, and what it is given.
 
-The toolkit (:mod:`rollsafe.env.participant`, :mod:`rollsafe.env.router`) owns the protocol:
-phases, lease, idempotent replay, retire marks, parking, records on disk. An environment
-supplies only its own episode logic and state, through :class:`EnvironmentHooks`, and marks
-where its episodes stand through the :class:`EpisodeSession` it is handed for each episode:
+The toolkit (:mod:`rollsafe.env.participant`, :mod:`rollsafe.env.router`, served by
+:func:`rollsafe.env.serve.serve`) owns the protocol: phases, lease, idempotent replay, retire
+marks, parking, records on disk, restored records and the staged prefixes of cut calls. An
+environment supplies only its own episode logic and state, through :class:`EnvironmentHooks`,
+and marks where its episodes stand through the :class:`EpisodeSession` it is handed for each
+episode run:
 
 .. code-block:: python
 
     async def run_episode(self, run, session):
-        state = session.restored or new_state(run.task)
+        state = session.restored or new_state(run.task)   # a restored attempt continues
+        await session.boundary(state["turn"])              # parks here while a checkpoint is open
         while not done(state):
-            await session.boundary(state.turn)        # parks here while a checkpoint is open
-            async with session.generating(call_id):   # a model call: may be cut while parked
-                action = await policy(...)
-            with session.tool():                      # a tool call: never parked inside
-                apply(action)
-        return EpisodeResult(...)
+            request = session.request(state["turn"], prompt(state), max_tokens=8)
+            completion = await session.complete(self.engine, request)  # cut and resumed for you
+            with session.tool():                           # a tool call: never parked inside
+                apply(state, completion.tokens)            # idempotent per (rollout, turn)
+            await session.boundary(state["turn"])
+        return EpisodeResult(episode=run.episode, reward=..., turns=state["turn"], restored=False)
 
-``export_episode`` and ``restore_episode`` are called only for episodes parked at a boundary or
-generating (never inside a tool call), so the state they see is a turn boundary's.
+Turn boundaries: ``boundary(t)`` says "t turns are complete and nothing is in flight"; call
+it when an episode starts (t = 0, or a restored record's turn) and after every turn. The
+state ``export_episode`` returns must be the state at that boundary. A restored attempt whose
+record was parked while its model call was generating re-issues that call first (no boundary
+before it): ``complete`` resumes it from the cut's prefix when the checkpoint staged one.
+
+What the toolkit sets for you: ``EpisodeResult.restored`` (whether this attempt continued a
+record) and ``EpisodeResult.restored_at_turn`` (the first boundary a restored attempt
+reached), whatever ``run_episode`` returns there. A task the environment cannot run is
+refused by raising :class:`~rollsafe.errors.InvalidInput` (answered 422, nothing changes);
+a dependency that is down (the engine) by raising a transient error such as
+:class:`~rollsafe.errors.EngineUnavailable` (503: the caller retries the same attempt, and a
+restored attempt keeps its record until a run of it succeeds); anything else is a 500.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any, Protocol
 
+from rollsafe.engine.protocol import Completion, Engine, GenerateRequest, PrefixRecord
 from rollsafe.env.protocol import EpisodeRef, EpisodeResult, ParticipantKind, RunEpisode
 
 
@@ -34,8 +50,11 @@ class EpisodeSession(Protocol):
     """Handed to :meth:`EnvironmentHooks.run_episode`, one per episode run."""
 
     episode: EpisodeRef
-    # The record ``restore_episode`` installed for this attempt, if it continues one.
+    # The state exported for the attempt this one continues (None: a fresh episode). Handed
+    # again to every run of this attempt until one succeeds.
     restored: dict[str, Any] | None
+    # Staged prefixes of the calls the checkpoint cut, by call id (complete() uses them).
+    prefixes: Mapping[str, PrefixRecord]
 
     async def boundary(self, turn: int) -> None:
         """A turn boundary (``turn`` turns completed): waits here while the instance is parked."""
@@ -45,12 +64,40 @@ class EpisodeSession(Protocol):
         """Inside: the episode waits on policy call ``call_id``; a prepare parks it as it is
         and reports the call id (the checkpoint cuts the call). A response that arrives while
         the instance is parked is held at the exit until resume, so the episode's state stays
-        the one prepare reported even when the call could not be cut."""
+        the one prepare reported even when the call could not be cut. :meth:`complete` does
+        this for you."""
         ...
 
     def tool(self) -> AbstractContextManager[None]:
         """Inside: a tool call is mutating state; a prepare waits for it to end (until the
         deadline), else reports the episode in ``restarts``."""
+        ...
+
+    def request(
+        self,
+        turn: int,
+        prompt_tokens: Sequence[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop_token_ids: Sequence[int] = (),
+        name: str = "",
+    ) -> GenerateRequest:
+        """The model call of ``turn`` (``name`` tells several calls of one turn apart): call
+        id ``<episode key>/t<turn>[/<name>]``, sampling seed from the rollout id, the turn
+        and ``name`` only, so every attempt of the rollout samples what the first would."""
+        ...
+
+    async def complete(self, engine: Engine, request: GenerateRequest) -> Completion:
+        """Make ``request`` on ``engine`` inside :meth:`generating`. If the checkpoint this
+        attempt was restored from cut this same call (same prompt and sampling), it resumes
+        from the staged prefix under the original call id instead: the prefix's tokens are
+        kept, never generated again (:meth:`resumed_tokens` says how many)."""
+        ...
+
+    def resumed_tokens(self, completion: Completion) -> int:
+        """How many of ``completion``'s tokens came from a staged prefix (0: none)."""
         ...
 
 
@@ -66,15 +113,15 @@ class EnvironmentHooks(ABC):
 
     @abstractmethod
     def export_episode(self, episode: EpisodeRef) -> dict[str, Any]:
-        """A JSON-able record of a parked episode's state: enough to continue it elsewhere."""
+        """A JSON-able record of a parked episode's state at its boundary: enough to continue
+        it elsewhere. Called only for episodes parked at a boundary or generating."""
 
-    @abstractmethod
-    def restore_episode(
-        self, episode: EpisodeRef, record: dict[str, Any], prefixes: dict[str, Any]
-    ) -> None:
-        """Install ``record`` (exported for ``episode``) to be continued as
-        ``episode.next_attempt()``. ``prefixes`` maps a model call id to its staged prefix
-        record (JSON) when the checkpoint cut that call. Raise to refuse (a bad record)."""
+    def restore_episode(self, episode: EpisodeRef, record: dict[str, Any]) -> None:
+        """Check ``record`` (exported for ``episode``) before it is restored as
+        ``episode.next_attempt()``: raise to refuse a bad record, and the whole restore is
+        refused. The toolkit keeps the record and hands it to that attempt's runs
+        (``session.restored``); by default every record is accepted."""
+        return None  # not abstract on purpose: most environments need no check here
 
     @abstractmethod
     def drop_episode(self, episode: EpisodeRef) -> None:

@@ -9,6 +9,12 @@ lease, idempotent replay, retire marks, parking episodes at turn boundaries, and
 Control operations run one at a time under one lock (a second prepare of the same id waits for
 the first and replays it). Phase changes are synchronous, so episodes (which run concurrently on
 the same loop) never see half of one.
+
+A lease is watched from the moment one is set (prepare, renew, restore), by a task on the
+serving loop: however the routes are served, a lapsed lease resumes the instance by itself.
+A restore's records are kept per next attempt until a run of that attempt succeeds (or it is
+retired): a run that fails (a 503 while the engine is down) is retried from the record, never
+from the task.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from contextlib import suppress
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -24,13 +31,22 @@ from pydantic import BaseModel
 from rollsafe.env import protocol as wire
 from rollsafe.env import store
 from rollsafe.env.hooks import EnvironmentHooks
-from rollsafe.env.participant_records import absolute, export_records, install, states_in_scope
+from rollsafe.env.participant_records import (
+    Restored,
+    absolute,
+    export_records,
+    install,
+    restored_in_scope,
+)
 from rollsafe.env.protocol import EpisodeRef, EpisodeResult, Phase
 from rollsafe.env.session import Session
 from rollsafe.errors import InvalidInput
+from rollsafe.faults import fault_point, register
 
 R = TypeVar("R", bound=BaseModel)
 _CAPTURED: dict[str, wire.Activity] = {"boundary": "boundary", "generating": "generating"}
+# While a restore reads its records (in a thread): tests hold it there to race a run against it.
+RESTORE_READING = register("env.restore.reading")[0]
 
 
 class Refused(InvalidInput):
@@ -71,7 +87,7 @@ class Participant:
         self._parked: dict[str, wire.ParkedEpisode] = {}  # what the open prepare reported, by key
         self._live: dict[str, Session] = {}
         self._retired: set[tuple[str, int]] = set()
-        self._restored: dict[str, dict[str, Any]] = {}  # attempt n + 1's key -> record
+        self._restored: dict[str, Restored] = {}  # attempt n + 1's key -> what it continues
         # Set by resume; None while admission is open. Parked episodes wait on it.
         self._release: asyncio.Event | None = None
         self._changed = asyncio.Event()  # an episode changed activity or ended
@@ -81,9 +97,12 @@ class Participant:
     # -- lease ----------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the lease watcher (a running loop is needed); expiry is also checked lazily."""
-        if self._watcher is None or self._watcher.done():
-            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        """Start the lease watcher on the running loop. Setting a lease starts it too, so
+        calling this is only needed to have it running before the first prepare."""
+        loop = asyncio.get_running_loop()
+        watcher = self._watcher
+        if watcher is None or watcher.done() or watcher.get_loop() is not loop:
+            self._watcher = loop.create_task(self._watch())
 
     async def aclose(self) -> None:
         watcher, self._watcher = self._watcher, None
@@ -93,12 +112,17 @@ class Participant:
                 await watcher
 
     async def _watch(self) -> None:
-        while True:
+        """Until no lease is held: wait for it to run out (or change), then expire it. Ends
+        when the lease is gone; the next lease starts it again."""
+        while self._lease is not None:
             self._lease_changed.clear()
-            timeout = None if self._lease is None else max(0.0, self._lease - self._clock())
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self._lease_changed.wait(), timeout)
+            try:
+                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation.
+                async with asyncio.timeout(max(0.0, self._lease - self._clock())):
+                    await self._lease_changed.wait()
                 continue
+            except TimeoutError:
+                pass
             async with self._lock:
                 self._expire_if_due()
 
@@ -114,6 +138,7 @@ class Participant:
     def _set_lease(self, deadline_ts: float) -> float:
         self._lease = deadline_ts + self.lease_grace_s
         self._lease_changed.set()
+        self.start()  # a lease nobody watches would never run out without a request
         return self._lease
 
     # -- phase machine --------------------------------------------------------------------------
@@ -225,7 +250,7 @@ class Participant:
             self._require(cid, "prepared")
             self._check_scope(request.scope)
             dest = absolute(request.dest, "dest")
-            records = export_records(self.env, request.scope)
+            records = export_records(self.env, request.scope, self._parked)
             env = self.env
             manifest = await asyncio.to_thread(
                 store.write_records, dest, env.name, env.kind, self.instance, cid, records
@@ -303,34 +328,53 @@ class Participant:
             for ep in request.scope:
                 self._check_free(ep.next_attempt())
             root = absolute(request.root, "root")
-            records = await asyncio.to_thread(
-                store.read_records, root, self.env.name, request.source_checkpoint_id
-            )
-            states = states_in_scope(records, request.scope, root)
-            install(self.env, request.scope, states, request.prefixes)
-            for ep in request.scope:  # each next attempt's run starts from its record
-                self._restored[ep.next_attempt().key] = states[ep.key]
+            # Restored from here on, before the records are read: a run of a next attempt
+            # arriving meanwhile is refused (parked), not admitted fresh.
             lease = self._open("restored", rid, request.deadline_ts)
-            restored = tuple(ep.next_attempt() for ep in request.scope)
-            reply = wire.RestoreReply(restored=restored, lease_expires_ts=lease)
+            try:
+                read = await asyncio.to_thread(self._read, root, request.source_checkpoint_id)
+                restored = restored_in_scope(read, request.scope, root, request.prefixes)
+                install(self.env, request.scope, restored)
+            except BaseException:
+                self._phase, self._open_id, self._lease = "idle", None, None
+                self._lease_changed.set()
+                raise
+            for ep in request.scope:  # each next attempt's runs start from its record
+                self._restored[ep.next_attempt().key] = restored[ep.key]
+            restored_eps = tuple(ep.next_attempt() for ep in request.scope)
+            reply = wire.RestoreReply(restored=restored_eps, lease_expires_ts=lease)
             self._replies[(rid, "restore")] = reply
             return reply
+
+    def _read(self, root: Path, checkpoint_id: str) -> list[dict[str, Any]]:
+        fault_point(RESTORE_READING)
+        return store.read_records(root, self.env.name, checkpoint_id)
 
     # -- episodes -------------------------------------------------------------------------------
 
     async def run(self, run: wire.RunEpisode) -> EpisodeResult:
         """Drive one episode through the environment; refused (409) while parked or restored,
-        when retired, or when it already runs here."""
+        when retired, or when it already runs here. A restored attempt's record is spent only
+        when a run of it succeeds."""
         self._lazy_expire()
         ep = run.episode
         self._admit(ep)
-        session = Session(self, ep, self._restored.pop(ep.key, None))
+        restored = self._restored.get(ep.key)
+        session = Session(self, ep, restored)
         self._live[ep.key] = session
         try:
             session.task = asyncio.get_running_loop().create_task(
                 self.env.run_episode(run, session)
             )
-            return await session.task
+            result = await session.task
+            self._restored.pop(ep.key, None)
+            return result.model_copy(
+                update={
+                    "restored": restored is not None,
+                    "restored_at_turn": session.first_turn if restored is not None else None,
+                    "prefix_tokens": session.prefix_tokens,
+                }
+            )
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if session.retired and (current is None or not current.cancelling()):

@@ -1,25 +1,51 @@
 """The episode records a :class:`~rollsafe.env.participant.Participant` commits and restores.
 
-A record is ``{"episode": <EpisodeRef>, "state": <what the environment exported>}``;
-:mod:`rollsafe.env.store` writes and reads them on disk. This module is the part in between:
-the records a commit exports through the environment's hooks, the checks a restore applies to
-what it read, and the all-or-nothing install of a restore's scope.
+A record is ``{"episode": <EpisodeRef>, "state": <what the environment exported>, "parked":
+<where prepare found it: turn, activity, model call>}``; :mod:`rollsafe.env.store` writes and
+reads them on disk. This module is the part in between: the records a commit exports through
+the environment's hooks, the checks a restore applies to what it read (and to the staged
+prefixes of cut calls), and the all-or-nothing install of a restore's scope. ``parked`` is
+absent from records written before it existed; such a record is restored with every staged
+prefix of the restore (a session only uses one whose prompt and sampling match its call).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from rollsafe.engine.protocol import PrefixRecord
 from rollsafe.env.hooks import EnvironmentHooks
-from rollsafe.env.protocol import EpisodeRef
-from rollsafe.errors import InvalidInput, SnapshotCorrupt
+from rollsafe.env.protocol import EpisodeRef, ParkedEpisode
+from rollsafe.errors import InvalidInput, PrefixMismatch, SnapshotCorrupt
+from rollsafe.snapshot.manifest import validation_failure
 
 
-def export_records(env: EnvironmentHooks, scope: tuple[EpisodeRef, ...]) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class Restored:
+    """What a restored attempt continues: the record's state, where its attempt was parked,
+    and the staged prefix of the call it was waiting on (by call id), if the checkpoint cut it."""
+
+    state: dict[str, Any]
+    parked: ParkedEpisode | None
+    prefixes: Mapping[str, PrefixRecord] = field(default_factory=dict)
+
+
+def export_records(
+    env: EnvironmentHooks, scope: tuple[EpisodeRef, ...], parked: Mapping[str, ParkedEpisode]
+) -> list[dict[str, Any]]:
     """One record per scope episode, in scope order."""
     return [
-        {"episode": ep.model_dump(mode="json"), "state": env.export_episode(ep)} for ep in scope
+        {
+            "episode": ep.model_dump(mode="json"),
+            "state": env.export_episode(ep),
+            "parked": parked[ep.key].model_dump(mode="json", exclude={"episode"}),
+        }
+        for ep in scope
     ]
 
 
@@ -30,40 +56,79 @@ def absolute(path: str, field: str) -> Path:
     return Path(path)
 
 
-def states_in_scope(
-    records: list[dict[str, Any]], scope: tuple[EpisodeRef, ...], root: Path
-) -> dict[str, dict[str, Any]]:
-    """Scope episode key -> state; every scope episode must have a record."""
-    wanted = {ep.key for ep in scope}
-    states: dict[str, dict[str, Any]] = {}
+def restored_in_scope(
+    records: list[dict[str, Any]],
+    scope: tuple[EpisodeRef, ...],
+    root: Path,
+    prefixes: Mapping[str, Any],
+) -> dict[str, Restored]:
+    """Scope episode key -> what its next attempt continues; every scope episode must have a
+    record, and every staged prefix handed to one must verify."""
+    wanted = {ep.key: ep for ep in scope}
+    found: dict[str, Restored] = {}
     for record in records:
         try:
-            key = EpisodeRef.model_validate(record["episode"]).key
-        except ValueError:
+            episode = EpisodeRef.model_validate(record["episode"])
+        except (KeyError, ValueError):
             raise SnapshotCorrupt(f"{root}: a record names no valid episode") from None
-        if key in wanted:
-            if not isinstance(record.get("state"), dict):
-                raise SnapshotCorrupt(f"{root}: the record of {key} holds no state object")
-            states[key] = record["state"]
-    missing = sorted(wanted - states.keys())
+        if episode.key not in wanted:
+            continue
+        state, parked = record.get("state"), _parked(record, episode, root)
+        if not isinstance(state, dict):
+            raise SnapshotCorrupt(f"{root}: the record of {episode.key} holds no state object")
+        found[episode.key] = Restored(state, parked, _prefixes_of(parked, prefixes))
+    missing = sorted(wanted.keys() - found.keys())
     if missing:
         raise SnapshotCorrupt(f"{root}: no record for {', '.join(missing)}; nothing restored")
-    return states
+    return found
+
+
+def _parked(record: dict[str, Any], episode: EpisodeRef, root: Path) -> ParkedEpisode | None:
+    raw = record.get("parked")
+    if raw is None:
+        return None
+    try:
+        return ParkedEpisode.model_validate({**raw, "episode": episode.model_dump(mode="json")})
+    except (TypeError, ValidationError) as exc:
+        raise SnapshotCorrupt(f"{root}: the record of {episode.key}: bad parked: {exc}") from None
+
+
+def _prefixes_of(
+    parked: ParkedEpisode | None, staged: Mapping[str, Any]
+) -> dict[str, PrefixRecord]:
+    """The staged prefixes that belong to this episode, each parsed and digest-checked."""
+    if parked is None:
+        names = list(staged)
+    elif parked.model_call_id is not None and parked.model_call_id in staged:
+        names = [parked.model_call_id]
+    else:
+        names = []
+    checked = {}
+    for call_id in names:
+        where = f"staged prefix of call {call_id}"
+        try:
+            prefix = PrefixRecord.model_validate(staged[call_id])
+            if prefix.call_id != call_id:
+                raise PrefixMismatch(call_id, "call_id", f"record is for {prefix.call_id!r}")
+            prefix.verify()
+        except ValidationError as exc:
+            raise validation_failure(exc, where) from None
+        except PrefixMismatch as exc:
+            raise SnapshotCorrupt(f"{where}: {exc}") from None
+        checked[call_id] = prefix
+    return checked
 
 
 def install(
-    env: EnvironmentHooks,
-    scope: tuple[EpisodeRef, ...],
-    states: dict[str, dict[str, Any]],
-    prefixes: dict[str, Any],
+    env: EnvironmentHooks, scope: tuple[EpisodeRef, ...], restored: Mapping[str, Restored]
 ) -> None:
-    """Each scope episode's state as its next attempt, all or nothing: a refused record drops
-    every episode this call installed."""
+    """Let the environment check each scope episode's record (``restore_episode``), all or
+    nothing: a refused record drops every episode this call installed."""
     done: list[EpisodeRef] = []
     for ep in scope:
         try:
             done.append(ep)  # before: a half-installed record is dropped too
-            env.restore_episode(ep, states[ep.key], prefixes)
+            env.restore_episode(ep, restored[ep.key].state)
         except Exception as exc:
             for installed in done:
                 env.drop_episode(installed.next_attempt())

@@ -228,4 +228,16 @@ class EpisodeResult(_Message):
     reward: float
     turns: int = Field(ge=0)
     restored: bool = Field(description="continued from a restored checkpoint")
+    restored_at_turn: int | None = Field(
+        default=None,
+        ge=0,
+        description="a restored attempt: the first turn boundary it reached, i.e. where it "
+        "continued its record (the parked turn, or the next one if a call was in flight)",
+    )
+    prefix_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="tokens this run's model calls took from the staged prefixes of calls a "
+        "checkpoint cut, instead of generating them again",
+    )
     info: dict[str, Any] = Field(default_factory=dict, description="environment-specific")

@@ -1,37 +1,64 @@
 """One episode run's :class:`~rollsafe.env.hooks.EpisodeSession`: where the episode stands
 (at a boundary, generating, in a tool call) as its :class:`~rollsafe.env.participant.Participant`
-sees it, and the places it waits while the instance is parked."""
+sees it, the places it waits while the instance is parked, and its model calls (built so that
+every attempt samples alike, resumed from a restored prefix when the checkpoint cut one)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
-from typing import TYPE_CHECKING, Any, Literal
+import copy
+import hashlib
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from typing import TYPE_CHECKING, Literal
 
+from rollsafe.engine.protocol import (
+    Completion,
+    Engine,
+    GenerateRequest,
+    PrefixRecord,
+    SamplingParams,
+    completion_of,
+    prompt_digest,
+)
 from rollsafe.env.protocol import EpisodeRef, EpisodeResult
 
 if TYPE_CHECKING:
     from rollsafe.env.participant import Participant
+    from rollsafe.env.participant_records import Restored
 
 # "running": between markers, i.e. neither capturable nor known to be mutating.
 Activity = Literal["running", "boundary", "generating", "tool"]
 
 
+def call_seed(rollout_id: str, turn: int, name: str = "") -> int:
+    """The sampling seed of a turn's call: the rollout's, never the attempt's."""
+    digest = hashlib.sha256(f"rollsafe-call:{rollout_id}:{turn}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1  # below 2**63, as SamplingParams wants
+
+
 class Session:
     """The :class:`~rollsafe.env.hooks.EpisodeSession` of one episode run."""
 
-    def __init__(self, owner: Participant, episode: EpisodeRef, restored: dict[str, Any] | None):
-        self.episode, self.restored, self._owner = episode, restored, owner
+    def __init__(self, owner: Participant, episode: EpisodeRef, restored: Restored | None):
+        self.episode, self._owner = episode, owner
+        # A deep copy per run: a run that fails part-way must not change what the retry gets.
+        self.restored = None if restored is None else copy.deepcopy(restored.state)
+        self.prefixes: Mapping[str, PrefixRecord] = {} if restored is None else restored.prefixes
+        self._unused = dict(self.prefixes)  # a prefix resumes one call, once
+        self._resumed: dict[str, int] = {}  # call id -> tokens its prefix gave it
         self.activity: Activity = "running"
         self.call_id: str | None = None
         # moved: left the activity prepare reported it parked in, while the checkpoint is open;
         # its state is no longer the one reported, so commit must not export it.
         self.turn, self.moved, self.retired = 0, False, False
+        self.first_turn: int | None = None  # the first boundary this run reached
         self.task: asyncio.Task[EpisodeResult] | None = None
 
     async def boundary(self, turn: int) -> None:
         self.turn = turn
+        if self.first_turn is None:
+            self.first_turn = turn
         release = self._owner._release
         if release is None:
             return
@@ -62,6 +89,42 @@ class Session:
         finally:
             self._unmark()
 
+    def request(
+        self,
+        turn: int,
+        prompt_tokens: Sequence[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop_token_ids: Sequence[int] = (),
+        name: str = "",
+    ) -> GenerateRequest:
+        return turn_request(
+            self.episode,
+            turn,
+            prompt_tokens,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop_token_ids=stop_token_ids,
+            name=name,
+        )
+
+    async def complete(self, engine: Engine, request: GenerateRequest) -> Completion:
+        prefix = take_prefix(request, self._unused)
+        if prefix is not None:
+            self._resumed[prefix.call_id] = len(prefix.tokens)
+        return await complete_call(engine, request, prefix, self.generating)
+
+    def resumed_tokens(self, completion: Completion) -> int:
+        return self._resumed.get(completion.call_id, 0)
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Tokens this run's calls took from staged prefixes (what EpisodeResult reports)."""
+        return sum(self._resumed.values())
+
     def _mark(self, activity: Activity, call_id: str | None) -> None:
         self.activity, self.call_id = activity, call_id
         self._owner._changed.set()
@@ -71,3 +134,61 @@ class Session:
         if self._owner._release is not None:
             self.moved = True
         self._owner._changed.set()
+
+
+def turn_request(
+    episode: EpisodeRef,
+    turn: int,
+    prompt_tokens: Sequence[int],
+    *,
+    max_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    stop_token_ids: Sequence[int] = (),
+    name: str = "",
+) -> GenerateRequest:
+    """:meth:`EpisodeSession.request <rollsafe.env.hooks.EpisodeSession.request>`."""
+    sampling = SamplingParams(
+        seed=call_seed(episode.rollout_id, turn, name),
+        temperature=temperature,
+        top_p=top_p,
+        max_tokens=max_tokens,
+        stop_token_ids=tuple(stop_token_ids),
+    )
+    call_id = f"{episode.key}/t{turn}" + (f"/{name}" if name else "")
+    prompt = tuple(prompt_tokens)
+    return GenerateRequest(call_id=call_id, prompt_tokens=prompt, sampling=sampling)
+
+
+async def complete_call(
+    engine: Engine,
+    request: GenerateRequest,
+    prefix: PrefixRecord | None,
+    generating: Callable[[str], AbstractAsyncContextManager[None]],
+) -> Completion:
+    """:meth:`EpisodeSession.complete <rollsafe.env.hooks.EpisodeSession.complete>`: the call
+    inside the session's ``generating``, resumed from ``prefix`` (:func:`take_prefix`) if any."""
+    if prefix is not None:  # the cut call itself: its id, so the engine's checks pass
+        request = request.model_copy(update={"call_id": prefix.call_id})
+    async with generating(request.call_id):
+        stream = engine.generate(request) if prefix is None else engine.resume(request, prefix)
+        try:
+            events = [event async for event in stream]
+        finally:
+            # A cancelled episode (retired) ends its call now, not whenever the stream is
+            # garbage-collected: the engine frees the call, an HTTP stream its connection.
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+    return completion_of(request.call_id, events, prefix)
+
+
+def take_prefix(request: GenerateRequest, unused: dict[str, PrefixRecord]) -> PrefixRecord | None:
+    """The staged prefix of this very call (same prompt, same sampling), taken out of
+    ``unused``: a prefix resumes one call, once."""
+    digest = prompt_digest(request.prompt_tokens)
+    for call_id, prefix in unused.items():
+        if prefix.prompt_digest == digest and prefix.sampling == request.sampling:
+            del unused[call_id]
+            return prefix
+    return None

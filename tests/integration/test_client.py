@@ -97,6 +97,9 @@ async def test_start_twice_attaches_and_snapshot_now_publishes(harness) -> None:
 
 
 async def supervisor_status(ckpt: Checkpointer) -> Any:
+    # status() asks the supervisor only once the server lists a worker's poll, which it does
+    # a moment after the worker starts (CI once asked before).
+    await eventually(lambda: _present(ckpt))
     status = await ckpt.status()
     assert status.supervisor is not None, status.warnings
     return status.supervisor
@@ -204,9 +207,10 @@ async def test_without_a_worker_calls_answer_instead_of_hanging(harness) -> None
         await ckpt.start()
         await supervisor_status(ckpt)  # the supervisor has run its first task
     await asyncio.sleep(0.1)  # sdk-python #300
-    status = await ckpt.status()  # the stopped worker's last poll is recent: "present"
-    assert status.supervisor is None
-    assert status.warnings == ["no checkpoint worker answered within 0.5 s"]
+    status = await ckpt.status()  # answers, and says why it has no supervisor status
+    assert status.supervisor is None and len(status.warnings) == 1
+    # Whether the server still lists the stopped worker's last poll depends on the server.
+    assert "no checkpoint worker" in status.warnings[0], status.warnings
     await ckpt.train_step_committed(2)  # a signal: no worker needed
 
 

@@ -2,7 +2,14 @@
 processes: one ``rollsafe engine serve`` and three ``rollsafe env serve workplace`` instances
 (lease grace 1 s), every check passing on each; an instance whose status lies about its
 checkpoint id (a fault switch) fails the checks that read it; the CLI exits 0 on a conformant
-instance and 2 when the instance refuses the token (a wrong argument: nothing can be checked)."""
+instance and 2 when the instance refuses the token (a wrong argument: nothing can be checked).
+
+Then, the way an environment author meets it: docs/environment-protocol.md's FrozenLake
+example served with ``rollsafe env serve --hooks`` passes ``rollsafe env-check`` given its
+engine (a call is cut and must resume from its prefix); the same example made lossy (it
+exports nothing and restarts restored attempts from turn 0) fails the restore check, and made
+to generate a cut call again fails the cut check; a task too short to be parked mid-way is
+refused up front."""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import json
 import os
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -25,33 +33,44 @@ INSTANCES = ("conf-a", "conf-b", "conf-c")
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServedProcess]]:
-    """The engine and three workplace instances; every process stopped by its pid at the end,
-    also when one of them never came up."""
-    logs = tmp_path_factory.mktemp("conformance")
-    started: list[ServedProcess] = []
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedProcess]:
+    command = rollsafe_command(
+        "engine", "serve", "--port", "0", "--token", ENGINE_TOKEN, "--seed", "1"
+    )
+    server = ServedProcess(command, tmp_path_factory.mktemp("engine") / "engine")
     try:
-        engine = ServedProcess(
-            rollsafe_command(
-                "engine", "serve", "--port", "0", "--token", ENGINE_TOKEN, "--seed", "1"
-            ),
-            logs / "engine",
-        )
-        started.append(engine)
-        engine.wait_listening(ENGINE_BANNER.format(kind="dense"))
-        envs: dict[str, ServedProcess] = {}
-        for name in INSTANCES:
-            args = ["env", "serve", "workplace", "--port", "0", "--token", ENV_TOKEN]
-            args += ["--engine-url", engine.url, "--engine-token", ENGINE_TOKEN]
-            args += ["--instance", name, "--lease-grace-s", "1"]
-            envs[name] = ServedProcess(rollsafe_command(*args), logs / name)
-            started.append(envs[name])
-        for name, server in envs.items():  # started together, awaited in turn
-            server.wait_listening(ENV_BANNER.format(name="workplace", instance=name))
-        yield envs
+        yield server.wait_listening(ENGINE_BANNER.format(kind="dense"))
     finally:
-        for server in reversed(started):
+        server.stop()
+
+
+def serve_envs(
+    engine: ServedProcess, logs: Path, how: dict[str, list[str]]
+) -> Iterator[dict[str, ServedProcess]]:
+    """``rollsafe env serve ...`` per instance name, started together, awaited in turn; every
+    process stopped by its pid at the end, also when one of them never came up."""
+    started: dict[str, ServedProcess] = {}
+    try:
+        for instance, serve_args in how.items():
+            args = ["env", "serve", *serve_args, "--port", "0", "--token", ENV_TOKEN]
+            args += ["--engine-url", engine.url, "--engine-token", ENGINE_TOKEN]
+            args += ["--instance", instance, "--lease-grace-s", "1"]
+            started[instance] = ServedProcess(rollsafe_command(*args), logs / instance)
+        for instance, server in started.items():
+            server.wait_listening(ENV_BANNER.format(name=r"\S+", instance=instance))
+        yield started
+    finally:
+        for server in reversed(started.values()):
             server.stop()
+
+
+@pytest.fixture(scope="module")
+def servers(
+    engine: ServedProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, ServedProcess]]:
+    """Three workplace instances."""
+    logs = tmp_path_factory.mktemp("conformance")
+    yield from serve_envs(engine, logs, {name: ["workplace"] for name in INSTANCES})
 
 
 def failures(report: ConformanceReport) -> str:
@@ -60,11 +79,16 @@ def failures(report: ConformanceReport) -> str:
     )
 
 
-async def test_every_check_passes_on_three_instances(servers: dict[str, ServedProcess]) -> None:
+async def test_every_check_passes_on_three_instances(
+    servers: dict[str, ServedProcess], engine: ServedProcess
+) -> None:
     lines: list[str] = []
+    with_engine = {"engine_url": engine.url, "engine_token": ENGINE_TOKEN}
     reports = await asyncio.gather(
         *(
-            run_conformance(s.url, ENV_TOKEN, task=TASK, lease_wait_s=5, progress=lines.append)
+            run_conformance(
+                s.url, ENV_TOKEN, task=TASK, lease_wait_s=5, progress=lines.append, **with_engine
+            )
             for s in servers.values()
         )
     )
@@ -97,12 +121,10 @@ async def test_a_lying_status_fails_the_checks_that_read_it(
     assert (await run_conformance(url, ENV_TOKEN, lease_wait_s=0)).passed
 
 
-def test_env_check_exits_0_on_a_conformant_instance(servers: dict[str, ServedProcess]) -> None:
-    url, task = servers[INSTANCES[0]].url, {"seed": 1, "turns": 6}
-    command = rollsafe_command("env-check", url, "--token", ENV_TOKEN, "--task", json.dumps(task))
-    done = subprocess.run(
-        [*command, "--lease-wait-s", "5"], capture_output=True, text=True, timeout=120
-    )
+def test_env_check_exits_0_on_a_conformant_instance(
+    servers: dict[str, ServedProcess], engine: ServedProcess
+) -> None:
+    done = env_check(servers[INSTANCES[0]].url, {"seed": 1, "turns": 6}, engine)
     assert done.returncode == 0, done.stdout + done.stderr
     for fn in CHECKS:
         assert f"PASS {fn.__name__} (" in done.stdout, done.stdout
@@ -121,3 +143,77 @@ def test_env_check_with_a_wrong_token_exits_2_naming_it(servers: dict[str, Serve
     )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "refused the token (401)" in done.stderr and done.stdout == ""
+
+
+# ---- an environment of one's own, from the docs -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lakes(
+    engine: ServedProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, ServedProcess]]:
+    """The FrozenLake example and its lossy twin, served with --hooks."""
+    how = {
+        "lake": ["--hooks", "reference.envs.frozen_lake:FrozenLake"],
+        "lossy-lake": ["--hooks", "reference.envs.lossy:LossyFrozenLake"],
+        "regen-lake": ["--hooks", "reference.envs.lossy:RegeneratingFrozenLake"],
+    }
+    yield from serve_envs(engine, tmp_path_factory.mktemp("lakes"), how)
+
+
+def env_check(
+    url: str, task: dict[str, object], engine: ServedProcess
+) -> subprocess.CompletedProcess[str]:
+    command = rollsafe_command("env-check", url, "--task", json.dumps(task), "--lease-wait-s", "5")
+    command += ["--engine-url", engine.url]
+    env = {**os.environ, "ROLLSAFE_ENV_TOKEN": ENV_TOKEN, "ROLLSAFE_ENGINE_TOKEN": ENGINE_TOKEN}
+    return subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+
+
+TASK_8 = {"map": "4x4", "turns": 8}
+
+
+def failed_checks(done: subprocess.CompletedProcess[str]) -> dict[str, str]:
+    lines = [line.split(" ", 2) for line in done.stdout.splitlines() if line.startswith("FAIL ")]
+    return {name: detail for _, name, detail in lines}
+
+
+def test_the_docs_example_environment_passes_env_check(
+    lakes: dict[str, ServedProcess], engine: ServedProcess
+) -> None:
+    done = env_check(lakes["lake"].url, TASK_8, engine)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for fn in CHECKS:
+        assert f"PASS {fn.__name__} (" in done.stdout, done.stdout
+    assert "each continued its record to the uninterrupted end" in done.stdout
+    assert "/t" in done.stdout.split("PASS cut_resume", 1)[1].split("\n")[0]  # a call, resumed
+
+
+def test_a_lossy_environment_fails_env_check(
+    lakes: dict[str, ServedProcess], engine: ServedProcess
+) -> None:
+    done = env_check(lakes["lossy-lake"].url, TASK_8, engine)
+    assert done.returncode == 1, done.stdout + done.stderr
+    failed = failed_checks(done)
+    assert "restore" in failed and set(failed) <= {"restore", "cut_resume"}, done.stdout
+    assert "continued from turn 0, but it was parked at turn" in failed["restore"]
+
+
+def test_an_environment_that_regenerates_a_cut_call_fails_env_check(
+    lakes: dict[str, ServedProcess], engine: ServedProcess
+) -> None:
+    done = env_check(lakes["regen-lake"].url, TASK_8, engine)
+    assert done.returncode == 1, done.stdout + done.stderr
+    failed = failed_checks(done)
+    assert list(failed) == ["cut_resume"], done.stdout
+    assert "generated the cut call again" in failed["cut_resume"]
+
+
+def test_a_task_too_short_to_park_mid_way_is_refused_up_front(
+    lakes: dict[str, ServedProcess], engine: ServedProcess
+) -> None:
+    done = env_check(lakes["lake"].url, {"map": "4x4", "turns": 1}, engine)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "ran 1 turn(s); env-check needs one of at least 3" in done.stderr
+    bad = env_check(lakes["lake"].url, {"map": "9x9"}, engine)
+    assert bad.returncode == 2 and "bad frozen_lake Task" in bad.stderr, bad.stderr

@@ -61,11 +61,6 @@ class Gated(EnvironmentHooks):
     def export_episode(self, episode: EpisodeRef) -> dict[str, Any]:
         return {"turn": self.turns[episode.key]}
 
-    def restore_episode(
-        self, episode: EpisodeRef, record: dict[str, Any], prefixes: dict[str, Any]
-    ) -> None:
-        pass
-
     def drop_episode(self, episode: EpisodeRef) -> None:
         self.turns.pop(episode.key, None)
 
@@ -132,7 +127,8 @@ async def test_full_checkpoint_over_http(tmp_path: Path) -> None:
         assert done.status_code == 200, done.text
         manifest = wire.CommitReply.model_validate_json(done.content).participants[0]
         line = json.loads((tmp_path / manifest.file).read_text())
-        assert line == {"episode": A.model_dump(), "state": {"turn": 1}}
+        parked = {"turn": 1, "activity": "boundary", "model_call_id": None}
+        assert line == {"episode": A.model_dump(), "state": {"turn": 1}, "parked": parked}
         assert (await status(http))["phase"] == "committed" and not run.done()
 
         resume = wire.ResumeRequest(checkpoint_id="ck1")

@@ -28,6 +28,7 @@ from rollsafe.engine.http import EngineClient
 from rollsafe.engine.model import ModelConfig
 from rollsafe.engine.protocol import (
     CUT_BATCH,
+    Completion,
     CutReport,
     EngineInfo,
     GenerateRequest,
@@ -36,6 +37,7 @@ from rollsafe.engine.protocol import (
     TokenEvent,
 )
 from rollsafe.engine.torch_engine import TorchEngine
+from rollsafe.env.participant import Participant
 from rollsafe.env.protocol import (
     EPISODES_RUN,
     PREFIX,
@@ -49,7 +51,8 @@ from rollsafe.env.protocol import (
     RunEpisode,
     StatusReply,
 )
-from rollsafe.errors import InvalidInput
+from rollsafe.env.session import complete_call, take_prefix, turn_request
+from rollsafe.errors import EngineUnavailable, InvalidInput
 from rollsafe.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
 
 ROLLOUT = "wp-7_g0"
@@ -63,7 +66,8 @@ class _Stop(Exception):
 
 
 class Session:
-    """A scripted EpisodeSession: exports the episode at boundary ``park_at`` and stops."""
+    """A scripted EpisodeSession: exports the episode at boundary ``park_at`` and stops. Its
+    model calls are the toolkit's own (``turn_request``, ``complete_call``)."""
 
     def __init__(
         self,
@@ -71,11 +75,27 @@ class Session:
         episode: EpisodeRef,
         restored: dict[str, Any] | None = None,
         park_at: int | None = None,
+        prefixes: dict[str, PrefixRecord] | None = None,
     ) -> None:
         self.env, self.episode, self.restored, self.park_at = env, episode, restored, park_at
+        self.prefixes = dict(prefixes or {})
+        self._unused = dict(self.prefixes)
+        self.resumed: dict[str, int] = {}
         self.boundaries: list[int] = []
         self.calls: list[str] = []
         self.exported: dict[str, Any] | None = None
+
+    def request(self, turn: int, prompt_tokens: Sequence[int], **sampling: Any) -> GenerateRequest:
+        return turn_request(self.episode, turn, prompt_tokens, **sampling)
+
+    async def complete(self, engine: Any, request: GenerateRequest) -> Completion:
+        prefix = take_prefix(request, self._unused)
+        if prefix is not None:
+            self.resumed[prefix.call_id] = len(prefix.tokens)
+        return await complete_call(engine, request, prefix, self.generating)
+
+    def resumed_tokens(self, completion: Completion) -> int:
+        return self.resumed.get(completion.call_id, 0)
 
     async def boundary(self, turn: int) -> None:
         self.boundaries.append(turn)
@@ -188,11 +208,11 @@ async def test_cut_call_resumes_from_its_prefix_without_regenerating(
     assert len(prefix.tokens) >= CUT_AT
 
     second = WorkplaceEnv(engine)  # another instance: only the record and the prefix travel
-    second.restore_episode(ref(), record, {cut_call: prefix.model_dump(mode="json")})
-    session = Session(second, ref(1), restored=record)
+    second.restore_episode(ref(), record)
+    session = Session(second, ref(1), restored=record, prefixes={cut_call: prefix})
     result = await second.run_episode(RunEpisode(episode=ref(1), task=TASK), session)
 
-    assert result.restored and engine.resumed == [cut_call]
+    assert engine.resumed == [cut_call]
     assert engine.generated.count(cut_call) == 1  # the original call only
     assert session.calls == [cut_call, f"{ROLLOUT}-a1/t3"]
     assert result.info["history"][CUT_TURN]["resumed_from"] == len(prefix.tokens)
@@ -206,7 +226,7 @@ async def test_restore_at_a_boundary_and_without_a_prefix(torch_engine: TorchEng
     with pytest.raises(_Stop):
         await env.run_episode(RunEpisode(episode=ref(), task=TASK), parked)
     assert parked.exported is not None and parked.exported["in_flight"] is None
-    env.restore_episode(ref(), parked.exported, {})
+    env.restore_episode(ref(), parked.exported)
     session = Session(env, ref(1), restored=parked.exported)
     result = await env.run_episode(RunEpisode(episode=ref(1), task=TASK), session)
     assert session.boundaries == [CUT_TURN, 3, 4]
@@ -215,7 +235,7 @@ async def test_restore_at_a_boundary_and_without_a_prefix(torch_engine: TorchEng
     # In flight, no prefix (the cut refused it): generated again under this attempt's id.
     _, record = await park_mid_call(torch_engine, CUT_TURN)
     again = WorkplaceEnv(torch_engine)
-    again.restore_episode(ref(), record, {})
+    again.restore_episode(ref(), record)
     session = Session(again, ref(1), restored=record)
     result = await again.run_episode(RunEpisode(episode=ref(1), task=TASK), session)
     assert session.calls[0] == f"{ROLLOUT}-a1/t{CUT_TURN}"
@@ -223,23 +243,75 @@ async def test_restore_at_a_boundary_and_without_a_prefix(torch_engine: TorchEng
     same_play(result, whole)
 
 
-async def test_restore_refuses_bad_records_and_prefixes(torch_engine: TorchEngine) -> None:
-    engine, record = await park_mid_call(torch_engine, 1)
-    env = WorkplaceEnv(engine)
-    assert engine.cut_report is not None
-    prefix = engine.cut_report.prefixes[0].model_dump(mode="json")
-    call = record["in_flight"]["call_id"]
-    bad_cases: list[tuple[EpisodeRef, dict[str, Any], dict[str, Any], str]] = [
-        (ref(), {**record, "turn": 3}, {}, "bad workplace record"),
-        (ref(), {**record, "colour": 1}, {}, "bad workplace record"),
-        (ref(1), record, {}, "not"),
-        (ref(), record, {call: {**prefix, "tokens": [1, 2]}}, "prefix for"),
-        (ref(), record, {call: {**prefix, "digest": "0" * 64}}, "digest"),
+async def test_restore_refuses_bad_records(torch_engine: TorchEngine) -> None:
+    """(A staged prefix that does not verify is refused by the toolkit itself, before the
+    environment sees the record: tests/unit/test_env_participant.py.)"""
+    _, record = await park_mid_call(torch_engine, 1)
+    env = WorkplaceEnv(torch_engine)
+    bad_cases: list[tuple[EpisodeRef, dict[str, Any], str]] = [
+        (ref(), {**record, "turn": 3}, "bad workplace record"),
+        (ref(), {**record, "colour": 1}, "bad workplace record"),
+        (ref(1), record, "not"),
     ]
-    for episode, bad, prefixes, match in bad_cases:
+    for episode, bad, match in bad_cases:
         with pytest.raises(InvalidInput, match=match):
-            env.restore_episode(episode, bad, prefixes)
+            env.restore_episode(episode, bad)
     env.drop_episode(ref(1))  # nothing held: a no-op
+
+
+class SwitchedEngine(CuttingEngine):
+    """The engine behind a switch: while off, every call fails as an engine that is down;
+    ``hold_call``'s stream waits (generating) until the test cancels the episode."""
+
+    def __init__(self, inner: TorchEngine, hold_call: str) -> None:
+        super().__init__(inner)
+        self.on, self.hold_call = True, hold_call
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamEvent]:
+        if not self.on:
+            raise EngineUnavailable("engine is down")
+        if request.call_id == self.hold_call:
+            self.parked.set()
+            await asyncio.Event().wait()
+        async for event in super().generate(request):
+            yield event
+
+
+async def test_a_restored_attempt_retried_after_a_503_continues_its_record(
+    torch_engine: TorchEngine, tmp_path: Path
+) -> None:
+    """The issue's reproduction, on the toolkit: park at turn 2, commit, restore on another
+    instance, run attempt n + 1 while the engine is down (503), bring it up, retry. The
+    retry continues the record: turns 0-1 are the record's, never applied again."""
+    engine = SwitchedEngine(torch_engine, hold_call=f"{ROLLOUT}/t{CUT_TURN}")
+    first = Participant("wp-a", WorkplaceEnv(engine))
+    run = asyncio.ensure_future(first.run(RunEpisode(episode=ref(), task=TASK)))
+    await asyncio.wait_for(engine.parked.wait(), 10)
+    (parked,) = (await first.prepare(PrepareRequest(checkpoint_id="ck", deadline_ts=soon()))).parked
+    assert (parked.turn, parked.activity) == (CUT_TURN, "generating")
+    dest = tmp_path / "ck"
+    await first.commit(CommitRequest(checkpoint_id="ck", scope=(ref(),), dest=str(dest)))
+    run.cancel()  # the instance is lost
+    await asyncio.gather(run, return_exceptions=True)
+
+    second = Participant("wp-b", WorkplaceEnv(engine))
+    source = {"source_checkpoint_id": "ck", "root": str(dest), "scope": (ref(),)}
+    await second.restore(RestoreRequest(restore_id="r", deadline_ts=soon(), **source))
+    await second.resume(ResumeRequest(checkpoint_id="r"))
+    engine.on = False
+    with pytest.raises(EngineUnavailable):
+        await second.run(RunEpisode(episode=ref(1), task=TASK))
+    engine.on, engine.hold_call = True, ""
+    result = await second.run(RunEpisode(episode=ref(1), task=TASK))
+
+    assert result.restored and result.restored_at_turn == CUT_TURN + 1
+    calls = [m["call_id"] for m in result.info["mutations"]]
+    assert calls == [f"{ROLLOUT}/t0", f"{ROLLOUT}/t1", f"{ROLLOUT}-a1/t2", f"{ROLLOUT}-a1/t3"]
+    same_play(result, await uninterrupted(torch_engine))
+
+
+def soon(seconds: float = 30.0) -> float:
+    return time.time() + seconds
 
 
 # -- over HTTP: real server processes -----------------------------------------------------------

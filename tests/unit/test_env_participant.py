@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 
+from rollsafe import faults
+from rollsafe.engine.protocol import SamplingParams, prompt_digest, seal_prefix
 from rollsafe.env.hooks import EnvironmentHooks, EpisodeSession
-from rollsafe.env.participant import Participant, Refused
+from rollsafe.env.participant import RESTORE_READING, Participant, Refused
 from rollsafe.env.protocol import (
     CommitRequest,
     EpisodeRef,
@@ -26,7 +28,7 @@ from rollsafe.env.protocol import (
     RetireRequest,
     RunEpisode,
 )
-from rollsafe.errors import InvalidInput, SnapshotCorrupt
+from rollsafe.errors import EngineUnavailable, InvalidInput, SnapshotCorrupt
 
 A, B, C = (EpisodeRef(rollout_id=f"run-{i}_g0", attempt=0) for i in range(3))
 TURNS = 3
@@ -42,6 +44,7 @@ class Toy(EnvironmentHooks):
         self.exports: list[str] = []
         self.drops: list[str] = []
         self.sessions: dict[str, EpisodeSession] = {}
+        self.fail_first: set[str] = set()  # these episodes' next run fails (engine down)
 
     def hold(self, ep: EpisodeRef, where: str) -> None:
         """The episode's next pass through ``where`` waits for :meth:`release`."""
@@ -59,6 +62,9 @@ class Toy(EnvironmentHooks):
     async def run_episode(self, run: RunEpisode, session: EpisodeSession) -> EpisodeResult:
         key = run.episode.key
         self.sessions[key] = session
+        if key in self.fail_first:
+            self.fail_first.discard(key)
+            raise EngineUnavailable("the engine is down")
         start = dict(session.restored) if session.restored is not None else {"turn": 0}
         state = self.state.setdefault(key, start)
         while state["turn"] < run.task.get("turns", TURNS):
@@ -78,9 +84,7 @@ class Toy(EnvironmentHooks):
         self.exports.append(episode.key)
         return dict(self.state[episode.key])
 
-    def restore_episode(
-        self, episode: EpisodeRef, record: dict[str, Any], prefixes: dict[str, Any]
-    ) -> None:
+    def restore_episode(self, episode: EpisodeRef, record: dict[str, Any]) -> None:
         if record.get("bad"):
             raise ValueError("a bad record")
         self.installed[episode.next_attempt().key] = record
@@ -415,3 +419,137 @@ async def test_a_deadline_already_past_is_refused_and_opens_nothing(part: Partic
         await part.prepare(PrepareRequest(checkpoint_id="ck1", deadline_ts=time.time() - 1))
     assert part.status().phase == "idle"
     assert (await part.prepare(prep("ck1"))).ready  # the id was not spent
+
+
+# ---- restored attempts: kept until a run succeeds; prefixes; the restore's read window -------
+
+
+async def test_a_restored_record_survives_failed_runs(toy: Toy, tmp_path: Path) -> None:
+    """The engine is down when attempt n + 1 first runs (a 503, which the caller retries): the
+    retry continues the record, never the task (effects twice)."""
+    part = Participant("toy-0", toy, lease_grace_s=5.0, tool_wait_s=0.1)
+    root = await _committed(tmp_path)
+    await part.restore(_restore(root, (A,)))
+    await part.resume(ResumeRequest(checkpoint_id="r1"))
+    nxt = A.next_attempt()
+    toy.fail_first.add(nxt.key)
+    with pytest.raises(EngineUnavailable):
+        await part.run(RunEpisode(episode=nxt))
+    result = await part.run(RunEpisode(episode=nxt))
+    assert result.restored and result.restored_at_turn == 1 and result.turns == TURNS
+    assert toy.sessions[nxt.key].restored == {"turn": 1}
+
+
+async def test_retiring_a_restored_attempt_drops_its_record(toy: Toy, tmp_path: Path) -> None:
+    part = Participant("toy-0", toy, lease_grace_s=5.0, tool_wait_s=0.1)
+    root = await _committed(tmp_path)
+    await part.restore(_restore(root, (A,)))
+    await part.resume(ResumeRequest(checkpoint_id="r1"))
+    nxt = A.next_attempt()
+    toy.fail_first.add(nxt.key)
+    with pytest.raises(EngineUnavailable):
+        await part.run(RunEpisode(episode=nxt))
+    await part.retire(RetireRequest(rollouts=(nxt,)))
+    await part.forget(ForgetRequest(rollouts=(nxt,)))
+    result = await part.run(RunEpisode(episode=nxt))
+    assert not result.restored and result.restored_at_turn is None
+
+
+async def test_the_lease_watcher_runs_without_start(toy: Toy) -> None:
+    """Routes mounted on an app of one's own, and nobody called start(): a lapsed lease must
+    still let parked episodes go."""
+    part = Participant("toy-0", toy, lease_grace_s=0.05, tool_wait_s=0.1)
+    run = await park(part, toy, A)
+    prepare = asyncio.ensure_future(part.prepare(prep("ck1", 0.05)))
+    toy.release(A)
+    assert (await prepare).ready
+    result = await asyncio.wait_for(asyncio.shield(run), 5.0)  # only the watcher can free A
+    assert result.turns == TURNS and part.status().phase == "idle"
+    await part.aclose()
+
+
+async def test_a_run_arriving_while_restore_reads_its_records_is_refused(
+    toy: Toy, tmp_path: Path
+) -> None:
+    part = Participant("toy-0", toy, lease_grace_s=5.0, tool_wait_s=0.1)
+    root = await _committed(tmp_path)
+    nxt = A.next_attempt()
+    faults.arm(RESTORE_READING, "hold")
+    try:
+        restoring = asyncio.ensure_future(part.restore(_restore(root, (A,))))
+        assert await asyncio.to_thread(faults.wait_reached, RESTORE_READING, 5.0)
+        await refused("checkpoint_parked", part.run(RunEpisode(episode=nxt)))
+        faults.release(RESTORE_READING)
+        assert (await restoring).restored == (nxt,)
+    finally:
+        faults.disarm_all()
+    await part.resume(ResumeRequest(checkpoint_id="r1"))
+    result = await part.run(RunEpisode(episode=nxt))
+    assert result.restored and result.restored_at_turn == 1
+
+
+async def test_a_failed_restore_read_leaves_the_instance_idle(toy: Toy, tmp_path: Path) -> None:
+    part = Participant("toy-0", toy, lease_grace_s=5.0, tool_wait_s=0.1)
+    with pytest.raises(SnapshotCorrupt):
+        await part.restore(_restore(tmp_path / "nothing-here", (A,)))
+    assert part.status().phase == "idle"
+    assert (await part.run(RunEpisode(episode=A.next_attempt()))).turns == TURNS
+
+
+def _prefix_of(call: str, **changes: Any) -> dict[str, Any]:
+    prefix = seal_prefix(
+        call_id=call,
+        model="0" * 64,
+        prompt_digest=prompt_digest([1, 2, 3]),
+        sampling=SamplingParams(seed=7, max_tokens=4),
+        tokens=(5,),
+        logprobs=(-0.5,),
+        weight_versions=(0,),
+    )
+    return {**prefix.model_dump(mode="json"), **changes}
+
+
+async def _committed_generating(tmp_path: Path) -> tuple[Path, str]:
+    """A checkpoint of A parked inside its first model call; the call's id."""
+    toy = Toy()
+    part = Participant("toy-old", toy, tool_wait_s=0.05)
+    toy.hold(A, "generating")
+    start(part, A)
+    await until(lambda: A.key in toy.sessions)
+    (parked,) = (await part.prepare(prep("ck1"))).parked
+    assert parked.activity == "generating" and parked.model_call_id is not None
+    dest = tmp_path / "ck1"
+    await part.commit(CommitRequest(checkpoint_id="ck1", scope=(A,), dest=str(dest)))
+    await part.resume(ResumeRequest(checkpoint_id="ck1"))
+    toy.release(A)
+    return dest, parked.model_call_id
+
+
+async def test_the_cut_calls_prefix_reaches_the_restored_session(toy: Toy, tmp_path: Path) -> None:
+    root, call = await _committed_generating(tmp_path)
+    part = Participant("toy-0", toy, lease_grace_s=5.0, tool_wait_s=0.1)
+    other = f"{B.key}/call-0"  # staged for another instance's episode: not this session's
+    staged = {call: _prefix_of(call), other: _prefix_of(other)}
+    request = _restore(root, (A,)).model_copy(update={"prefixes": staged})
+    await part.restore(request)
+    await part.resume(ResumeRequest(checkpoint_id="r1"))
+    await part.run(RunEpisode(episode=A.next_attempt()))
+    session = toy.sessions[A.next_attempt().key]
+    assert list(session.prefixes) == [call]
+    assert session.prefixes[call].tokens == (5,)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [({"digest": "0" * 64}, "digest"), ({"tokens": []}, "tokens"), ({"call_id": "x"}, "call_id")],
+)
+async def test_a_staged_prefix_that_does_not_verify_refuses_the_restore(
+    toy: Toy, tmp_path: Path, change: dict[str, Any], match: str
+) -> None:
+    root, call = await _committed_generating(tmp_path)
+    part = Participant("toy-0", toy, lease_grace_s=5.0, tool_wait_s=0.1)
+    staged = {call: _prefix_of(call, **change)}
+    request = _restore(root, (A,)).model_copy(update={"prefixes": staged})
+    with pytest.raises(SnapshotCorrupt, match=f"staged prefix of call {call}.*{match}"):
+        await part.restore(request)
+    assert part.status().phase == "idle" and toy.installed == {}

@@ -118,3 +118,43 @@ def test_invariant_action_raises_an_error_that_is_not_retried():
         fault_point("phase.open.before")
     assert isinstance(caught.value, InvariantError) and not caught.value.transient
     fault_point("phase.open.before")  # fired once, then disarmed
+
+
+def test_hold_blocks_until_released_and_says_when_reached():
+    import threading
+
+    arm("phase.open.before", "hold")
+    passed = threading.Event()
+
+    def caller() -> None:
+        fault_point("phase.open.before")
+        passed.set()
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    assert faults.wait_reached("phase.open.before", 5)
+    assert not passed.is_set()  # held there
+    faults.release("phase.open.before")
+    assert passed.wait(5)
+    thread.join(5)
+    fault_point("phase.open.before")  # released for good: a later caller goes through
+
+
+def test_disarm_all_lets_held_threads_go():
+    import threading
+
+    arm("phase.open.before", "hold")
+    thread = threading.Thread(target=fault_point, args=("phase.open.before",))
+    thread.start()
+    assert faults.wait_reached("phase.open.before", 5)
+    disarm_all()
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_hold_is_for_in_process_tests_only(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "phase.open.before:hold")
+    with pytest.raises(InvalidInput, match="in-process tests"):
+        fault_point("phase.open.before")
+    with pytest.raises(InvalidInput, match="not armed with hold"):
+        faults.release("phase.capture.before")

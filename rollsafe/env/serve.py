@@ -1,0 +1,115 @@
+"""Serve an environment's hooks as a checkpoint participant over HTTP, until SIGINT/SIGTERM.
+
+From the command line, with hooks of your own::
+
+    ROLLSAFE_ENV_TOKEN=T ROLLSAFE_ENGINE_TOKEN=E rollsafe env serve \\
+        --hooks my_env:make_env --port 8400 --engine-url http://127.0.0.1:8300
+
+``make_env`` (a class or a function) is called with a :class:`ServeContext` and returns an
+:class:`~rollsafe.env.hooks.EnvironmentHooks`. From your own code: ``await serve(hooks,
+host=..., port=..., token=...)``. Either way the lease watcher runs, and one line is printed
+once the server listens: ``rollsafe env serving <name> <instance> on http://host:port``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+from rollsafe.engine.protocol import Engine
+from rollsafe.env.hooks import EnvironmentHooks
+from rollsafe.errors import InvalidInput
+from rollsafe.served import listening_url, server_config
+
+Asgi = Callable[..., Any]  # an ASGI application
+
+
+@dataclass(frozen=True)
+class ServeContext:
+    """What a hooks factory (``--hooks module:factory``) is given."""
+
+    engine: Engine | None  # the policy engine at --engine-url; None without one
+
+
+HooksFactory = Callable[[ServeContext], EnvironmentHooks]
+
+
+def default_instance(name: str) -> str:
+    return f"{name}-{os.getpid()}"
+
+
+def load_hooks_factory(spec: str) -> HooksFactory:
+    """``package.module:attribute``, imported from the current directory first (as ``uvicorn
+    module:app`` does: your ``my_env.py`` beside you needs no install), then from the installed
+    packages; refused with the reason when it cannot be."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise InvalidInput(f"--hooks {spec!r}: expected package.module:factory")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise InvalidInput(f"--hooks {spec!r}: cannot import {module_name!r}: {exc}") from None
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise InvalidInput(f"--hooks {spec!r}: {module_name} has no callable {attribute!r}")
+    return factory  # type: ignore[no-any-return]  # checked to be callable; its result below
+
+
+def make_hooks(factory: HooksFactory, context: ServeContext) -> EnvironmentHooks:
+    hooks = factory(context)
+    if not isinstance(hooks, EnvironmentHooks):
+        raise InvalidInput(
+            f"the hooks factory returned {type(hooks).__name__}, not an EnvironmentHooks"
+        )
+    return hooks
+
+
+class _Server(uvicorn.Server):
+    """Prints the listening line once listening."""
+
+    def __init__(self, config: uvicorn.Config, name: str, instance: str) -> None:
+        super().__init__(config)
+        self.name, self.instance = name, instance
+
+    async def startup(self, sockets: list[Any] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            url = listening_url(self)
+            print(f"rollsafe env serving {self.name} {self.instance} on {url}", flush=True)
+
+
+async def serve(
+    hooks: EnvironmentHooks,
+    *,
+    host: str,
+    port: int,
+    token: str,
+    instance: str | None = None,
+    lease_grace_s: float = 30.0,
+    tool_wait_s: float = 5.0,
+    wrap: Callable[[Asgi], Asgi] | None = None,
+) -> None:
+    """Serve ``hooks`` on ``host:port`` (0: any free port, named in the printed line) behind
+    bearer ``token`` until SIGINT/SIGTERM. ``wrap``: ASGI middleware around the app (the
+    reference environment's fault switches, for tests)."""
+    # Imported here: the hooks' module may be imported without serving them.
+    from rollsafe.env.participant import Participant
+    from rollsafe.env.router import participant_app
+
+    if not token:
+        raise InvalidInput("an environment server needs a non-empty token")
+    name = instance or default_instance(hooks.name)
+    participant = Participant(name, hooks, lease_grace_s=lease_grace_s, tool_wait_s=tool_wait_s)
+    app: Asgi = participant_app(participant, token)
+    if wrap is not None:
+        app = wrap(app)
+    # lifespan on: the app's lifespan runs the participant's lease watcher from the start.
+    await _Server(server_config(app, host, port, lifespan="on"), hooks.name, name).serve()
