@@ -8,10 +8,18 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
+from rollsafe.env.serve import (
+    HooksFactory,
+    ServeContext,
+    load_hooks_factory,
+    make_hooks,
+    serve,
+)
 from rollsafe.errors import InvalidInput, RollsafeError
 
 if TYPE_CHECKING:
     from reference.envs.workplace.faults import FaultSwitches
+    from rollsafe.env.hooks import EnvironmentHooks
 
 ENVIRONMENTS = ("workplace",)
 
@@ -97,20 +105,8 @@ def register_env_commands(app: typer.Typer, fail: Callable[[Exception, int], NoR
                 "lease_grace_s": lease_grace_s,
                 "tool_wait_s": tool_wait_s,
             }
-            if hooks is not None:
-                serving = _serve_hooks(hooks, engine_url, engine_token, switches, served)
-            else:
-                from reference.envs.workplace.serve import serve_workplace
-
-                assert engine_url is not None and engine_token is not None
-                serving = serve_workplace(
-                    engine_url=engine_url,
-                    engine_token=engine_token,
-                    faults=switches,
-                    max_tokens=max_tokens,
-                    **served,
-                )
-            asyncio.run(serving)
+            factory = _workplace(max_tokens) if hooks is None else load_hooks_factory(hooks)
+            asyncio.run(_serve_hooks(factory, engine_url, engine_token, switches, served))
         except RollsafeError as exc:
             fail(exc, 2)
 
@@ -181,19 +177,29 @@ def register_env_commands(app: typer.Typer, fail: Callable[[Exception, int], NoR
             raise typer.Exit(1)
 
 
+def _workplace(max_tokens: int) -> HooksFactory:
+    """The built-in ``workplace`` environment, as a hooks factory like any other."""
+    from reference.envs.workplace.env import WorkplaceEnv
+
+    def make(context: ServeContext) -> EnvironmentHooks:
+        assert context.engine is not None  # checked with the flags
+        return WorkplaceEnv(context.engine, max_tokens=max_tokens)
+
+    return make
+
+
 async def _serve_hooks(
-    spec: str,
+    factory: HooksFactory,
     engine_url: str | None,
     engine_token: str | None,
     switches: FaultSwitches,
     served: dict[str, Any],
 ) -> None:
-    """``rollsafe env serve --hooks``: your hooks, behind the same fault switches."""
+    """Serve the hooks ``factory`` makes (built-in or ``--hooks``), behind the fault
+    switches, with the policy engine reached over HTTP."""
     from reference.envs.workplace.faults import FaultMiddleware
     from rollsafe.engine.http import EngineClient
-    from rollsafe.env.serve import ServeContext, load_hooks_factory, make_hooks, serve
 
-    factory = load_hooks_factory(spec)
     engine = None
     if engine_url is not None and engine_token is not None:
         engine = EngineClient(engine_url, engine_token)

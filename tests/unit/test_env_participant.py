@@ -424,9 +424,9 @@ async def test_a_deadline_already_past_is_refused_and_opens_nothing(part: Partic
 # ---- restored attempts: kept until a run succeeds; prefixes; the restore's read window -------
 
 
-async def test_a_restored_record_survives_failed_runs(toy: Toy, tmp_path: Path) -> None:
-    """The engine is down when attempt n + 1 first runs (a 503, which the caller retries): the
-    retry continues the record, never the task (effects twice)."""
+async def _restored_then_failed(toy: Toy, tmp_path: Path) -> tuple[Participant, EpisodeRef]:
+    """A participant that restored A and resumed, whose first run of attempt n + 1 failed
+    (a 503)."""
     part = Participant("toy-0", toy, lease_grace_s=5.0, tool_wait_s=0.1)
     root = await _committed(tmp_path)
     await part.restore(_restore(root, (A,)))
@@ -435,20 +435,20 @@ async def test_a_restored_record_survives_failed_runs(toy: Toy, tmp_path: Path) 
     toy.fail_first.add(nxt.key)
     with pytest.raises(EngineUnavailable):
         await part.run(RunEpisode(episode=nxt))
+    return part, nxt
+
+
+async def test_a_restored_record_survives_failed_runs(toy: Toy, tmp_path: Path) -> None:
+    """The engine is down when attempt n + 1 first runs (a 503, which the caller retries): the
+    retry continues the record, never the task (effects twice)."""
+    part, nxt = await _restored_then_failed(toy, tmp_path)
     result = await part.run(RunEpisode(episode=nxt))
     assert result.restored and result.restored_at_turn == 1 and result.turns == TURNS
     assert toy.sessions[nxt.key].restored == {"turn": 1}
 
 
 async def test_retiring_a_restored_attempt_drops_its_record(toy: Toy, tmp_path: Path) -> None:
-    part = Participant("toy-0", toy, lease_grace_s=5.0, tool_wait_s=0.1)
-    root = await _committed(tmp_path)
-    await part.restore(_restore(root, (A,)))
-    await part.resume(ResumeRequest(checkpoint_id="r1"))
-    nxt = A.next_attempt()
-    toy.fail_first.add(nxt.key)
-    with pytest.raises(EngineUnavailable):
-        await part.run(RunEpisode(episode=nxt))
+    part, nxt = await _restored_then_failed(toy, tmp_path)
     await part.retire(RetireRequest(rollouts=(nxt,)))
     await part.forget(ForgetRequest(rollouts=(nxt,)))
     result = await part.run(RunEpisode(episode=nxt))
