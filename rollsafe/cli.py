@@ -9,11 +9,12 @@ from typing import Annotated, NoReturn
 
 import typer
 
+from rollsafe.cli_engine import register_engine_commands
 from rollsafe.cli_env import register_env_commands
 from rollsafe.cli_run import register_run_commands
 from rollsafe.dataplane import backend_running
 from rollsafe.doctor import register_doctor_command
-from rollsafe.errors import InvalidInput, RollsafeError, RowMismatch
+from rollsafe.errors import RollsafeError, RowMismatch
 from rollsafe.temporal.cli import server_command
 
 
@@ -119,39 +120,6 @@ def snapshots_list(
         raise typer.Exit(1)
 
 
-engine_cli = typer.Typer(no_args_is_help=True, help="Serve a generation engine over HTTP.")
-app.add_typer(engine_cli, name="engine")
-
-
-@engine_cli.command("serve")
-def engine_serve(
-    port: Annotated[
-        int, typer.Option(help="TCP port (0: any free one; the line printed names it)")
-    ],
-    token: Annotated[
-        str,
-        typer.Option(envvar="ROLLSAFE_ENGINE_TOKEN", help="bearer token clients must send"),
-    ],
-    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
-    model: Annotated[str, typer.Option(help="dense or moe")] = "dense",
-    seed: Annotated[int, typer.Option(help="weight seed: same seed, same weights")] = 0,
-) -> None:
-    """Serve the reference engine (TorchEngine) until SIGINT/SIGTERM. Prints one line,
-    `rollsafe engine serving <model> on http://host:port`, once listening."""
-    import asyncio
-
-    from rollsafe.engine.http import serve
-    from rollsafe.engine.model import ModelConfig
-    from rollsafe.engine.torch_engine import TorchEngine
-
-    if not token.strip():
-        _fail(InvalidInput("--token (or ROLLSAFE_ENGINE_TOKEN) must not be empty"), 2)
-    if model not in ("dense", "moe"):
-        _fail(InvalidInput(f"--model must be dense or moe, not {model!r}"), 2)
-    engine = TorchEngine(ModelConfig(kind=model), seed)
-    asyncio.run(serve(engine, host, port, token))
-
-
 app.command("server")(server_command)
 
 
@@ -247,6 +215,7 @@ def ls_command(
     snapshots_list(root, run)
 
 
+register_engine_commands(app, _fail)
 register_env_commands(app, _fail)
 register_run_commands(app, _fail)
 register_doctor_command(app)

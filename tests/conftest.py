@@ -128,3 +128,15 @@ def dataplane_factory(request: pytest.FixtureRequest) -> Iterator[Callable[[], D
     yield make
     for plane in made:
         plane.clear()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(request: pytest.FixtureRequest) -> dict[str, Path]:
+    """The tiny Hugging Face models vLLM serves in tests, built once and cached on disk
+    (pytest's cache directory): ``{"dense": dir, "moe": dir}``."""
+    from rollsafe.engine.vllm.models import ModelSpec, make_model
+
+    cache = request.config.cache
+    assert cache is not None
+    root = cache.mkdir("rollsafe-models")
+    return {arch: make_model(root / arch, ModelSpec(arch=arch)) for arch in ("dense", "moe")}

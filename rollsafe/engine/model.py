@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+from rollsafe.engine.protocol import Route
+
 # The experts each layer chose for one token: ``route[layer][k]``.
-Route = tuple[tuple[int, ...], ...]
 
 
 class ModelConfig(BaseModel):

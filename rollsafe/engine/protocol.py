@@ -31,6 +31,7 @@ from rollsafe.errors import InvalidInput, PrefixMismatch
 CUT_BATCH = 64
 
 FinishReason = Literal["stop", "length"]
+Route = tuple[tuple[int, ...], ...]  # the experts each layer chose for one token: [layer][k]
 RefusalReason = Literal["unknown_call", "no_tokens", "constrained_decoding"]
 
 _HEX64 = r"^[0-9a-f]{64}$"
@@ -71,7 +72,7 @@ class TokenEvent(_Model):
     token: int
     logprob: float
     weight_version: int
-    route: tuple[tuple[int, ...], ...] | None = None
+    route: Route | None = None
 
 
 class FinishEvent(_Model):
@@ -92,7 +93,7 @@ class Completion(_Model):
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     weight_versions: tuple[int, ...]
-    routes: tuple[tuple[tuple[int, ...], ...], ...] | None
+    routes: tuple[Route, ...] | None
     finish_reason: FinishReason
 
 
@@ -111,7 +112,7 @@ class PrefixRecord(_Model):
     tokens: tuple[int, ...] = Field(min_length=1)
     logprobs: tuple[float, ...]
     weight_versions: tuple[int, ...]
-    routes: tuple[tuple[tuple[int, ...], ...], ...] | None = None
+    routes: tuple[Route, ...] | None = None
     digest: str = Field(pattern=_HEX64)
 
     @model_validator(mode="after")

@@ -6,13 +6,15 @@ draw is computed from a counter: ``u[v] = hash(seed, p, v)`` for each vocabulary
 (splitmix64 finalizers, 53-bit uniforms), and the token is chosen by Gumbel-max over the
 nucleus. Nothing is carried from one position to the next, so any position can be the first.
 
-Pure numpy, no I/O: the same logits, seed and position give the same token and logprob bit for
-bit on any machine with IEEE doubles.
+No I/O: the same logits, seed and position give the same token and logprob bit for bit on any
+machine with IEEE doubles. :func:`sample` (numpy, one row) is the definition; :func:`sample_rows`
+is the same on a batch of rows in torch, for engines that sample a batch on its device.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from rollsafe.engine.protocol import SamplingParams
 
@@ -82,3 +84,67 @@ def sample(logits: np.ndarray, params: SamplingParams, position: int) -> tuple[i
     gumbel = -np.log(-np.log(uniforms(params.seed, position, scores.size)))
     token = int(np.argmax(np.where(keep, logprobs + gumbel, -np.inf)))
     return token, float(np.float32(logprobs[token]))
+
+
+# -- the same definition on a batch of rows, in torch (on the logits' device) ----------------
+# vLLM's sampler hook (rollsafe.engine.vllm.sampler) samples a whole batch at once, where the
+# logits live (a GPU, in production). Integer hashing in int64 has the same bits as the uint64
+# arithmetic above (torch has no uint64 multiply; shifts are made logical by masking), so the
+# uniforms are identical, and the float work is the same float64 steps: tests/unit/
+# test_sampling.py checks token and logprob equal to :func:`sample` row by row.
+
+
+def _as_int64(constant: np.uint64) -> int:
+    """A uint64 constant as the int64 with the same bits."""
+    value = int(constant)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return (x >> bits) & ((1 << (64 - bits)) - 1)  # logical, not torch's arithmetic shift
+
+
+def _splitmix_rows(x: torch.Tensor) -> torch.Tensor:
+    x = (x ^ _shift_right(x, 30)) * _as_int64(_MIX1)
+    x = (x ^ _shift_right(x, 27)) * _as_int64(_MIX2)
+    return x ^ _shift_right(x, 31)
+
+
+def uniforms_rows(seeds: torch.Tensor, positions: torch.Tensor, size: int) -> torch.Tensor:
+    """``[rows, size]`` float64: row ``i`` is ``uniforms(seeds[i], positions[i], size)``."""
+    golden = _as_int64(_GOLDEN)
+    key = _splitmix_rows(seeds.to(torch.int64))
+    key = _splitmix_rows(key ^ (positions.to(torch.int64) * golden + golden))
+    counters = torch.arange(1, size + 1, dtype=torch.int64, device=seeds.device) * golden
+    bits = _shift_right(_splitmix_rows(key[:, None] + counters[None, :]), 11)
+    return (bits.to(torch.float64) + 0.5) * 2.0**-53
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    *,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ps: torch.Tensor,
+    allowed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample` for each row of ``logits`` ``[rows, vocab]``: the tokens (int64) and
+    their logprobs (float32). ``allowed``: an optional ``[rows, vocab]`` mask."""
+    scores = logits.to(torch.float64)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    greedy = temperatures == 0
+    divisor = torch.where(greedy, torch.ones_like(temperatures), temperatures)
+    logprobs = torch.log_softmax(scores / divisor.to(torch.float64)[:, None], dim=-1)
+    ordered, order = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+    mass = torch.cumsum(ordered.exp(), dim=-1)
+    wanted = top_ps.to(torch.float64)[:, None].contiguous()
+    keep_count = torch.searchsorted(mass, wanted, right=False) + 1
+    ranks = torch.arange(scores.shape[-1], device=scores.device)[None, :]
+    keep = torch.zeros_like(ranks < keep_count).scatter(-1, order, ranks < keep_count)
+    keep = (keep | (top_ps >= 1.0)[:, None]) & torch.isfinite(logprobs)
+    gumbel = -torch.log(-torch.log(uniforms_rows(seeds, positions, scores.shape[-1])))
+    noisy = torch.where(keep, logprobs + gumbel, float("-inf"))
+    tokens = torch.where(greedy, scores.argmax(dim=-1), noisy.argmax(dim=-1))
+    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0].to(torch.float32)

@@ -1,0 +1,251 @@
+"""The engine protocol on real vLLM (its CPU build), in process: calls cut at random points
+resume with exactly the tokens, logprobs, finish reasons and MoE routes of the uninterrupted
+calls, alone or batched, dense and MoE, in float32. One engine per (model, dtype), shared by
+the module's tests (vLLM allows one in-process engine at a time); the models are tiny and built
+here (tests/conftest.py: ``tiny_models``).
+
+bfloat16 is served and cut like float32, but vLLM's CPU bf16 matmuls are not batch-invariant
+(measured here on vLLM alone: the same greedy tokens, logprobs up to 0.03 apart between a call
+alone and in a batch of six), so its tests check what holds by construction: the prefix is
+kept exactly and the call resumes from it. docs/generation-cuts.md, "vLLM".
+
+The HTTP server, a SIGKILLed server and a fresh process: tests/integration/test_vllm_http.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollsafe.engine.protocol import (
+    Completion,
+    GenerateRequest,
+    PrefixRecord,
+    SamplingParams,
+    completion_of,
+    seal_prefix,
+)
+from rollsafe.engine.vllm.engine import VllmEngine, model_fingerprint
+from rollsafe.errors import InvalidInput, PrefixMismatch
+from rollsafe.testing.parity import mismatches
+
+VOCAB = 1024
+COMBOS = [("dense", "float32"), ("moe", "float32"), ("moe", "bfloat16")]
+LIMIT_S = 120
+
+
+@pytest.fixture(scope="module", params=COMBOS, ids=[f"{a}-{d}" for a, d in COMBOS])
+def engine(request: pytest.FixtureRequest, tiny_models: dict[str, Path]) -> Iterator[VllmEngine]:
+    arch, dtype = request.param
+    engine = VllmEngine(tiny_models[arch], dtype=dtype, max_model_len=256)
+    try:
+        yield engine
+    finally:
+        asyncio.run(engine.close())
+
+
+def requests(n: int, *, seed: int, tag: str = "c") -> list[GenerateRequest]:
+    rng = random.Random(seed)
+    return [
+        GenerateRequest(
+            call_id=f"{tag}-{i}",
+            prompt_tokens=tuple(rng.randrange(VOCAB) for _ in range(rng.randint(2, 40))),
+            sampling=SamplingParams(
+                seed=1000 + i,
+                temperature=rng.choice([0.0, 0.7, 1.0, 1.3]),
+                top_p=rng.choice([1.0, 0.9, 0.5]),
+                max_tokens=rng.randint(24, 64),
+                stop_token_ids=(0, 1),
+            ),
+        )
+        for i in range(n)
+    ]
+
+
+async def run(engine: VllmEngine, request: GenerateRequest) -> Completion:
+    return completion_of(request.call_id, [e async for e in engine.generate(request)])
+
+
+async def resume(engine: VllmEngine, request: GenerateRequest, prefix: PrefixRecord) -> Completion:
+    events = [e async for e in engine.resume(request, prefix)]
+    return completion_of(request.call_id, events, prefix)
+
+
+async def alone(engine: VllmEngine, batch: Sequence[GenerateRequest]) -> list[Completion]:
+    return [await run(engine, r) for r in batch]
+
+
+async def cut_each_after(
+    engine: VllmEngine, request: GenerateRequest, count: int
+) -> Completion | PrefixRecord:
+    """Read ``count`` tokens, then cut this call alone (the engine may have made a few more):
+    its prefix record, or its completion if it finished first."""
+    stream: AsyncIterator = engine.generate(request)
+    events = []
+    async for event in stream:
+        events.append(event)
+        if len(events) >= count:
+            break
+    report = await engine.cut([request.call_id])
+    await stream.aclose()  # type: ignore[attr-defined]
+    if report.prefixes:
+        (prefix,) = report.prefixes
+        return PrefixRecord.model_validate_json(prefix.model_dump_json())  # as staged
+    assert [r.reason for r in report.refused] == ["unknown_call"], report.refused
+    return completion_of(request.call_id, [e async for e in engine.generate(request)])
+
+
+def exact(engine: VllmEngine) -> bool:
+    return engine.fingerprint == model_fingerprint(engine.model_dir, "float32")
+
+
+async def test_calls_cut_at_random_points_resume_exactly(engine: VllmEngine) -> None:
+    if not exact(engine):
+        pytest.skip("bfloat16 on CPU is not batch-invariant: test_bf16_cuts_keep_the_prefix")
+    async with asyncio.timeout(LIMIT_S):
+        batch = requests(16, seed=1)
+        reference = await alone(engine, batch)
+        batched = await asyncio.gather(*(run(engine, r) for r in batch))
+        assert mismatches(reference, batched) == []  # batching changes nothing
+        rng = random.Random(2)
+        cuts = await asyncio.gather(*(cut_each_after(engine, r, rng.randint(1, 20)) for r in batch))
+        prefixes = {p.call_id: p for p in cuts if isinstance(p, PrefixRecord)}
+        assert len(prefixes) >= len(batch) // 2, "most calls are cut mid-way"
+        got = await asyncio.gather(
+            *(resume(engine, r, prefixes[r.call_id]) for r in batch if r.call_id in prefixes)
+        )
+        want = [c for c in reference if c.call_id in prefixes]
+        assert mismatches(want, list(got)) == []
+        info = await engine.info()
+        assert (info.active, info.frozen) == (0, 0)
+        if engine.kind == "moe":
+            assert all(c.routes is not None and len(c.routes) == len(c.tokens) for c in got)
+
+
+async def test_bf16_cuts_keep_the_prefix_and_resume_from_it(engine: VllmEngine) -> None:
+    if exact(engine):
+        pytest.skip("float32 is checked token for token above")
+    async with asyncio.timeout(LIMIT_S):
+        batch = requests(8, seed=6, tag="bf16")
+        rng = random.Random(7)
+        cuts = await asyncio.gather(*(cut_each_after(engine, r, rng.randint(1, 20)) for r in batch))
+        prefixes = {p.call_id: p for p in cuts if isinstance(p, PrefixRecord)}
+        assert prefixes
+        for request in batch:
+            if (prefix := prefixes.get(request.call_id)) is not None:
+                resumed = await resume(engine, request, prefix)
+                n = len(prefix.tokens)
+                assert resumed.tokens[:n] == prefix.tokens
+                assert resumed.routes is not None and resumed.routes[:n] == prefix.routes
+                assert len(resumed.tokens) == request.sampling.max_tokens or (
+                    resumed.finish_reason == "stop" and resumed.tokens[-1] in (0, 1)
+                )
+
+
+async def test_a_prefix_shifted_by_one_token_is_caught(engine: VllmEngine) -> None:
+    """The parity check is not blind: resuming from a prefix one token short (re-sealed, so
+    the record itself verifies) makes a different call, and the check says where."""
+    if not exact(engine):
+        pytest.skip("float32 only")
+    async with asyncio.timeout(LIMIT_S):
+        (request,) = requests(1, seed=3, tag="shift")
+        request = request.model_copy(
+            update={"sampling": request.sampling.model_copy(update={"temperature": 1.0})}
+        )
+        reference = await run(engine, request)
+        cut = await cut_each_after(engine, request, 6)
+        assert isinstance(cut, PrefixRecord)
+        fields = cut.model_dump(exclude={"digest"})
+        for name in ("tokens", "logprobs", "weight_versions", "routes"):
+            if fields[name] is not None:
+                fields[name] = fields[name][1:]
+        shifted = seal_prefix(**fields)
+        broken = await resume(engine, request, shifted)
+        assert mismatches([reference], [broken]) != []
+
+
+async def test_refusals_name_their_reason_and_leave_the_engine_serving(
+    engine: VllmEngine,
+) -> None:
+    async with asyncio.timeout(LIMIT_S):
+        (request,) = requests(1, seed=4, tag="bad")
+        constrained = request.model_copy(
+            update={
+                "call_id": "constrained",
+                "sampling": request.sampling.model_copy(
+                    update={"allowed_token_ids": (5, 6, 7), "max_tokens": 200}
+                ),
+            }
+        )
+        stream = engine.generate(constrained)
+        first = await anext(stream)
+        assert first.token in (5, 6, 7)  # type: ignore[union-attr]
+        report = await engine.cut(["constrained", "never-started"])
+        assert {r.call_id: r.reason for r in report.refused} == {
+            "constrained": "constrained_decoding",
+            "never-started": "unknown_call",
+        }
+        await stream.aclose()  # type: ignore[attr-defined]
+        for tokens, problem in (((3, VOCAB), "outside"), ((-1,), "outside")):
+            with pytest.raises(InvalidInput, match=problem):
+                await run(engine, request.model_copy(update={"prompt_tokens": tokens}))
+        too_long = request.model_copy(
+            update={"sampling": request.sampling.model_copy(update={"max_tokens": 300})}
+        )
+        with pytest.raises(InvalidInput, match="exceeds the model's 256"):
+            await run(engine, too_long)
+        cut = await cut_each_after(engine, request, 3)
+        assert isinstance(cut, PrefixRecord)
+        foreign = seal_prefix(**{**cut.model_dump(exclude={"digest"}), "model": "0" * 64})
+        with pytest.raises(PrefixMismatch, match="model"):
+            await resume(engine, request, foreign)
+        assert mismatches([await run(engine, request)], [await resume(engine, request, cut)]) == []
+
+
+async def test_new_weights_show_in_versions_and_bad_ones_are_refused(
+    engine: VllmEngine, tiny_models: dict[str, Path]
+) -> None:
+    """Cut, update the weights, resume: the tokens after the update carry the new version and
+    come from the new weights. (That they are the weights a model saved with them serves:
+    test_vllm_http.py, in a fresh process.) Last in the module: it changes the engine."""
+    arch = engine.kind
+    if not exact(engine):
+        pytest.skip("float32 only")
+    async with asyncio.timeout(LIMIT_S):
+        (request,) = requests(1, seed=5, tag="weights")
+        before = await run(engine, request)
+        cut = await cut_each_after(engine, request, 4)
+        assert isinstance(cut, PrefixRecord)
+        weights = perturbed(tiny_models[arch])
+        version = (await engine.info()).weight_version + 1
+        await engine.update_weights(weights, version)
+        after = await resume(engine, request, cut)
+        n = len(cut.tokens)
+        assert after.weight_versions == (version - 1,) * n + (version,) * (len(after.tokens) - n)
+        assert after.logprobs[n:] != before.logprobs[n:]  # the new weights really serve
+        name = next(iter(weights))
+        for bad, problem in (
+            ({name: weights[name]}, "not newer"),
+            ({"no.such.weight": torch.zeros(1)}, "not in"),
+            ({name: torch.zeros(3)}, "shape"),
+        ):
+            with pytest.raises(InvalidInput, match=problem):
+                await engine.update_weights(bad, version + (problem != "not newer"))
+        assert (await engine.info()).weight_version == version
+
+
+def perturbed(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The model's checkpoint with noise added: new weights, same names and shapes."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(model_dir / "model.safetensors"))
+    generator = torch.Generator().manual_seed(9)
+    return {
+        name: tensor + 0.05 * torch.randn(tensor.shape, generator=generator)
+        for name, tensor in weights.items()
+    }
