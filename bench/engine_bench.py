@@ -219,7 +219,7 @@ async def main() -> None:
     if args.backend == "vllm":  # its own sections: bench/engine_bench_vllm.py
         from engine_bench_vllm import main as vllm_main
 
-        vllm_main(args.model, sizes, repeats, min(args.calls, 32))
+        await vllm_main(args.model, sizes, repeats, min(args.calls, 32))
         return
     began = time.perf_counter()
     print(

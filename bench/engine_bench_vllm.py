@@ -78,7 +78,7 @@ async def measure_cut(engine: VllmEngine, n: int, repeats: int, tag: str) -> dic
     return {"n": n, "ms": ms, "us_per_call": ms * 1e3 / n, "handoffs": runs[0][1]}
 
 
-def measure_sampler(model: Path, calls: int, repeats: int) -> dict[str, float]:
+async def measure_sampler(model: Path, calls: int, repeats: int) -> dict[str, float]:
     """The sampler alone: the same LLMEngine, vLLM's sampling against rollsafe's."""
     from vllm import SamplingParams as VllmParams
     from vllm.inputs import TokensPrompt
@@ -124,7 +124,7 @@ def measure_sampler(model: Path, calls: int, repeats: int) -> dict[str, float]:
             for rollsafe in (r % 2 == 0, r % 2 == 1):
                 (ours if rollsafe else theirs).append(timed(rollsafe, r))
     finally:
-        asyncio.run(engine.close())
+        await engine.close()
     vllm_rate, ours_rate = statistics.median(theirs), statistics.median(ours)
     return {"vllm": vllm_rate, "rollsafe": ours_rate, "ratio": vllm_rate / ours_rate}
 
@@ -170,7 +170,7 @@ def _record(engine: VllmEngine, req: GenerateRequest, tokens: Any, logprobs: Any
     )
 
 
-def main(model: str | None, sizes: list[int], repeats: int, calls: int) -> None:
+async def main(model: str | None, sizes: list[int], repeats: int, calls: int) -> None:
     began = time.perf_counter()
     directory = Path(model) if model else make_model(Path(tempfile.mkdtemp()) / "dense")
     print(f"vLLM engine, model {directory}; repeats={repeats} (medians)")
@@ -183,12 +183,12 @@ def main(model: str | None, sizes: list[int], repeats: int, calls: int) -> None:
         finally:
             await engine.close()
 
-    rows, resume = asyncio.run(cuts_and_resume())
+    rows, resume = await cuts_and_resume()
     print("\n1. cut latency (every call has >= 1 token)")
     print(f"{'calls':>10}{'cut ms':>12}{'us/call':>12}{'handoffs':>10}")
     for row in rows:
         print(f"{row['n']:>10,}{row['ms']:>12.2f}{row['us_per_call']:>12.1f}{row['handoffs']:>10}")
-    sampler = measure_sampler(directory, calls, repeats)
+    sampler = await measure_sampler(directory, calls, repeats)
     print(f"\n2. decode tokens/s, {calls} calls x {DECODE_TOKENS} tokens, same engine")
     print(
         f"   vLLM's sampler {sampler['vllm']:,.0f}; rollsafe's {sampler['rollsafe']:,.0f}; "
