@@ -83,6 +83,13 @@ def register_run_commands(app: typer.Typer, fail: Callable[[Exception, int], NoR
         ] = None,
         no_faults: Annotated[bool, typer.Option("--no-faults", help="inject nothing")] = False,
         interval_s: Annotated[float, typer.Option(help="seconds between periodic snapshots")] = 3.0,
+        engine: Annotated[
+            str,
+            typer.Option(
+                help="reference (rollsafe's torch engine, the default: the demo in ~2 minutes) "
+                "or vllm (vLLM serving a tiny dense model built in --out; slower to start)"
+            ),
+        ] = "reference",
     ) -> None:
         """Run the reference RL run on every real part (Temporal, Ray, engine and environment
         servers, a checkpoint worker), inject faults, restore, and verify the evidence.
@@ -105,6 +112,7 @@ def register_run_commands(app: typer.Typer, fail: Callable[[Exception, int], NoR
                 checkpoint_every=checkpoint_every,
                 faults=tuple(Fault.parse(f) for f in chosen),
                 interval_s=interval_s,
+                engine=engine,
             )
             checks = run_demo(options, say=lambda line: typer.echo(line))
         except (RollsafeError, ValueError) as exc:

@@ -174,6 +174,17 @@ class Demo:
             max_consecutive_failures=10,
         )
 
+    def _make_model(self) -> None:
+        """--engine vllm: the tiny Hugging Face model the engine serves and the trainer
+        trains, built here (nothing can be downloaded), the run's seed its weights'."""
+        from reference.rl.policy import HfModel
+
+        model = self.settings.model
+        if isinstance(model, HfModel):
+            from rollsafe.engine.vllm.models import ModelSpec, make_model
+
+            make_model(model.path, ModelSpec(arch="dense", seed=self.settings.seed))
+
     def stop_workers(self) -> None:
         for worker in self.workers:
             worker.stop()
@@ -214,8 +225,10 @@ class Demo:
                 engine_token=self.tokens[0],
                 env_token=self.tokens[1],
                 max_tokens=DEMO_CALL_TOKENS,
+                model=self.settings.model,
             )
             stack.callback(servers.stop)
+            self._make_model()
             stack.callback(self.stop_workers)
             endpoints = servers.start()
             self.say(

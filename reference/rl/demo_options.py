@@ -8,8 +8,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from reference.rl.policy import HfModel
 from reference.rl.run import RunSettings
 from rollsafe.config import RestoreLevelName, SamplerName
+from rollsafe.engine.model import ModelConfig
 from rollsafe.errors import InvalidInput
 from rollsafe.phases import PHASES
 
@@ -18,6 +20,9 @@ INSTANCES = ("w0", "w1", "w2")
 # finds calls mid-generation to cut (prepare and drain come first, and calls go on meanwhile).
 DEMO_TURNS, DEMO_GROUP_SIZE, DEMO_CALL_TOKENS = 6, 4, 48
 DEFAULT_FAULTS = ("coordinator@capture", "run@step3", "env@prepare")
+# rollsafe demo --engine vllm: the tiny dense model it builds (engine make-model) and serves,
+# one per seed (the seed draws its weights).
+MODEL_DIR = "work/model-s{seed}"
 _FAULT = re.compile(r"(coordinator|run|env)@(\S+)")
 
 
@@ -62,6 +67,7 @@ class DemoOptions(BaseModel):
     checkpoint_every: int = Field(default=2, ge=1, description="trainer checkpoint cadence")
     faults: tuple[Fault, ...] = tuple(Fault.parse(f) for f in DEFAULT_FAULTS)
     interval_s: float = Field(default=3.0, gt=0)
+    engine: Literal["reference", "vllm"] = "reference"
 
     @field_validator("faults")
     @classmethod
@@ -97,8 +103,14 @@ class DemoOptions(BaseModel):
             group_size=DEMO_GROUP_SIZE,
             restore_level=self.restore_level,
             checkpoint_every=self.checkpoint_every,
+            model=self._model(),
             **self._pacing(),
         )
+
+    def _model(self) -> ModelConfig | HfModel:
+        if self.engine == "vllm":
+            return HfModel(path=self.out.resolve() / MODEL_DIR.format(seed=self.seed))
+        return ModelConfig()
 
     def _pacing(self) -> dict[str, object]:
         if self.deterministic:

@@ -37,6 +37,7 @@ from reference.rl.lineage import (
     set_aside_checkpoints,
     undo_evictions,
 )
+from reference.rl.policy import PolicyModel
 from reference.rl.rollouts import samples_from_row, tokens_sha256
 from reference.rl.trainer import PolicyTrainer, StepResult
 from rollsafe.config import RestoreLevelName, RunConfig, SamplerName
@@ -89,7 +90,7 @@ class RunSettings(BaseModel):
     lr: float = Field(default=0.02, gt=0)
     episode_timeout_s: float = Field(default=120.0, gt=0, description="a step's episodes")
     checkpoint_every: int = Field(default=1, ge=1, description="steps between checkpoints")
-    model: ModelConfig = ModelConfig()
+    model: PolicyModel = Field(default_factory=ModelConfig, discriminator="kind")
 
     @property
     def deterministic(self) -> bool:

@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from reference.rl.controller import Endpoints
+from reference.rl.policy import HfModel, PolicyModel
+from rollsafe.engine.model import ModelConfig
 from rollsafe.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
 
 
@@ -22,11 +24,13 @@ class RunServers:
         env_token: str,
         env_faults: Mapping[str, str] | None = None,
         max_tokens: int = 12,
+        model: PolicyModel | None = None,
     ) -> None:
         self.logs, self.instances, self.seed = logs, tuple(instances), seed
         self.engine_token, self.env_token = engine_token, env_token
         self.env_faults = dict(env_faults or {})  # instance -> --faults spec, first start only
         self.max_tokens = max_tokens  # per policy call
+        self.model = model or ModelConfig()  # the trainer's: the engine serves the same one
         self.started: list[ServedProcess] = []
         self.current: list[ServedProcess] = []
         self.generation = 0
@@ -35,8 +39,8 @@ class RunServers:
         self.generation += 1
         self.current = []
         args = ["engine", "serve", "--port", "0", "--token", self.engine_token]
-        args += ["--seed", str(self.seed), "--model", "dense"]
-        engine = self._start(args, ENGINE_BANNER.format(kind="dense"), "engine")
+        args += self._engine_args()
+        engine = self._start(args, ENGINE_BANNER.format(kind=r"\S+"), "engine")
         envs = {}
         for name in self.instances:
             args = ["env", "serve", "workplace", "--port", "0", "--token", self.env_token]
@@ -53,6 +57,11 @@ class RunServers:
             envs=envs,
             env_token=self.env_token,
         )
+
+    def _engine_args(self) -> list[str]:
+        if isinstance(self.model, HfModel):  # float32: the dtype exact resume holds in
+            return ["--backend", "vllm", "--model", str(self.model.path)]
+        return ["--seed", str(self.seed), "--model", self.model.kind]
 
     def _start(self, args: list[str], banner: str, name: str) -> ServedProcess:
         server = start_served(args, banner, self.logs / f"{name}-{self.generation}")

@@ -1,7 +1,9 @@
 """The reference run's learner: GRPO-style policy gradient on the engine's own model.
 
-The trainer holds a :class:`~rollsafe.engine.model.TinyTransformer` built from the same config
-and seed as the engine, so both start from the same policy; after each optimizer step its
+The trainer holds the engine's own model (:mod:`reference.rl.policy`): a
+:class:`~rollsafe.engine.model.TinyTransformer` built from the same config and seed as the
+reference engine, or the Hugging Face directory the vLLM engine serves, so both start from the
+same policy; after each optimizer step its
 :meth:`PolicyTrainer.weights` go to the engine with ``update_weights(weights, weight_version)``.
 
 A trainer checkpoint is a directory of three files, none of which can execute code on load::
@@ -26,8 +28,10 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from reference.rl import policy
+from reference.rl.policy import PolicyModel
 from rollsafe.dataplane.columnar import fsync_directory, prepare_empty_directory
-from rollsafe.engine.model import ModelConfig, TinyTransformer
+from rollsafe.engine.model import ModelConfig
 from rollsafe.errors import InvalidInput, SchemaMismatch, SnapshotCorrupt
 from rollsafe.tensorfile import HashingWriter, read_tensors, write_tensors
 
@@ -105,7 +109,7 @@ class TrainerCheckpointManifest(BaseModel):
     format_version: int
     step: int = Field(ge=0)
     weight_version: int = Field(ge=0)
-    model: str = Field(description="ModelConfig.fingerprint() of the trained model")
+    model: str = Field(description="fingerprint() of the trained model")
     lr: float
     betas: tuple[float, float]
     eps: float
@@ -116,10 +120,10 @@ class TrainerCheckpointManifest(BaseModel):
 class PolicyTrainer:
     """REINFORCE with the group-mean baseline (GRPO advantages), one AdamW step per batch."""
 
-    def __init__(self, config: ModelConfig, seed: int, *, lr: float = 1e-3) -> None:
+    def __init__(self, config: PolicyModel, seed: int, *, lr: float = 1e-3) -> None:
         self.config = config
         self.lr = lr
-        self.model = TinyTransformer(config, seed)
+        self.model = policy.build(config, seed)
         self.model.train()  # no dropout in the model: train and eval compute the same
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
@@ -178,7 +182,7 @@ class PolicyTrainer:
             raise InvalidInput(f"sample has a token id outside the vocabulary of {c.vocab_size}")
         if sample.routes is None:
             return
-        if c.kind != "moe":
+        if not isinstance(c, ModelConfig) or c.kind != "moe":
             raise InvalidInput("routes given for a dense model")
         for route in sample.routes:
             if len(route) != c.n_layers or any(
@@ -204,10 +208,11 @@ class PolicyTrainer:
         routes = None
         if sample.routes is not None:
             with torch.no_grad():
-                _, chosen = self.model(inputs)
+                _, chosen = policy.forward(self.config, self.model, inputs, None)
+            assert chosen is not None  # _check: routes only for a reference MoE
             routes = chosen.clone()
             routes[0, prompt - 1 :] = torch.tensor(sample.routes, dtype=routes.dtype)
-        logits, _ = self.model(inputs, routes)
+        logits, _ = policy.forward(self.config, self.model, inputs, routes)
         logprobs = F.log_softmax(logits[0, prompt - 1 :], dim=-1)
         targets = torch.tensor(sample.tokens).unsqueeze(1)
         return logprobs.gather(1, targets).squeeze(1)
@@ -254,7 +259,7 @@ class PolicyTrainer:
         return manifest
 
     @classmethod
-    def load(cls, directory: Path, config: ModelConfig, *, lr: float = 1e-3) -> PolicyTrainer:
+    def load(cls, directory: Path, config: PolicyModel, *, lr: float = 1e-3) -> PolicyTrainer:
         """The trainer saved in ``directory``, after verifying every file against the manifest.
 
         The next :meth:`train_step` gives bitwise what the saved trainer's would have."""

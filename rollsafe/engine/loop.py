@@ -137,20 +137,19 @@ class EngineLoop(Generic[CallT]):
                 yield event
 
     async def cut(self, call_ids: Sequence[str], *, batch_size: int = CUT_BATCH) -> CutReport:
-        """Freeze each call at its current token count, ``batch_size`` calls per hand-off."""
+        """Freeze each call at its current token count, ``batch_size`` calls per hand-off.
+
+        Every hand-off of the cut is queued at once, so they run back to back at the next
+        boundary between two units of work: the cut waits for one boundary, not one per batch
+        (with vLLM a boundary is a whole step: 16 waits of ~170 ms at 1,000 calls otherwise)."""
         if batch_size < 1:
             raise InvalidInput(f"batch_size must be at least 1, not {batch_size}")
         wanted = list(dict.fromkeys(call_ids))
-        prefixes: list[PrefixRecord] = []
-        refused: list[CutRefusal] = []
-        handoffs = 0
-        for start in range(0, len(wanted), batch_size):
-            batch = wanted[start : start + batch_size]
-            got, no = await self._handoff(partial(self._cut_batch, batch))
-            prefixes.extend(self._seal(state) for state in got)
-            refused.extend(no)
-            handoffs += 1
-        return CutReport(prefixes=tuple(prefixes), refused=tuple(refused), handoffs=handoffs)
+        batches = [wanted[i : i + batch_size] for i in range(0, len(wanted), batch_size)]
+        results = await self._handoffs([partial(self._cut_batch, b) for b in batches])
+        prefixes = tuple(self._seal(state) for got, _ in results for state in got)
+        refused = tuple(refusal for _, no in results for refusal in no)
+        return CutReport(prefixes=prefixes, refused=refused, handoffs=len(batches))
 
     async def release(self, call_ids: Sequence[str]) -> int:
         """Let frozen calls go on where they were frozen; how many were frozen."""
@@ -349,14 +348,22 @@ class EngineLoop(Generic[CallT]):
     # -- caller side --------------------------------------------------------------------------
 
     async def _handoff(self, command: Callable[[], T]) -> T:
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        (result,) = await self._handoffs([command])
+        return result
+
+    async def _handoffs(self, commands: Sequence[Callable[[], T]]) -> list[T]:
+        """Queue ``commands`` together (the loop runs them in order); their results."""
+        futures: list[concurrent.futures.Future[T]] = [
+            concurrent.futures.Future() for _ in commands
+        ]
         # Checked and queued under the lock close() takes: a command is either refused here
         # or queued before the loop's last drain, never left unanswered.
         with self._closing_lock:
             if self._closing:
                 raise EngineUnavailable("engine is closed")
-            self._commands.put((command, future))
-        return await asyncio.wrap_future(future)
+            for command, future in zip(commands, futures, strict=True):
+                self._commands.put((command, future))
+        return [await asyncio.wrap_future(future) for future in futures]
 
     async def _drain(self, call_id: str, sink: Sink) -> AsyncGenerator[StreamEvent, None]:
         finished = False
@@ -400,11 +407,12 @@ class EngineLoop(Generic[CallT]):
         """The commands queued now, not those queued while they run: a client sending commands
         back to back must not keep the loop from decoding (each round gets one batch)."""
         items = []
-        for _ in range(self._commands.qsize()):
-            try:
-                items.append(self._commands.get_nowait())
-            except queue.Empty:
-                break
+        with self._closing_lock:  # commands a caller queued together are taken together
+            for _ in range(self._commands.qsize()):
+                try:
+                    items.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
         return items
 
     def _run_command(self, item: Command) -> None:

@@ -1,17 +1,21 @@
-"""The reference engine as a Ray actor, and the actor seen through the engine protocol.
+"""An engine as a Ray actor, and the actor seen through the engine protocol.
 
-``EngineActor.remote(config, seed)`` runs a :class:`TorchEngine` in its own worker process (an
-async actor: many calls at once; ``generate``/``resume`` stream through Ray's generator
-support). :class:`RayEngine` wraps the handle so callers written against
-:class:`~rollsafe.engine.protocol.Engine` do not know where the engine lives.
+``EngineActor.remote(config, seed)`` runs a :class:`TorchEngine` in its own worker process,
+``vllm_engine_actor().remote(model_dir, dtype=...)`` a
+:class:`~rollsafe.engine.vllm.engine.VllmEngine` (async actors: many calls at once;
+``generate``/``resume`` stream through Ray's generator support). :class:`RayEngine` wraps
+either handle so callers written against :class:`~rollsafe.engine.protocol.Engine` know
+neither where the engine lives nor which it is. Weights travel as Ray objects (torch tensors
+of any float dtype, bf16 included).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import ray
+import torch
 
 from rollsafe.engine.protocol import (
     CUT_BATCH,
@@ -24,6 +28,15 @@ from rollsafe.engine.protocol import (
 from rollsafe.engine.torch_engine import TorchEngine
 
 EngineActor = ray.remote(TorchEngine)
+
+
+def vllm_engine_actor() -> Any:
+    """The :class:`~rollsafe.engine.vllm.engine.VllmEngine` actor class (one engine per actor
+    process, as vLLM allows one per process). A function: importing this module must not
+    need vLLM."""
+    from rollsafe.engine.vllm.engine import VllmEngine
+
+    return ray.remote(VllmEngine)
 
 
 class RayEngine:
@@ -53,3 +66,9 @@ class RayEngine:
     async def info(self) -> EngineInfo:
         info: EngineInfo = await self.handle.info.remote()
         return info
+
+    async def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        await self.handle.update_weights.remote(dict(weights), version)
+
+    async def close(self) -> None:
+        await self.handle.close.remote()

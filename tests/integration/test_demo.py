@@ -1,12 +1,15 @@
 """``rollsafe demo`` as a user runs it (a subprocess that starts Temporal, Ray, the engine,
 three environment servers and a checkpoint worker itself): the default faults, a passing
-verdict, and the same tokens as an unfaulted run with the same seed."""
+verdict, and the same tokens as an unfaulted run with the same seed, on the reference engine
+and on vLLM."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 from pathlib import Path
+
+import pytest
 
 from rollsafe.evidence import Evidence
 from rollsafe.served import rollsafe_command
@@ -44,10 +47,16 @@ def test_the_demo_with_its_default_faults_passes_verification(tmp_path: Path) ->
     assert len(evidence.handed_out) > int(STEPS) * 2
 
 
-def test_deterministic_faulted_and_unfaulted_runs_train_the_same_tokens(tmp_path: Path) -> None:
-    faulted = demo(tmp_path / "faulted", "--deterministic")
+@pytest.mark.parametrize("engine", ["reference", "vllm"])
+def test_deterministic_faulted_and_unfaulted_runs_train_the_same_tokens(
+    tmp_path: Path, engine: str
+) -> None:
+    """``--engine vllm``: vLLM serves the policy (a tiny dense model the demo builds), and the
+    run killed mid-generation resumes from cut prefixes on a fresh vLLM server."""
+    faulted = demo(tmp_path / "faulted", "--deterministic", "--engine", engine)
     assert faulted.returncode == 0, faulted.stdout[-3000:] + faulted.stderr[-3000:]
-    clean = demo(tmp_path / "clean", "--deterministic", "--no-faults")
+    assert "[restore]" in faulted.stdout
+    clean = demo(tmp_path / "clean", "--deterministic", "--no-faults", "--engine", engine)
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
     assert (tmp_path / "clean" / "faults.jsonl").read_text() == ""
 

@@ -30,17 +30,26 @@ from rollsafe.engine.protocol import (
     completion_of,
     seal_prefix,
 )
-from rollsafe.engine.vllm.engine import VllmEngine, model_fingerprint
+from rollsafe.engine.vllm.engine import VllmEngine
 from rollsafe.errors import InvalidInput, PrefixMismatch
 from rollsafe.testing.parity import mismatches
 
 VOCAB = 1024
-COMBOS = [("dense", "float32"), ("moe", "float32"), ("moe", "bfloat16")]
+EXACT = [("dense", "float32"), ("moe", "float32")]
+BF16 = [("moe", "bfloat16")]
 LIMIT_S = 120
 
 
-@pytest.fixture(scope="module", params=COMBOS, ids=[f"{a}-{d}" for a, d in COMBOS])
+def on(*combos: tuple[str, str]) -> pytest.MarkDecorator:
+    """Run the test on the engines of these (arch, dtype) combinations."""
+    ids = [f"{arch}-{dtype}" for arch, dtype in combos]
+    return pytest.mark.parametrize("engine", combos, ids=ids, indirect=True)
+
+
+@pytest.fixture(scope="module")
 def engine(request: pytest.FixtureRequest, tiny_models: dict[str, Path]) -> Iterator[VllmEngine]:
+    """One engine per combination, kept for the module's tests of it (pytest groups them, and
+    ends one engine before it starts the next)."""
     arch, dtype = request.param
     engine = VllmEngine(tiny_models[arch], dtype=dtype, max_model_len=256)
     try:
@@ -100,13 +109,8 @@ async def cut_each_after(
     return completion_of(request.call_id, [e async for e in engine.generate(request)])
 
 
-def exact(engine: VllmEngine) -> bool:
-    return engine.fingerprint == model_fingerprint(engine.model_dir, "float32")
-
-
+@on(*EXACT)
 async def test_calls_cut_at_random_points_resume_exactly(engine: VllmEngine) -> None:
-    if not exact(engine):
-        pytest.skip("bfloat16 on CPU is not batch-invariant: test_bf16_cuts_keep_the_prefix")
     async with asyncio.timeout(LIMIT_S):
         batch = requests(16, seed=1)
         reference = await alone(engine, batch)
@@ -127,9 +131,9 @@ async def test_calls_cut_at_random_points_resume_exactly(engine: VllmEngine) -> 
             assert all(c.routes is not None and len(c.routes) == len(c.tokens) for c in got)
 
 
+@on(*BF16)
 async def test_bf16_cuts_keep_the_prefix_and_resume_from_it(engine: VllmEngine) -> None:
-    if exact(engine):
-        pytest.skip("float32 is checked token for token above")
+    """bfloat16 is not batch-invariant here (module docstring): what holds by construction."""
     async with asyncio.timeout(LIMIT_S):
         batch = requests(8, seed=6, tag="bf16")
         rng = random.Random(7)
@@ -147,11 +151,10 @@ async def test_bf16_cuts_keep_the_prefix_and_resume_from_it(engine: VllmEngine) 
                 )
 
 
+@on(*EXACT)
 async def test_a_prefix_shifted_by_one_token_is_caught(engine: VllmEngine) -> None:
     """The parity check is not blind: resuming from a prefix one token short (re-sealed, so
     the record itself verifies) makes a different call, and the check says where."""
-    if not exact(engine):
-        pytest.skip("float32 only")
     async with asyncio.timeout(LIMIT_S):
         (request,) = requests(1, seed=3, tag="shift")
         request = request.model_copy(
@@ -169,6 +172,7 @@ async def test_a_prefix_shifted_by_one_token_is_caught(engine: VllmEngine) -> No
         assert mismatches([reference], [broken]) != []
 
 
+@on(*EXACT, *BF16)
 async def test_refusals_name_their_reason_and_leave_the_engine_serving(
     engine: VllmEngine,
 ) -> None:
@@ -207,6 +211,7 @@ async def test_refusals_name_their_reason_and_leave_the_engine_serving(
         assert mismatches([await run(engine, request)], [await resume(engine, request, cut)]) == []
 
 
+@on(*EXACT)
 async def test_new_weights_show_in_versions_and_bad_ones_are_refused(
     engine: VllmEngine, tiny_models: dict[str, Path]
 ) -> None:
@@ -214,8 +219,6 @@ async def test_new_weights_show_in_versions_and_bad_ones_are_refused(
     come from the new weights. (That they are the weights a model saved with them serves:
     test_vllm_http.py, in a fresh process.) Last in the module: it changes the engine."""
     arch = engine.kind
-    if not exact(engine):
-        pytest.skip("float32 only")
     async with asyncio.timeout(LIMIT_S):
         (request,) = requests(1, seed=5, tag="weights")
         before = await run(engine, request)

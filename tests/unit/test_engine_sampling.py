@@ -89,7 +89,7 @@ def test_sample_rows_is_sample_on_every_row_bit_for_bit() -> None:
     of every temperature, nucleus, allowed set, seed (up to 2**63 - 1) and vocabulary size."""
     import torch
 
-    from rollsafe.engine.sampling import sample_rows, uniforms_rows
+    from rollsafe.engine.sampling import sample_rows, uniforms_rows, uniforms_rows_torch
 
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -113,7 +113,8 @@ def test_sample_rows_is_sample_on_every_row_bit_for_bit() -> None:
         want_u = np.stack(
             [uniforms(p.seed, int(q), vocab) for p, q in zip(params, positions, strict=True)]
         )
-        assert np.array_equal(uniforms_rows(seeds, torch.tensor(positions), vocab).numpy(), want_u)
+        for rows_of in (uniforms_rows, uniforms_rows_torch):  # the CPU's and a GPU's
+            assert np.array_equal(rows_of(seeds, torch.tensor(positions), vocab).numpy(), want_u)
         tokens, logprobs = sample_rows(
             torch.from_numpy(logits),
             seeds=seeds,

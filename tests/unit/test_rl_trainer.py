@@ -347,3 +347,41 @@ def test_saving_into_a_non_empty_directory_is_refused(saved: Path, tmp_path: Pat
     with pytest.raises(InvalidInput):
         trainer.save(tmp_path / "file")
     trainer.save(tmp_path / "empty")  # a directory that does not exist yet is fine
+
+
+# -- a Hugging Face policy (what the vLLM engine serves: rollsafe demo --engine vllm) -----------
+
+
+def test_a_hugging_face_policy_trains_and_continues_bitwise(
+    tmp_path: Path, tiny_models: dict[str, Path]
+) -> None:
+    from safetensors import safe_open
+
+    from reference.rl.policy import HfModel
+
+    model = HfModel(path=tiny_models["dense"])
+    straight, cut = PolicyTrainer(model, 0, lr=3e-3), PolicyTrainer(model, 0, lr=3e-3)
+    with safe_open(str(model.path / "model.safetensors"), "pt") as checkpoint:
+        assert straight.weights().keys() == set(checkpoint.keys())  # the engine's names
+    good = Sample(prompt_tokens=PROMPT, tokens=(10, 11, 12), reward=1.0)
+    bad = Sample(prompt_tokens=PROMPT, tokens=(20, 21, 22), reward=0.0)
+    before = [float(straight._token_logprobs(s).sum()) for s in (good, bad)]
+    straight.train_step([[good, bad]])
+    cut.train_step([[good, bad]])
+    after = [float(straight._token_logprobs(s).sum()) for s in (good, bad)]
+    assert after[0] > before[0] and after[1] < before[1]
+    cut.save(tmp_path / "ckpt")
+    resumed = PolicyTrainer.load(tmp_path / "ckpt", model, lr=3e-3)
+    assert resumed.train_step(groups()) == straight.train_step(groups())
+    assert_same_weights(resumed, straight)
+    with pytest.raises(SchemaMismatch, match="model"):
+        PolicyTrainer.load(tmp_path / "ckpt", config())
+
+
+def test_a_hugging_face_moe_policy_is_refused_by_name(tiny_models: dict[str, Path]) -> None:
+    from reference.rl.policy import HfModel
+
+    with pytest.raises(InvalidInput, match="mixture-of-experts"):
+        PolicyTrainer(HfModel(path=tiny_models["moe"]), 0)
+    with pytest.raises(InvalidInput, match=r"no config\.json"):
+        PolicyTrainer(HfModel(path=tiny_models["moe"] / "nothing"), 0)

@@ -98,7 +98,8 @@ class RollsafeSampler(LogitsProcessor):  # type: ignore[misc]  # vLLM, read as A
             return logits
         index = sorted(self.rows)
         rows = [self.rows[i] for i in index]
-        at = torch.tensor(index, device=logits.device)
+        every = len(index) == logits.shape[0]  # all rows ours (the usual case): no gather
+        at = slice(None) if every else torch.tensor(index, device=logits.device)
         tokens, logprobs = sample_rows(
             logits[at],
             seeds=_column([r.seed for r in rows], torch.int64, logits.device),
@@ -108,7 +109,8 @@ class RollsafeSampler(LogitsProcessor):  # type: ignore[misc]  # vLLM, read as A
             allowed=_allowed(rows, logits.shape[-1], logits.device),
         )
         logits[at] = float("-inf")
-        logits[at, tokens] = logprobs.to(logits.dtype)
+        picked = torch.arange(logits.shape[0], device=logits.device) if every else at
+        logits[picked, tokens] = logprobs.to(logits.dtype)
         return logits
 
 
