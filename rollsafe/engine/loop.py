@@ -118,6 +118,8 @@ class EngineLoop(Generic[CallT]):
 
     # -- the protocol -------------------------------------------------------------------------
 
+    # Async generator methods, not functions returning one: Ray's actor (ray_actor.py) streams
+    # a method only if it is one.
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamEvent]:
         sink = Sink(asyncio.get_running_loop())
         await self._handoff(lambda: self._admit(request, sink, None))

@@ -28,8 +28,6 @@ from torch import nn
 
 from rollsafe.engine.protocol import Route
 
-# The experts each layer chose for one token: ``route[layer][k]``.
-
 
 class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -99,10 +99,11 @@ def sample(logits: np.ndarray, params: SamplingParams, position: int) -> tuple[i
 
 # -- the same definition on a batch of rows, in torch (on the logits' device) ----------------
 # vLLM's sampler hook (rollsafe.engine.vllm.sampler) samples a whole batch at once, where the
-# logits live (a GPU, in production). Integer hashing in int64 has the same bits as the uint64
-# arithmetic above (torch has no uint64 multiply; shifts are made logical by masking), so the
-# uniforms are identical, and the float work is the same float64 steps: tests/unit/
-# test_sampling.py checks token and logprob equal to :func:`sample` row by row.
+# logits live (a GPU, in production). On a GPU the hash runs in int64, with the same bits as
+# the uint64 arithmetic above (torch has no uint64 multiply; shifts are made logical by
+# masking); on the CPU numpy runs it. The float work is the same float64 steps:
+# tests/unit/test_engine_sampling.py checks uniforms, tokens and logprobs equal to
+# :func:`uniforms` and :func:`sample` row by row, on both hash paths.
 
 
 def _as_int64(constant: np.uint64) -> int:
@@ -160,8 +161,8 @@ def sample_rows(
     Work no row needs is skipped, each skip exact: the nucleus sort when no row has
     ``top_p < 1``, the division when every temperature is 1 (``x / 1.0 == x``), the noise when
     every row is greedy, the greedy argmax when no row is, and the mask of non-finite logprobs
-    when no nucleus is drawn (``-inf`` plus finite noise stays ``-inf``; a NaN logit, a broken
-    model, is the one case where this and :func:`sample` may differ)."""
+    when no nucleus is drawn (``-inf`` plus finite noise stays ``-inf``). A NaN or ``+inf``
+    logit (a broken model) is the one input where this and :func:`sample` may differ."""
     scores = logits.to(torch.float64)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))  # not in place: may be logits

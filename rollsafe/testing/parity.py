@@ -1,12 +1,27 @@
-"""Is a resumed call the uninterrupted one? Field by field, with where it first differs."""
+"""Is a resumed call the uninterrupted one? Field by field, with where it first differs; and
+a call's whole completion through any engine (in process, over HTTP, through Ray)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rollsafe.engine.protocol import Completion
+from rollsafe.engine.protocol import (
+    Completion,
+    Engine,
+    GenerateRequest,
+    PrefixRecord,
+    completion_of,
+)
 
 _FIELDS = ("tokens", "logprobs", "weight_versions", "routes")
+
+
+async def completed(
+    engine: Engine, request: GenerateRequest, prefix: PrefixRecord | None = None
+) -> Completion:
+    """The call run to its end on ``engine``: generated, or resumed from ``prefix``."""
+    stream = engine.generate(request) if prefix is None else engine.resume(request, prefix)
+    return completion_of(request.call_id, [event async for event in stream], prefix)
 
 
 def mismatches(want: Sequence[Completion], got: Sequence[Completion]) -> list[str]:

@@ -33,6 +33,7 @@ from rollsafe.engine.protocol import (
 from rollsafe.engine.torch_engine import TorchEngine
 from rollsafe.errors import EngineUnavailable, InvalidInput, PrefixMismatch
 from rollsafe.served import ENGINE_BANNER, ServedProcess, start_served
+from rollsafe.testing.parity import completed
 
 TOKEN = "engine-test-token"
 SEED = 3
@@ -100,18 +101,9 @@ def local_engine() -> TorchEngine:
     return TorchEngine(ModelConfig(kind="moe"), seed=SEED)
 
 
-async def run(engine: Engine, request: GenerateRequest) -> Completion:
-    return completion_of(request.call_id, [e async for e in engine.generate(request)])
-
-
-async def resumed(engine: Engine, request: GenerateRequest, prefix: PrefixRecord) -> Completion:
-    events = [e async for e in engine.resume(request, prefix)]
-    return completion_of(request.call_id, events, prefix)
-
-
 async def uninterrupted(reqs: Sequence[GenerateRequest]) -> list[Completion]:
     async with local_engine() as engine:
-        return list(await asyncio.gather(*(run(engine, r) for r in reqs)))
+        return list(await asyncio.gather(*(completed(engine, r) for r in reqs)))
 
 
 @dataclass
@@ -152,7 +144,7 @@ async def close_all(streams: Sequence[AsyncIterator[StreamEvent]]) -> None:
 async def test_remote_completions_equal_in_process(client: EngineClient) -> None:
     assert isinstance(client, Engine)
     reqs = requests(4)
-    remote = await asyncio.gather(*(run(client, r) for r in reqs))
+    remote = await asyncio.gather(*(completed(client, r) for r in reqs))
     assert remote == await uninterrupted(reqs)
     assert all(c.routes is not None and len(c.routes) == MAX_TOKENS for c in remote)
     info = await client.info()
@@ -164,7 +156,7 @@ async def test_cut_over_http_resumes_in_process(client: EngineClient) -> None:
     cut = await start_and_cut(client, 8)
     await close_all(cut.streams)
     async with local_engine() as engine:
-        again = [await resumed(engine, r, cut.prefixes[r.call_id]) for r in cut.requests]
+        again = [await completed(engine, r, cut.prefixes[r.call_id]) for r in cut.requests]
     assert again == await uninterrupted(cut.requests)
 
 
@@ -174,7 +166,7 @@ async def test_cut_in_process_resumes_over_http(client: EngineClient) -> None:
         cut = await start_and_cut(engine, 4)
         await close_all(cut.streams)
     prefixes, reqs = cut.prefixes, cut.requests
-    again = await asyncio.gather(*(resumed(client, r, prefixes[r.call_id]) for r in reqs))
+    again = await asyncio.gather(*(completed(client, r, prefixes[r.call_id]) for r in reqs))
     assert again == await uninterrupted(reqs)
 
 
@@ -189,7 +181,7 @@ async def test_abandoned_stream_frees_its_call_for_resume_on_the_same_server(
         assert time.monotonic() < deadline, info
         await asyncio.sleep(0.02)
     prefixes, reqs = cut.prefixes, cut.requests
-    again = await asyncio.gather(*(resumed(client, r, prefixes[r.call_id]) for r in reqs))
+    again = await asyncio.gather(*(completed(client, r, prefixes[r.call_id]) for r in reqs))
     assert again == await uninterrupted(reqs)
 
 
@@ -226,7 +218,7 @@ async def test_wrong_token_is_refused(server: str) -> None:
         with pytest.raises(InvalidInput, match="refused the token"):
             await wrong.info()
         with pytest.raises(InvalidInput, match="refused the token"):
-            await run(wrong, requests(1)[0])
+            await completed(wrong, requests(1)[0])
 
 
 @bounded
@@ -255,11 +247,11 @@ async def test_tampered_or_foreign_prefix_raises_prefix_mismatch(client: EngineC
         update={"tokens": ((prefix.tokens[0] + 1) % 512, *prefix.tokens[1:])}
     )
     with pytest.raises(PrefixMismatch, match="digest") as caught:
-        await resumed(client, request, tampered)
+        await completed(client, request, tampered)
     assert (caught.value.call_id, caught.value.field) == (tampered.call_id, "digest")
     other = request.model_copy(update={"call_id": request.call_id + "-other"})
     with pytest.raises(PrefixMismatch, match="call_id"):
-        await resumed(client, other, prefix)  # a sound record, for another call
+        await completed(client, other, prefix)  # a sound record, for another call
     async with httpx.AsyncClient(base_url=client.base_url) as raw:
         body = {"request": request.model_dump(), "prefix": tampered.model_dump()}
         response = await raw.post(
@@ -274,11 +266,11 @@ async def test_duplicate_call_id_and_bad_prompt_are_invalid_input(client: Engine
     cut = await start_and_cut(client, 1)  # frozen: surely still in flight
     (request,) = cut.requests
     with pytest.raises(InvalidInput, match="already in flight"):
-        await run(client, request)
+        await completed(client, request)
     await close_all(cut.streams)
     bad = request.model_copy(update={"call_id": request.call_id + "-bad", "prompt_tokens": (9999,)})
     with pytest.raises(InvalidInput, match="outside"):
-        await run(client, bad)
+        await completed(client, bad)
 
 
 @bounded
@@ -313,13 +305,13 @@ async def test_new_weights_over_http_serve_the_same_tokens_as_in_process(tmp_pat
                 name: value + 0.05 * torch.randn(value.shape, generator=generator)
                 for name, value in local.model.state_dict().items()
             }
-            before = await run(remote, requests(1)[0])
+            before = await completed(remote, requests(1)[0])
             await remote.update_weights(trained, 1)
             await local.update_weights(trained, 1)
             assert (await remote.info()).weight_version == 1
             reqs = requests(3)
-            here = [await run(local, r) for r in reqs]
-            there = [await run(remote, r) for r in reqs]
+            here = [await completed(local, r) for r in reqs]
+            there = [await completed(remote, r) for r in reqs]
             assert [c.tokens for c in there] == [c.tokens for c in here]
             assert [c.logprobs for c in there] == [c.logprobs for c in here]
             assert all(set(c.weight_versions) == {1} for c in there)

@@ -7,7 +7,6 @@ from typing import Any
 
 from rollsafe.engine.model import ModelConfig
 from rollsafe.engine.protocol import (
-    Completion,
     GenerateRequest,
     SamplingParams,
     TokenEvent,
@@ -15,6 +14,7 @@ from rollsafe.engine.protocol import (
 )
 from rollsafe.engine.ray_actor import EngineActor, RayEngine
 from rollsafe.engine.torch_engine import TorchEngine
+from rollsafe.testing.parity import completed
 
 CONFIG = ModelConfig(kind="moe")
 
@@ -27,24 +27,20 @@ def request(i: int) -> GenerateRequest:
     )
 
 
-async def complete(engine: Any, req: GenerateRequest) -> Completion:
-    return completion_of(req.call_id, [e async for e in engine.generate(req)])
-
-
 async def test_actor_streams_cuts_and_resumes_like_the_engine_in_process(ray_session: Any) -> None:
     batch = [request(i) for i in range(4)]
     async with TorchEngine(CONFIG, 3) as local:
-        expected = await asyncio.gather(*(complete(local, r) for r in batch))
+        expected = await asyncio.gather(*(completed(local, r) for r in batch))
 
     handle = EngineActor.remote(CONFIG, 3)
     try:
         remote = RayEngine(handle)
-        assert list(await asyncio.gather(*(complete(remote, r) for r in batch))) == expected
+        assert list(await asyncio.gather(*(completed(remote, r) for r in batch))) == expected
 
         # Cut a call mid-stream through the actor, resume it on a fresh local engine.
         cut_me = request(9)
         async with TorchEngine(CONFIG, 3) as local:
-            uninterrupted = await complete(local, cut_me)
+            uninterrupted = await completed(local, cut_me)
         async for event in remote.generate(cut_me):
             if isinstance(event, TokenEvent) and event.index == 4:
                 break

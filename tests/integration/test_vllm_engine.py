@@ -32,7 +32,7 @@ from rollsafe.engine.protocol import (
 )
 from rollsafe.engine.vllm.engine import VllmEngine
 from rollsafe.errors import InvalidInput, PrefixMismatch
-from rollsafe.testing.parity import mismatches
+from rollsafe.testing.parity import completed, mismatches
 
 VOCAB = 1024
 EXACT = [("dense", "float32"), ("moe", "float32")]
@@ -76,17 +76,8 @@ def requests(n: int, *, seed: int, tag: str = "c") -> list[GenerateRequest]:
     ]
 
 
-async def run(engine: VllmEngine, request: GenerateRequest) -> Completion:
-    return completion_of(request.call_id, [e async for e in engine.generate(request)])
-
-
-async def resume(engine: VllmEngine, request: GenerateRequest, prefix: PrefixRecord) -> Completion:
-    events = [e async for e in engine.resume(request, prefix)]
-    return completion_of(request.call_id, events, prefix)
-
-
 async def alone(engine: VllmEngine, batch: Sequence[GenerateRequest]) -> list[Completion]:
-    return [await run(engine, r) for r in batch]
+    return [await completed(engine, r) for r in batch]
 
 
 async def cut_each_after(
@@ -114,14 +105,14 @@ async def test_calls_cut_at_random_points_resume_exactly(engine: VllmEngine) -> 
     async with asyncio.timeout(LIMIT_S):
         batch = requests(16, seed=1)
         reference = await alone(engine, batch)
-        batched = await asyncio.gather(*(run(engine, r) for r in batch))
+        batched = await asyncio.gather(*(completed(engine, r) for r in batch))
         assert mismatches(reference, batched) == []  # batching changes nothing
         rng = random.Random(2)
         cuts = await asyncio.gather(*(cut_each_after(engine, r, rng.randint(1, 20)) for r in batch))
         prefixes = {p.call_id: p for p in cuts if isinstance(p, PrefixRecord)}
         assert len(prefixes) >= len(batch) // 2, "most calls are cut mid-way"
         got = await asyncio.gather(
-            *(resume(engine, r, prefixes[r.call_id]) for r in batch if r.call_id in prefixes)
+            *(completed(engine, r, prefixes[r.call_id]) for r in batch if r.call_id in prefixes)
         )
         want = [c for c in reference if c.call_id in prefixes]
         assert mismatches(want, list(got)) == []
@@ -142,7 +133,7 @@ async def test_bf16_cuts_keep_the_prefix_and_resume_from_it(engine: VllmEngine) 
         assert prefixes
         for request in batch:
             if (prefix := prefixes.get(request.call_id)) is not None:
-                resumed = await resume(engine, request, prefix)
+                resumed = await completed(engine, request, prefix)
                 n = len(prefix.tokens)
                 assert resumed.tokens[:n] == prefix.tokens
                 assert resumed.routes is not None and resumed.routes[:n] == prefix.routes
@@ -160,7 +151,7 @@ async def test_a_prefix_shifted_by_one_token_is_caught(engine: VllmEngine) -> No
         request = request.model_copy(
             update={"sampling": request.sampling.model_copy(update={"temperature": 1.0})}
         )
-        reference = await run(engine, request)
+        reference = await completed(engine, request)
         cut = await cut_each_after(engine, request, 6)
         assert isinstance(cut, PrefixRecord)
         fields = cut.model_dump(exclude={"digest"})
@@ -168,7 +159,7 @@ async def test_a_prefix_shifted_by_one_token_is_caught(engine: VllmEngine) -> No
             if fields[name] is not None:
                 fields[name] = fields[name][1:]
         shifted = seal_prefix(**fields)
-        broken = await resume(engine, request, shifted)
+        broken = await completed(engine, request, shifted)
         assert mismatches([reference], [broken]) != []
 
 
@@ -197,18 +188,21 @@ async def test_refusals_name_their_reason_and_leave_the_engine_serving(
         await stream.aclose()  # type: ignore[attr-defined]
         for tokens, problem in (((3, VOCAB), "outside"), ((-1,), "outside")):
             with pytest.raises(InvalidInput, match=problem):
-                await run(engine, request.model_copy(update={"prompt_tokens": tokens}))
+                await completed(engine, request.model_copy(update={"prompt_tokens": tokens}))
         too_long = request.model_copy(
             update={"sampling": request.sampling.model_copy(update={"max_tokens": 300})}
         )
         with pytest.raises(InvalidInput, match="exceeds the model's 256"):
-            await run(engine, too_long)
+            await completed(engine, too_long)
         cut = await cut_each_after(engine, request, 3)
         assert isinstance(cut, PrefixRecord)
         foreign = seal_prefix(**{**cut.model_dump(exclude={"digest"}), "model": "0" * 64})
         with pytest.raises(PrefixMismatch, match="model"):
-            await resume(engine, request, foreign)
-        assert mismatches([await run(engine, request)], [await resume(engine, request, cut)]) == []
+            await completed(engine, request, foreign)
+        assert (
+            mismatches([await completed(engine, request)], [await completed(engine, request, cut)])
+            == []
+        )
 
 
 @on(*EXACT)
@@ -221,13 +215,13 @@ async def test_new_weights_show_in_versions_and_bad_ones_are_refused(
     arch = engine.kind
     async with asyncio.timeout(LIMIT_S):
         (request,) = requests(1, seed=5, tag="weights")
-        before = await run(engine, request)
+        before = await completed(engine, request)
         cut = await cut_each_after(engine, request, 4)
         assert isinstance(cut, PrefixRecord)
         weights = perturbed(tiny_models[arch])
         version = (await engine.info()).weight_version + 1
         await engine.update_weights(weights, version)
-        after = await resume(engine, request, cut)
+        after = await completed(engine, request, cut)
         n = len(cut.tokens)
         assert after.weight_versions == (version - 1,) * n + (version,) * (len(after.tokens) - n)
         assert after.logprobs[n:] != before.logprobs[n:]  # the new weights really serve

@@ -18,14 +18,12 @@ from safetensors.torch import load_file, save_file
 
 from rollsafe.engine.http import EngineClient
 from rollsafe.engine.protocol import (
-    Completion,
     GenerateRequest,
     PrefixRecord,
     SamplingParams,
-    completion_of,
 )
 from rollsafe.served import ENGINE_BANNER, ServedProcess, start_served
-from rollsafe.testing.parity import mismatches
+from rollsafe.testing.parity import completed, mismatches
 
 TOKEN = "vllm-test-token"
 LIMIT_S = 180
@@ -68,17 +66,6 @@ def requests(n: int, seed: int) -> list[GenerateRequest]:
     ]
 
 
-async def run(client: EngineClient, request: GenerateRequest) -> Completion:
-    return completion_of(request.call_id, [e async for e in client.generate(request)])
-
-
-async def resume(
-    client: EngineClient, request: GenerateRequest, prefix: PrefixRecord
-) -> Completion:
-    events = [e async for e in client.resume(request, prefix)]
-    return completion_of(request.call_id, events, prefix)
-
-
 async def cut_after(
     client: EngineClient, request: GenerateRequest, count: int
 ) -> PrefixRecord | None:
@@ -102,7 +89,7 @@ async def test_calls_cut_over_http_resume_exactly_on_a_fresh_server_after_sigkil
     first = serve(tiny_models[arch], tmp_path / "first", arch)
     servers.append(first)
     async with asyncio.timeout(LIMIT_S), EngineClient(first.url, TOKEN, timeout=60) as client:
-        reference = list(await asyncio.gather(*(run(client, r) for r in batch)))
+        reference = list(await asyncio.gather(*(completed(client, r) for r in batch)))
         rng = random.Random(9)
         cuts = await asyncio.gather(*(cut_after(client, r, rng.randint(1, 24)) for r in batch))
     prefixes = {p.call_id: p for p in cuts if p is not None}
@@ -112,7 +99,7 @@ async def test_calls_cut_over_http_resume_exactly_on_a_fresh_server_after_sigkil
     servers.append(fresh)
     todo = [r for r in batch if r.call_id in prefixes]
     async with asyncio.timeout(LIMIT_S), EngineClient(fresh.url, TOKEN, timeout=60) as client:
-        resumed = await asyncio.gather(*(resume(client, r, prefixes[r.call_id]) for r in todo))
+        resumed = await asyncio.gather(*(completed(client, r, prefixes[r.call_id]) for r in todo))
     want = [c for c in reference if c.call_id in prefixes]
     assert mismatches(want, list(resumed)) == []
     if arch == "moe":
@@ -137,9 +124,9 @@ async def test_bf16_weights_over_http_serve_what_a_model_saved_with_them_serves(
     pushed_to = serve(tiny_models["dense"], tmp_path / "pushed", "dense", "bfloat16")
     servers.append(pushed_to)
     async with asyncio.timeout(LIMIT_S), EngineClient(pushed_to.url, TOKEN, timeout=60) as client:
-        before = await run(client, request)
+        before = await completed(client, request)
         await client.update_weights(weights, 1)
-        pushed = await run(client, request)
+        pushed = await completed(client, request)
         assert (await client.info()).weight_version == 1
     pushed_to.stop()
     started_with = serve(saved, tmp_path / "saved-server", "dense", "bfloat16")
@@ -148,7 +135,7 @@ async def test_bf16_weights_over_http_serve_what_a_model_saved_with_them_serves(
         asyncio.timeout(LIMIT_S),
         EngineClient(started_with.url, TOKEN, timeout=60) as client,
     ):
-        loaded = await run(client, request)
+        loaded = await completed(client, request)
     assert pushed.weight_versions == (1,) * len(pushed.tokens)
     assert pushed.logprobs != before.logprobs  # the new weights serve
     assert (pushed.tokens, pushed.logprobs) == (loaded.tokens, loaded.logprobs)

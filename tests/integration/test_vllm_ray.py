@@ -13,15 +13,13 @@ import torch
 from safetensors.torch import load_file
 
 from rollsafe.engine.protocol import (
-    Completion,
     GenerateRequest,
     PrefixRecord,
     SamplingParams,
     TokenEvent,
-    completion_of,
 )
 from rollsafe.engine.ray_actor import RayEngine, vllm_engine_actor
-from rollsafe.testing.parity import mismatches
+from rollsafe.testing.parity import completed, mismatches
 
 LIMIT_S = 240  # two vLLM start-ups in actor processes, on a busy 2-core machine
 
@@ -36,10 +34,6 @@ def requests(n: int) -> list[GenerateRequest]:
         )
         for i in range(n)
     ]
-
-
-async def run(engine: RayEngine, request: GenerateRequest) -> Completion:
-    return completion_of(request.call_id, [e async for e in engine.generate(request)])
 
 
 async def cut_after(engine: RayEngine, request: GenerateRequest, count: int) -> PrefixRecord:
@@ -62,7 +56,7 @@ async def test_calls_cut_through_an_actor_resume_exactly_on_a_fresh_actor(
     handle, first = start(ray_session, tiny_models["moe"])
     try:
         async with asyncio.timeout(LIMIT_S):
-            reference = list(await asyncio.gather(*(run(first, r) for r in batch)))
+            reference = list(await asyncio.gather(*(completed(first, r) for r in batch)))
             prefixes = [await cut_after(first, r, 3 + 4 * i) for i, r in enumerate(batch)]
             assert (await first.info()).frozen == len(batch)
     finally:
@@ -70,10 +64,7 @@ async def test_calls_cut_through_an_actor_resume_exactly_on_a_fresh_actor(
     handle, fresh = start(ray_session, tiny_models["moe"])
     try:
         async with asyncio.timeout(LIMIT_S):
-            resumed = [
-                completion_of(r.call_id, [e async for e in fresh.resume(r, p)], p)
-                for r, p in zip(batch, prefixes, strict=True)
-            ]
+            resumed = [await completed(fresh, r, p) for r, p in zip(batch, prefixes, strict=True)]
             assert mismatches(reference, resumed) == []
             assert all(c.routes is not None for c in resumed)
 
@@ -85,9 +76,9 @@ async def test_calls_cut_through_an_actor_resume_exactly_on_a_fresh_actor(
                 for name, t in original.items()
             }
             await fresh.update_weights(bf16, 1)
-            one = await run(fresh, batch[0])
+            one = await completed(fresh, batch[0])
             await fresh.update_weights({n: t.float() for n, t in bf16.items()}, 2)
-            two = await run(fresh, batch[0])
+            two = await completed(fresh, batch[0])
             assert one.weight_versions == (1,) * len(one.tokens)
             assert two.weight_versions == (2,) * len(two.tokens)
             assert one.logprobs != reference[0].logprobs  # the new weights serve
