@@ -1,5 +1,5 @@
 """How activities reach a run's controller: the Ray actor (a cluster), or the same
-:class:`CheckpointOps` in this process (the embedded default and unit tests)."""
+:class:`Controller` in this process (the embedded default and unit tests)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,18 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from rollsafe.coordinator import CheckpointOps
-from rollsafe.errors import RollsafeError, TransientError
-from rollsafe.phases import PhaseRequest, PhaseResult, RestorePlan, RestoreRequest, SnapshotSpec
+from rollsafe.checkpoint.controller import Controller
+from rollsafe.core.phases import (
+    PhaseRequest,
+    PhaseResult,
+    RestorePlan,
+    RestoreRequest,
+    SnapshotSpec,
+)
+from rollsafe.errors import ControllerUnavailable, RollsafeError
 
 
-class ControllerUnavailable(TransientError):
-    """The controller actor could not be reached (dead, restarting, not started yet)."""
-
-
-class ControllerHandle(Protocol):
+class ControllerClient(Protocol):
     async def run_phase(self, request: PhaseRequest) -> PhaseResult: ...
 
     async def renew_admission(self, spec: SnapshotSpec) -> bool: ...
@@ -28,13 +30,13 @@ class ControllerHandle(Protocol):
     async def restore(self, request: RestoreRequest) -> RestorePlan: ...
 
 
-ControllerResolver = Callable[[str], ControllerHandle]  # run id -> its controller
+ControllerResolver = Callable[[str], ControllerClient]  # run id -> its controller
 
 
-class LocalController:
+class LocalControllerClient:
     """Calls the operations in a thread, so the worker's event loop keeps heartbeating."""
 
-    def __init__(self, ops: CheckpointOps) -> None:
+    def __init__(self, ops: Controller) -> None:
         self.ops = ops
 
     async def run_phase(self, request: PhaseRequest) -> PhaseResult:
@@ -53,7 +55,7 @@ class LocalController:
         return await asyncio.to_thread(self.ops.restore, request)
 
 
-class RayController:
+class RayControllerClient:
     """The run's named controller actor, looked up on every call: a restarted actor is
     found again, and a missing one is a transient error the activity retries."""
 
@@ -63,7 +65,7 @@ class RayController:
     async def _call(self, method: str, *args: object) -> Any:
         import ray
 
-        from rollsafe.actor import get_controller_actor
+        from rollsafe.checkpoint.actor import get_controller_actor
 
         try:
             actor = get_controller_actor(self.run_id)

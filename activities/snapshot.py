@@ -5,7 +5,7 @@ snapshot as its pending activity. Long calls heartbeat every second (DESIGN.md s
 heartbeat timeout ~5 s) so a killed worker's phase is retried within seconds, and a
 cancelled phase (abort) is noticed at the next beat. A phase that runs while its checkpoint
 holds admission closed also renews the gate's lease with every beat: a worker that dies
-stops renewing, and the gate reopens by itself once the lease runs out (rollsafe.gate).
+stops renewing, and the gate reopens by itself once the lease runs out (rollsafe.core.gate).
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ from typing import Any, TypeVar
 
 from temporalio import activity
 
-from activities.controllers import ControllerResolver
-from activities.errors import to_application_error
-from rollsafe.errors import RollsafeError
-from rollsafe.faults import fault_point, register
-from rollsafe.phases import (
+from rollsafe.activities.controllers import ControllerResolver
+from rollsafe.activities.errors import to_application_error
+from rollsafe.core.phases import (
     PHASES,
     Phase,
     PhaseRequest,
@@ -31,10 +29,12 @@ from rollsafe.phases import (
     SnapshotSpec,
     holds_admission,
 )
-from rollsafe.telemetry import phase_span
-from workflows.restore import RESTORE_CONTROLLER_ACTIVITY
-from workflows.snapshot import ABORT_ACTIVITY
-from workflows.supervisor import NEXT_SEQ_ACTIVITY
+from rollsafe.errors import RollsafeError
+from rollsafe.faults import fault_point, register
+from rollsafe.observability.tracing import phase_span
+from rollsafe.workflows.restore import RESTORE_CONTROLLER_ACTIVITY
+from rollsafe.workflows.snapshot import ABORT_ACTIVITY
+from rollsafe.workflows.supervisor import NEXT_SEQ_ACTIVITY
 
 HEARTBEAT_EVERY_S = 1.0
 # In the worker process, around the controller call: "after" is the window where the phase

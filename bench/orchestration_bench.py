@@ -3,9 +3,9 @@
     .venv/bin/python bench/orchestration_bench.py [--rollouts 100000] [--repeats 7]
 
 One controller (group size 8, half the rollouts sealed with rows in the memory data plane) is
-snapshotted alternately (a) by calling ``CheckpointOps.run_phase`` for the ten phases in order
+snapshotted alternately (a) by calling ``Controller.run_phase`` for the ten phases in order
 in this process, and (b) by running the ``RolloutSnapshot`` workflow on the tuned local dev
-server with a worker in this process whose activities call the same ``CheckpointOps``; the
+server with a worker in this process whose activities call the same ``Controller``; the
 run has no environments or engines, so it is started with ``participants=False``. Both
 publish real snapshots to the same disk. Target (issue 3): Temporal adds at most 10 % or
 150 ms, whichever is larger.
@@ -21,28 +21,28 @@ import tempfile
 import time
 from pathlib import Path
 
-from activities.controllers import LocalController
-from rollsafe.config import RunConfig
-from rollsafe.controller import Controller
-from rollsafe.coordinator import CheckpointOps
+from rollsafe.activities.controllers import LocalControllerClient
+from rollsafe.checkpoint.controller import Controller
+from rollsafe.core.config import RunConfig
+from rollsafe.core.phases import PHASES, PhaseRequest, SnapshotSpec
+from rollsafe.core.run_state import RunState
 from rollsafe.dataplane import make_dataplane
-from rollsafe.phases import PHASES, PhaseRequest, SnapshotSpec
-from rollsafe.scenario import row_content
+from rollsafe.evidence.scenario import row_content
 from rollsafe.snapshot import SnapshotStore
 from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
-from workers.checkpoint import build_worker
-from workflows.models import SnapshotInput
-from workflows.snapshot import RolloutSnapshot
-from workflows.supervisor import task_queue_for
+from rollsafe.workers.checkpoint import build_worker
+from rollsafe.workflows.models import SnapshotInput
+from rollsafe.workflows.snapshot import RolloutSnapshot
+from rollsafe.workflows.supervisor import task_queue_for
 
 RUN_ID = "orchestration"
 GROUP_SIZE = 8
 
 
-def build(rollouts: int, root: Path) -> CheckpointOps:
+def build(rollouts: int, root: Path) -> Controller:
     config = RunConfig(run_id=RUN_ID, group_size=GROUP_SIZE, groups_per_step=8)
-    run = Controller(config, make_dataplane("memory"))
+    run = RunState(config, make_dataplane("memory"))
     groups = list(range(rollouts // GROUP_SIZE))
     run.handout(groups)
     for idx in groups:
@@ -52,10 +52,10 @@ def build(rollouts: int, root: Path) -> CheckpointOps:
         sealed = GROUP_SIZE if idx % 4 == 0 else GROUP_SIZE // 2 if idx % 4 == 2 else 0
         for i in range(sealed):
             run.seal(idx, i, 0, row_content(idx, i, 0))
-    return CheckpointOps(run, SnapshotStore(root, RUN_ID))
+    return Controller.from_parts(run, SnapshotStore(root, RUN_ID))
 
 
-def direct(ops: CheckpointOps, seq: int) -> float:
+def direct(ops: Controller, seq: int) -> float:
     spec = SnapshotSpec(run_id=RUN_ID, seq=seq)
     start = time.perf_counter()
     for phase in PHASES:
@@ -64,9 +64,9 @@ def direct(ops: CheckpointOps, seq: int) -> float:
 
 
 async def measure(
-    ops: CheckpointOps, repeats: int, root: Path, persistent: bool, first_seq: int
+    ops: Controller, repeats: int, root: Path, persistent: bool, first_seq: int
 ) -> tuple[list[float], list[float]]:
-    local = LocalController(ops)
+    local = LocalControllerClient(ops)
     plain: list[float] = []
     temporal: list[float] = []
     server_dir = root / f"temporal-{'file' if persistent else 'memory'}"

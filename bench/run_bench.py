@@ -4,7 +4,7 @@
     .venv/bin/python bench/run_bench.py [--sizes 1000,10000,200000] [--seconds 20]
                                         [--interval 10] [--rounds 5] [--json] [--quick]
 
-Real servers (``RunServers``: engine + workplace environments) and a ``RunController`` in this
+Real servers (``RunServers``: engine + workplace environments) and a ``ReferenceController`` in this
 process; ``--groups`` real groups kept generating (sealed groups committed as trained, no
 optimizer) beside ``size`` simulated in-flight rollouts in the ledger (dispatched, no episode).
 Per size, ``--rounds`` pairs of windows without / with snapshots, order alternating (AB BA ...).
@@ -25,12 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from reference.rl.controller import RunController
-from reference.rl.run import RunSettings, run_config
-from reference.rl.servers import RunServers
+from rollsafe.core.phases import PHASES, Phase, PhaseRequest, SnapshotSpec
+from rollsafe.core.states import GroupState
 from rollsafe.errors import TransientError
-from rollsafe.phases import PHASES, Phase, PhaseRequest, SnapshotSpec
-from rollsafe.states import GroupState
+from rollsafe.reference.rl.controller import ReferenceController
+from rollsafe.reference.rl.run import RunSettings, run_config
+from rollsafe.reference.rl.servers import RunServers
 
 RUN_ID = "runbench"
 INSTANCES = ("w0", "w1", "w2")
@@ -42,9 +42,9 @@ COUNTS = ("parked", "stragglers", "cut", "skipped", "failed", "committed_episode
 class Workload:
     """Keeps ``groups`` groups generating on a thread of its own; records the sealed count."""
 
-    def __init__(self, run: RunController, groups: int) -> None:
+    def __init__(self, run: ReferenceController, groups: int) -> None:
         self.run, self.groups = run, groups
-        self.size = run.controller.config.group_size
+        self.size = run.state.config.group_size
         self.inflight: list[int] = []
         self.trained = self.steps = 0  # rollouts of the groups committed as trained; steps
         self.samples: list[tuple[float, int]] = [(time.perf_counter(), 0)]  # at each change
@@ -93,7 +93,7 @@ class Workload:
         run = self.run
         run.raise_failed()  # an episode's failure stops the workload
         with run.barrier:
-            ctl = run.controller
+            ctl = run.state
             sealed = self.trained + sum(ctl.index.sealed(idx) for idx in self.inflight)
             if sealed != self.samples[-1][1]:
                 self.samples.append((time.perf_counter(), sealed))
@@ -114,13 +114,13 @@ class Workload:
             run.generate(new)
 
 
-def simulate(run: RunController, rollouts: int) -> int:
+def simulate(run: ReferenceController, rollouts: int) -> int:
     """Hand out ``rollouts // group_size`` groups and dispatch every sibling, no episodes."""
-    size = run.controller.config.group_size
+    size = run.state.config.group_size
     groups = rollouts // size
     for first in range(0, groups, CHUNK):
         with run.barrier:
-            ctl = run.controller
+            ctl = run.state
             start = ctl.loader_position
             block = list(range(start, start + min(CHUNK, groups - first)))
             ctl.handout(block)
@@ -130,7 +130,7 @@ def simulate(run: RunController, rollouts: int) -> int:
     return groups * size
 
 
-def snapshot(run: RunController) -> dict[str, Any]:
+def snapshot(run: ReferenceController) -> dict[str, Any]:
     """The ten phases in process, as ``ReferenceRun.snapshot``; aborted if one fails."""
     spec = SnapshotSpec(run_id=RUN_ID, seq=run.next_seq())
     spans: dict[Phase, tuple[float, float]] = {}
@@ -162,7 +162,7 @@ def snapshot(run: RunController) -> dict[str, Any]:
 class Snapshots:
     """A thread taking a snapshot at ``interval / 2``, ``3 * interval / 2``, ... from now."""
 
-    def __init__(self, run: RunController, interval: float) -> None:
+    def __init__(self, run: ReferenceController, interval: float) -> None:
         self.run, self.interval = run, interval
         self.taken: list[dict[str, Any]] = []
         self.error: BaseException | None = None
@@ -262,7 +262,7 @@ def bench(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
         endpoints = servers.start()
         args.pids = [os.getpid(), *(server.proc.pid for server in servers.started)]
         config, snaps = run_config(settings), root / "snapshots"
-        run = RunController(config, snaps, endpoints, args.turns, keep_latest_k=2)
+        run = ReferenceController(config, snaps, endpoints, args.turns, keep_latest_k=2)
         try:
             return _sizes(run, args)
         finally:
@@ -271,7 +271,7 @@ def bench(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
         servers.stop()
 
 
-def _sizes(run: RunController, args: argparse.Namespace) -> list[dict[str, Any]]:
+def _sizes(run: ReferenceController, args: argparse.Namespace) -> list[dict[str, Any]]:
     work = Workload(run, args.groups)
     work.start(args.ramp)
     try:

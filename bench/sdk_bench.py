@@ -30,18 +30,18 @@ from temporalio.client import (
     WorkflowUpdateRPCTimeoutOrCancelledError,
 )
 
-from activities.controllers import LocalController
+from rollsafe.activities.controllers import LocalControllerClient
+from rollsafe.checkpoint.controller import Controller
 from rollsafe.client import WORKER_TIMEOUT_S, Checkpointer
-from rollsafe.coordinator import CheckpointOps
+from rollsafe.core.phases import Phase, PhaseRequest, PhaseResult
 from rollsafe.dataplane import make_dataplane
-from rollsafe.phases import Phase, PhaseRequest, PhaseResult
-from rollsafe.scenario import busy_run
+from rollsafe.evidence.scenario import busy_run
 from rollsafe.snapshot import SnapshotStore
 from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
-from workers.checkpoint import build_worker
-from workflows.snapshot import RolloutSnapshot
-from workflows.supervisor import SnapshotSupervisor, task_queue_for
+from rollsafe.workers.checkpoint import build_worker
+from rollsafe.workflows.snapshot import RolloutSnapshot
+from rollsafe.workflows.supervisor import SnapshotSupervisor, task_queue_for
 
 RUN_ID = "sdk-bench"
 Step = Callable[[int], Awaitable[object]]
@@ -62,11 +62,11 @@ async def describe_then_signal(client: Client, step: int) -> None:
     await handle.signal(SnapshotSupervisor.train_step_committed, step)
 
 
-class DrainHeld(LocalController):
+class DrainHeld(LocalControllerClient):
     """The run's controller, with every drain held until the worker goes (not a thread
     stuck in a sleep: the cancelled activity lets go of it)."""
 
-    def __init__(self, ops: CheckpointOps) -> None:
+    def __init__(self, ops: Controller) -> None:
         super().__init__(ops)
         self.draining = asyncio.Event()
 
@@ -102,7 +102,7 @@ async def main(steps: int, pending_steps: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         async with DevServer(Path(tmp) / "temporal") as server:
             client = await connect(server.settings())
-            ops = CheckpointOps(
+            ops = Controller.from_parts(
                 busy_run(RUN_ID, make_dataplane("memory")), SnapshotStore(Path(tmp), RUN_ID)
             )
             local = DrainHeld(ops)

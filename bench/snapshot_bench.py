@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/snapshot_bench.py --sizes 10000,100000,1000000 --repeats 7
 
-Checkpoint (timed): ``Controller.capture`` + the ledger/index agreement check + a published
+Checkpoint (timed): ``RunState.capture`` + the ledger/index agreement check + a published
 snapshot with ``ledger.safetensors``, ``replay_index.safetensors``, ``loader.json``,
 ``sampler.json`` and ``run.json`` written by ``CapturedState.write`` (hash while writing, fsync
 per file, directory fsyncs, manifest last, atomic rename, LATEST, retention) — the controller's
@@ -34,16 +34,16 @@ from typing import Any
 
 import numpy as np
 
-from rollsafe.buffer.index import ReplayIndex
-from rollsafe.buffer.samplers import InOrderSampler
-from rollsafe.capture import CapturedState, check_agreement
-from rollsafe.config import RunConfig
-from rollsafe.controller import Controller
+from rollsafe.core.buffer.index import ReplayIndex
+from rollsafe.core.buffer.samplers import InOrderSampler
+from rollsafe.core.capture import CapturedState, check_agreement
+from rollsafe.core.config import RunConfig
+from rollsafe.core.ledger import Ledger
+from rollsafe.core.run_state import RunState
+from rollsafe.core.states import RestoreLevel
 from rollsafe.dataplane.memory import MemoryDataPlane
-from rollsafe.ledger import Ledger
 from rollsafe.snapshot import PublishedSnapshot, SnapshotKind, SnapshotStore
 from rollsafe.snapshot._fs import fsync_dir
-from rollsafe.states import RestoreLevel
 
 GROUP_SIZE = 8
 RUN_ID = "bench"
@@ -74,8 +74,8 @@ def build(rollouts: int) -> tuple[Ledger, ReplayIndex]:
     return ledger, index
 
 
-def checkpoint(store: SnapshotStore, run: Controller, sealed: int, seq: int) -> PublishedSnapshot:
-    """Controller.checkpoint minus the data plane (whose rows this benchmark does not hold):
+def checkpoint(store: SnapshotStore, run: RunState, sealed: int, seq: int) -> PublishedSnapshot:
+    """RunState.checkpoint minus the data plane (whose rows this benchmark does not hold):
     capture, the agreement check, the state files, publish."""
     state = run.capture()
     check_agreement(state, rows=sealed)
@@ -89,7 +89,7 @@ def checkpoint(store: SnapshotStore, run: Controller, sealed: int, seq: int) -> 
 
 
 def restore(store: SnapshotStore) -> tuple[Ledger, ReplayIndex]:
-    """What Controller._load does for the same files (select verifies every digest first)."""
+    """What RunState._load does for the same files (select verifies every digest first)."""
     reader = store.select()
     state = CapturedState.read(reader)
     ledger = Ledger.restore(*state.ledger, "ledger")
@@ -132,7 +132,7 @@ def measure(rollouts: int, repeats: int, root: Path, profile: Path | None) -> di
     ledger, index = build(rollouts)
     build_s = time.perf_counter() - start
     config = RunConfig(run_id=RUN_ID, group_size=GROUP_SIZE, groups_per_step=4, sampler="in_order")
-    run = Controller(config, MemoryDataPlane())
+    run = RunState(config, MemoryDataPlane())
     run.ledger, run.index, run.loader_position = ledger, index, len(index)
     sealed = sum(ledger.sealed_counts().values())  # about half, by construction
     store = SnapshotStore(root / f"store-{rollouts}", RUN_ID, keep_latest_k=KEEP)

@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollsafe.phases import PHASES
-from rollsafe.served import rollsafe_command
+from rollsafe.core.phases import PHASES
+from rollsafe.http.served import rollsafe_command
 
 LEVELS = ("prefix", "turn", "sibling", "prompt_group")
 SAMPLERS = ("windowed", "in_order", "weight_fifo")

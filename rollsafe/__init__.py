@@ -1,3 +1,108 @@
-"""rollsafe: durable, lossless checkpoint and restore of an async RL run's rollout state."""
+"""rollsafe: durable, lossless checkpoint and restore of an async RL run's rollout state.
+
+The names below are the public API; everything else is private by convention and may change.
+They are loaded on first use (PEP 562), so ``import rollsafe`` costs nothing: no Temporal
+client, Ray, HTTP library or torch is imported until a name that needs one is touched.
+
+- the trainer SDK: :class:`Checkpointer` (its status :class:`CheckpointerStatus`);
+- settings: :class:`RunConfig`, :class:`SnapshotConfig`, :class:`ConnectionSettings`
+  (Temporal), :class:`PhaseOptions` and :class:`SupervisorConfig` (the checkpoint workflows);
+- the run's controller: :class:`Controller`, :func:`start_controller_actor`, and what a
+  restore hands back, :class:`RestorePlan`;
+- the engine protocol: :class:`Engine`, :class:`GenerateRequest`, :class:`SamplingParams`,
+  :class:`Completion`, :class:`PrefixRecord`;
+- the environment protocol: :class:`EnvironmentHooks`, :class:`EpisodeSession`;
+- errors: the tree's roots (:class:`RollsafeError`, :class:`TransientError`,
+  :class:`InvariantError`, :class:`InvalidInput`) and the module ``errors``, the whole tree.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# name -> the module that defines it
+_WHERE = {
+    "Checkpointer": "rollsafe.client",
+    "CheckpointerStatus": "rollsafe.client",
+    "RunConfig": "rollsafe.core.config",
+    "SnapshotConfig": "rollsafe.core.config",
+    "ConnectionSettings": "rollsafe.temporal.connect",
+    "PhaseOptions": "rollsafe.workflows.models",
+    "SupervisorConfig": "rollsafe.workflows.models",
+    "Controller": "rollsafe.checkpoint.controller",
+    "start_controller_actor": "rollsafe.checkpoint.actor",
+    "RestorePlan": "rollsafe.core.phases",
+    "Engine": "rollsafe.engine.protocol",
+    "GenerateRequest": "rollsafe.engine.protocol",
+    "SamplingParams": "rollsafe.engine.protocol",
+    "Completion": "rollsafe.engine.protocol",
+    "PrefixRecord": "rollsafe.engine.protocol",
+    "EnvironmentHooks": "rollsafe.env.hooks",
+    "EpisodeSession": "rollsafe.env.hooks",
+    "RollsafeError": "rollsafe.errors",
+    "TransientError": "rollsafe.errors",
+    "InvariantError": "rollsafe.errors",
+    "InvalidInput": "rollsafe.errors",
+}
+
+__all__ = [
+    "Checkpointer",
+    "CheckpointerStatus",
+    "Completion",
+    "ConnectionSettings",
+    "Controller",
+    "Engine",
+    "EnvironmentHooks",
+    "EpisodeSession",
+    "GenerateRequest",
+    "InvalidInput",
+    "InvariantError",
+    "PhaseOptions",
+    "PrefixRecord",
+    "RestorePlan",
+    "RollsafeError",
+    "RunConfig",
+    "SamplingParams",
+    "SnapshotConfig",
+    "SupervisorConfig",
+    "TransientError",
+    "__version__",
+    "errors",
+    "start_controller_actor",
+]
+
+if TYPE_CHECKING:
+    from rollsafe import errors
+    from rollsafe.checkpoint.actor import start_controller_actor
+    from rollsafe.checkpoint.controller import Controller
+    from rollsafe.client import Checkpointer, CheckpointerStatus
+    from rollsafe.core.config import RunConfig, SnapshotConfig
+    from rollsafe.core.phases import RestorePlan
+    from rollsafe.engine.protocol import (
+        Completion,
+        Engine,
+        GenerateRequest,
+        PrefixRecord,
+        SamplingParams,
+    )
+    from rollsafe.env.hooks import EnvironmentHooks, EpisodeSession
+    from rollsafe.errors import InvalidInput, InvariantError, RollsafeError, TransientError
+    from rollsafe.temporal.connect import ConnectionSettings
+    from rollsafe.workflows.models import PhaseOptions, SupervisorConfig
+
+
+def __getattr__(name: str) -> Any:
+    if name == "errors":
+        return importlib.import_module("rollsafe.errors")
+    if name not in _WHERE:
+        raise AttributeError(f"module 'rollsafe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,3 +1,3 @@
-from rollsafe.cli import app
+from rollsafe.cli.app import app
 
 app(prog_name="rollsafe")

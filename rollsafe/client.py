@@ -43,21 +43,28 @@ from temporalio.client import (
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
-from rollsafe.errors import CheckpointTimeout, InvalidInput, InvariantError, TemporalUnavailable
-from rollsafe.ids import validate_run_id
-from rollsafe.phases import RestorePlan, RestoreRequest
+from rollsafe.core.ids import validate_run_id
+from rollsafe.core.phases import RestorePlan, RestoreRequest
+from rollsafe.errors import (
+    CheckpointTimeout,
+    InvalidInput,
+    RestoreFailed,
+    SnapshotsFailed,
+    SupervisorNotRunning,
+    TemporalUnavailable,
+)
 from rollsafe.temporal.connect import ConnectionSettings, connect
 from rollsafe.temporal.failures import describe_failure
 from rollsafe.temporal.pollers import WORKER_SEEN_WITHIN_S, WorkerPresence, worker_presence
-from workflows.models import (
+from rollsafe.workflows.models import (
     PhaseOptions,
     SnapshotOutcome,
     SupervisorConfig,
     SupervisorInput,
     SupervisorStatus,
 )
-from workflows.restore import RestoreRun, restore_workflow_id
-from workflows.supervisor import SnapshotSupervisor, supervisor_id, task_queue_for
+from rollsafe.workflows.restore import RestoreRun, restore_workflow_id
+from rollsafe.workflows.supervisor import SnapshotSupervisor, supervisor_id, task_queue_for
 
 # Queries and updates need a live worker: say so, rather than hang, when none serves the run.
 WORKER_TIMEOUT_S = 5.0
@@ -92,25 +99,6 @@ class CheckpointerStatus(BaseModel):
     workers: WorkerPresence  # who polls the run's task queue, from the server
     supervisor: SupervisorStatus | None  # None: no worker answered its status query
     warnings: list[str]  # what keeps the run from being checkpointed, if anything
-
-
-class SnapshotsFailed(InvariantError):
-    """The run's supervisor failed: no more snapshots are taken until a trainer starts a new
-    one (``Checkpointer.start``). ``failure_type`` is the supervisor's error type, e.g.
-    ``TooManyConsecutiveSnapshotFailures`` or the invariant error that failed a snapshot."""
-
-    def __init__(self, run_id: str, failure_type: str, message: str) -> None:
-        self.run_id = run_id
-        self.failure_type = failure_type
-        super().__init__(f"checkpointing of run {run_id!r} failed: {failure_type}: {message}")
-
-
-class RestoreFailed(InvariantError):
-    """The run could not be restored (no snapshot verifies, topology differs, ...)."""
-
-
-class SupervisorNotRunning(InvariantError):
-    """The run has no running supervisor: never started, stopped or terminated."""
 
 
 class Checkpointer:

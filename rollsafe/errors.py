@@ -1,15 +1,23 @@
-"""Every error rollsafe raises, under one base.
+"""Every error rollsafe raises, under one base, in this one module.
 
 ::
 
     RollsafeError
     ├── TransientError                 retry: the same call may succeed later
-    │   ├── EnvUnavailable
-    │   ├── EnvNotReady
-    │   ├── CheckpointTimeout
+    │   ├── EnvUnavailable             an environment instance did not answer
+    │   ├── EnvNotReady                an environment instance cannot take the call yet
+    │   │   └── EpisodeParked          409 checkpoint_parked: re-send the same run once idle
+    │   ├── CheckpointTimeout          a snapshot or restore did not end in time
     │   ├── DataPlaneUnavailable
     │   ├── TemporalUnavailable
-    │   └── EngineUnavailable          a generation engine did not answer, or went away
+    │   ├── EngineUnavailable          a generation engine did not answer, or went away
+    │   ├── ControllerUnavailable      no controller for the run can be reached (yet)
+    │   ├── ObjectStoreUnavailable     object storage failed in a way that may pass
+    │   ├── SnapshotLost               this checkpoint's draft is gone: take the snapshot again
+    │   ├── AwaitingRestore            a fresh controller of a run with snapshots, until it restores
+    │   ├── AdmissionLeaseExpired      the park outlived its lease: the snapshot is abandoned
+    │   ├── CheckpointSpent            this checkpoint id can no longer park the environments
+    │   └── InjectedFault              an armed fault point, action ``raise``
     ├── InvariantError                 never retry: state or input is wrong
     │   ├── OwnershipMismatch
     │   ├── TopologyMismatch
@@ -20,19 +28,28 @@
     │   ├── LedgerInvariantViolation
     │   │   ├── IllegalTransition      names the rollout/group and both states
     │   │   └── SealConflict           a second seal with different content
-    │   ├── UnknownGroup / UnknownRollout
+    │   ├── UnknownGroup
+    │   ├── UnknownRollout
     │   ├── DataPlaneKeyMissing        a read named a key the data plane does not hold
     │   ├── DataPlaneCorrupt           a row read back differs from the digest it was put with
-    │   └── PrefixMismatch             a resume's prefix does not belong to the call (names why)
-    └── InvalidInput                   malformed user input (scenario file, CLI argument, id)
+    │   ├── PrefixMismatch             a resume's prefix does not belong to the call (names why)
+    │   ├── SnapshotsFailed            the SDK: the run's supervisor failed
+    │   ├── RestoreFailed              the SDK: the run could not be restored
+    │   ├── SupervisorNotRunning       the SDK: no supervisor runs for the run
+    │   └── InjectedInvariantFault     an armed fault point, action ``invariant``
+    ├── InvalidInput                   malformed user input (scenario file, CLI argument, id)
+    │   ├── AnchorPassed               an anchored snapshot found another weight version: skipped
+    │   ├── CheckpointRefused          a phase this checkpoint may not run
+    │   ├── GateHeld                   another checkpoint holds admission closed
+    │   ├── EvidenceError              an evidence file is malformed
+    │   ├── ScenarioError              a scenario file is malformed, or an event cannot happen
+    │   ├── ParticipantRefused         an environment participant's 409, raised on its side
+    │   └── EnvRefused                 an environment's 409 seen by its client, not retryable
+    ├── EnvRefusal                     base of EpisodeParked and EnvRefused: the instance's 409
+    └── ServerDidNotStart              a rollsafe server process did not come up
 
-The trainer SDK (:mod:`rollsafe.client`) adds ``SnapshotsFailed``, ``SupervisorNotRunning``
-and ``RestoreFailed`` (invariant); the coordinator (:mod:`rollsafe.checkpoint_state`)
-``SnapshotLost``, ``AwaitingRestore`` (a fresh controller of a run with snapshots, until it
-restores) and ``AdmissionLeaseExpired`` (transient) and ``CheckpointRefused`` (invalid
-input); snapshots on object storage ``ObjectStoreUnavailable`` (transient); the controller
-service ``ControllerNotFound`` (transient); fault injection
-``InjectedFault`` (transient).
+``EpisodeParked`` and ``EnvRefused`` are also ``EnvRefusal``s (the fields of the 409). A test
+(tests/unit/test_errors_tree.py) checks that this tree and the classes agree.
 
 At the Temporal boundary each maps to ``ApplicationError(type=<class name>,
 non_retryable=not error.transient)``.
@@ -189,3 +206,152 @@ class PrefixMismatch(InvariantError):
 
 class InvalidInput(RollsafeError, ValueError):
     """Malformed input from a user: a file, an argument, an identifier."""
+
+
+class SnapshotLost(TransientError):
+    """This checkpoint's draft is gone or unusable here: the snapshot must start again from
+    ``open`` under a new seq. Transient, so the supervisor counts it as such."""
+
+
+class AwaitingRestore(TransientError):
+    """A fresh controller of a run that already has published snapshots is fenced (DESIGN.md
+    invariant 8): it takes no work and no snapshot until it has restored, or was started with
+    ``start_over=True``. A snapshot of its empty state would become the newest one, and
+    retention would delete the run's real state."""
+
+
+class AdmissionLeaseExpired(TransientError):
+    """The checkpoint held admission closed past its lease with no phase renewing it (no
+    worker left to run them): the gate reopened by itself, and the snapshot is abandoned
+    (its draft discarded, nothing published). The next snapshot starts afresh."""
+
+
+class AnchorPassed(InvalidInput):
+    """A trainer snapshot anchored at weight version N found the controller at another one
+    when it came to capture (a step committed first, or the anchor given was not the trainer
+    checkpoint's weight version). It is skipped, not failed: a snapshot at another version
+    could never be restored with that checkpoint."""
+
+
+class CheckpointRefused(InvalidInput):
+    """A phase the checkpoint may not run: another checkpoint is open, or this one was
+    already aborted or resumed. Retrying cannot help."""
+
+
+class ControllerUnavailable(TransientError):
+    """No controller for the run can be reached: no actor by its name (it may be starting or
+    restarting), or a call to it failed on the way."""
+
+
+class CheckpointSpent(TransientError):
+    """This checkpoint id can no longer park the environments (a failed prepare resumed them,
+    and a resumed id is refused forever); a new snapshot can."""
+
+
+class ObjectStoreUnavailable(TransientError):
+    """The object store did not answer or refused a request for a reason that may pass
+    (a network error, throttling, S3's 409 ConditionalRequestConflict, no answer in time)."""
+
+
+class SnapshotsFailed(InvariantError):
+    """The run's supervisor failed: no more snapshots are taken until a trainer starts a new
+    one (``Checkpointer.start``). ``failure_type`` is the supervisor's error type, e.g.
+    ``TooManyConsecutiveSnapshotFailures`` or the invariant error that failed a snapshot."""
+
+    def __init__(self, run_id: str, failure_type: str, message: str) -> None:
+        self.run_id = run_id
+        self.failure_type = failure_type
+        super().__init__(f"checkpointing of run {run_id!r} failed: {failure_type}: {message}")
+
+
+class RestoreFailed(InvariantError):
+    """The run could not be restored (no snapshot verifies, topology differs, ...)."""
+
+
+class SupervisorNotRunning(InvariantError):
+    """The run has no running supervisor: never started, stopped or terminated."""
+
+
+class ServerDidNotStart(RollsafeError):
+    """The process exited, or printed no listening line in time; its stderr tail is included."""
+
+
+class InjectedFault(TransientError):
+    """Raised by an armed fault point with action ``raise``."""
+
+    def __init__(self, name: str) -> None:
+        self.point = name
+        super().__init__(f"injected fault at {name}")
+
+
+class InjectedInvariantFault(InvariantError):
+    """Raised by an armed fault point with action ``invariant``: a failure retrying cannot
+    fix, as a corrupt snapshot or an ownership mismatch would be."""
+
+    def __init__(self, name: str) -> None:
+        self.point = name
+        super().__init__(f"injected invariant fault at {name}")
+
+
+class GateHeld(InvalidInput):
+    """A checkpoint tried to close the gate while another checkpoint holds it closed."""
+
+    def __init__(self, holder: str, requester: str) -> None:
+        self.holder = holder
+        self.requester = requester
+        super().__init__(
+            f"admission gate is held closed by checkpoint {holder!r}; checkpoint "
+            f"{requester!r} cannot close it until {holder!r} resumes"
+        )
+
+
+class EvidenceError(InvalidInput):
+    """An evidence file is missing or malformed (names the file and line)."""
+
+
+class ScenarioError(InvalidInput):
+    """A malformed scenario file or an event that cannot happen (exit code 2)."""
+
+
+class ParticipantRefused(InvalidInput):
+    """Refused by an environment participant in this phase or for this episode (HTTP 409).
+    ``reason``: ``checkpoint_parked``, ``retired``, ``already_running``, ``wrong_phase``,
+    ``other_checkpoint``, ``checkpoint_resumed`` or ``not_parked``."""
+
+    reason: str = "refused"  # also after _rebuild, which skips __init__
+
+    def __init__(self, reason: str, detail: str) -> None:
+        self.reason = reason
+        super().__init__(f"{reason}: {detail}")
+
+
+class EnvRefusal(RollsafeError):
+    """An instance's 409: it understood the call and refused it in its current phase."""
+
+    # Class defaults, so an instance rebuilt by _rebuild still has every field.
+    url: str = ""
+    op: str = ""
+    reason: str = ""
+    detail: str = ""
+
+    def __init__(self, url: str, op: str, reason: str, detail: str = "") -> None:
+        self.url = url
+        self.op = op
+        self.reason = reason
+        self.detail = detail
+        tail = f": {detail}" if detail else ""
+        super().__init__(f"environment at {url}: {op} refused ({reason}){tail}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # The base keeps only class and message; the fields travel as pickle state (Ray).
+        return _rebuild, (type(self), str(self)), dict(vars(self))
+
+
+class EpisodeParked(EnvRefusal, EnvNotReady):
+    """409 ``checkpoint_parked``: the instance is parked for a checkpoint and did not start the
+    episode. Re-send the same :class:`RunEpisode` once it is idle; no attempt is spent."""
+
+
+class EnvRefused(EnvRefusal, InvalidInput):
+    """Any other 409 (``retired``, ``wrong_phase``, ``other_checkpoint``,
+    ``checkpoint_resumed``, ``already_running``): re-sending the same call cannot succeed."""

@@ -25,29 +25,16 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from rollsafe.errors import InvalidInput, InvariantError, TransientError
-from rollsafe.phases import PHASES
+from rollsafe.core.phases import PHASES
+from rollsafe.errors import (
+    InjectedFault,
+    InjectedInvariantFault,
+    InvalidInput,
+)
 
 ENV_VAR = "ROLLSAFE_FAULT"
 EXIT_CODE = 137
 _ACTIONS = "exit, raise, invariant or sleep:<seconds>"
-
-
-class InjectedFault(TransientError):
-    """Raised by an armed fault point with action ``raise``."""
-
-    def __init__(self, name: str) -> None:
-        self.point = name
-        super().__init__(f"injected fault at {name}")
-
-
-class InjectedInvariantFault(InvariantError):
-    """Raised by an armed fault point with action ``invariant``: a failure retrying cannot
-    fix, as a corrupt snapshot or an ownership mismatch would be."""
-
-    def __init__(self, name: str) -> None:
-        self.point = name
-        super().__init__(f"injected invariant fault at {name}")
 
 
 @dataclass

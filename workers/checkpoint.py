@@ -22,12 +22,12 @@ from typing import Final, Literal
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from activities.controllers import ControllerResolver, RayController
-from activities.snapshot import SnapshotActivities
+from rollsafe.activities.controllers import ControllerResolver, RayControllerClient
+from rollsafe.activities.snapshot import SnapshotActivities
 from rollsafe.temporal.connect import ConnectionSettings, connect
-from workflows.restore import RestoreRun
-from workflows.snapshot import RolloutSnapshot
-from workflows.supervisor import SnapshotSupervisor, task_queue_for
+from rollsafe.workflows.restore import RestoreRun
+from rollsafe.workflows.snapshot import RolloutSnapshot
+from rollsafe.workflows.supervisor import SnapshotSupervisor, task_queue_for
 
 STICKY_TIMEOUT = timedelta(seconds=2)
 
@@ -185,7 +185,7 @@ async def _serve(
 ) -> None:
     import ray
 
-    from rollsafe.actor import NAMESPACE
+    from rollsafe.checkpoint.actor import NAMESPACE
 
     if not ray.is_initialized():
         ray.init(address=ray_address or "auto", namespace=NAMESPACE, log_to_driver=False)
@@ -195,7 +195,7 @@ async def _serve(
     if stop.is_set():  # stopped while connecting: never start polling
         return
     drain = timedelta(seconds=max(0.0, drain_timeout_s))
-    worker = build_worker(client, queue, RayController, drain_timeout=drain)
+    worker = build_worker(client, queue, RayControllerClient, drain_timeout=drain)
     async with worker:
         health.worker = worker
         if health.state == "starting":

@@ -8,8 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from rollsafe.gate import ADMISSION_LEASE_S
-    from rollsafe.phases import Phase, PhaseResult, PublishedSnapshotInfo, SnapshotSpec
+    from rollsafe.core.gate import ADMISSION_LEASE_S
+    from rollsafe.core.phases import Phase, PhaseResult, PublishedSnapshotInfo, SnapshotSpec
 
 
 class PhaseOptions(BaseModel):

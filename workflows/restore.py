@@ -12,10 +12,10 @@ from __future__ import annotations
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from rollsafe.phases import RestorePlan, RestoreRequest
+    from rollsafe.core.phases import RestorePlan, RestoreRequest
     from rollsafe.temporal.search_attributes import KIND, PHASE, RUN_ID
-    from workflows.models import PhaseOptions
-    from workflows.snapshot import start_activity
+    from rollsafe.workflows.models import PhaseOptions
+    from rollsafe.workflows.snapshot import start_activity
 
 RESTORE_CONTROLLER_ACTIVITY = "restore_controller"
 

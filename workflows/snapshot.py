@@ -18,7 +18,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 
 with workflow.unsafe.imports_passed_through():
-    from rollsafe.phases import (
+    from rollsafe.core.phases import (
         PHASES,
         SKIPPING_ERRORS,
         Phase,
@@ -28,7 +28,12 @@ with workflow.unsafe.imports_passed_through():
     )
     from rollsafe.temporal.failures import root_application_error
     from rollsafe.temporal.search_attributes import KIND, PHASE, RUN_ID
-    from workflows.models import PhaseOptions, SnapshotInput, SnapshotOutcome, SnapshotStatus
+    from rollsafe.workflows.models import (
+        PhaseOptions,
+        SnapshotInput,
+        SnapshotOutcome,
+        SnapshotStatus,
+    )
 
 ABORT_ACTIVITY = "abort_snapshot"
 T = TypeVar("T")

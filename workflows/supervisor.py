@@ -18,9 +18,9 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
-    from rollsafe.phases import SnapshotSpec
+    from rollsafe.core.phases import SnapshotSpec
     from rollsafe.temporal.search_attributes import KIND, RUN_ID
-    from workflows.models import (
+    from rollsafe.workflows.models import (
         SnapshotInput,
         SnapshotOutcome,
         SupervisorConfig,
@@ -28,7 +28,7 @@ with workflow.unsafe.imports_passed_through():
         SupervisorState,
         SupervisorStatus,
     )
-    from workflows.snapshot import (
+    from rollsafe.workflows.snapshot import (
         TRAINER_STATE_CHANGED,
         RolloutSnapshot,
         failure_type,

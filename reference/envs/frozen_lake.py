@@ -2,7 +2,8 @@
 
 A task is ``{"map": "4x4" | "8x8", "turns": n}``: n moves on the slippery lake, each picked by
 the policy engine; a hole or the goal starts the walk again; the reward is the goals reached.
-Serve it: ``rollsafe env serve --hooks reference.envs.frozen_lake:FrozenLake --engine-url ...``
+Serve it:
+``rollsafe env serve --hooks rollsafe.reference.envs.frozen_lake:FrozenLake --engine-url ...``
 """
 
 from __future__ import annotations

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from reference.envs.frozen_lake import FrozenLake
 from rollsafe.engine.protocol import Completion, Engine, GenerateRequest
 from rollsafe.env.hooks import EpisodeSession
 from rollsafe.env.protocol import EpisodeRef, EpisodeResult, RunEpisode
 from rollsafe.env.session import complete_call
+from rollsafe.reference.envs.frozen_lake import FrozenLake
 
 
 class _Forgetful:

@@ -1,5 +1,5 @@
 """The reference run's controller: the run's ledger, replay index, data plane and admission
-gate (``ControllerService``), its environments and engine (``Participants``), and the
+gate (``Controller``), its environments and engine (``Participants``), and the
 dispatcher that drives episodes through the gate. Built from plain arguments, so it runs in
 this process or as the run's named Ray actor, where the checkpoint workers find it.
 
@@ -21,17 +21,17 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from reference.rl.rollouts import row_from_result, task_for
-from rollsafe.actor import ControllerService
-from rollsafe.config import RunConfig
-from rollsafe.controller import ROLLOUT_PARTITION
+from rollsafe.checkpoint.controller import Controller
+from rollsafe.checkpoint.loop import LoopThread
+from rollsafe.checkpoint.participants import ParticipantOptions, Participants, to_ref
+from rollsafe.core.config import RunConfig
+from rollsafe.core.ids import EpisodeId
+from rollsafe.core.run_state import ROLLOUT_PARTITION
 from rollsafe.engine.http import EngineClient
 from rollsafe.env.client import EnvClient
 from rollsafe.env.fleet import EnvFleet
 from rollsafe.env.protocol import RunEpisode
-from rollsafe.ids import EpisodeId
-from rollsafe.loop import LoopThread
-from rollsafe.participants import ParticipantOptions, Participants, to_ref
+from rollsafe.reference.rl.rollouts import row_from_result, task_for
 
 
 class Endpoints(BaseModel):
@@ -45,7 +45,7 @@ class Endpoints(BaseModel):
     env_token: str
 
 
-class RunController(ControllerService):
+class ReferenceController(Controller):
     def __init__(
         self,
         config: RunConfig,
@@ -79,7 +79,7 @@ class RunController(ControllerService):
         """Start an episode for every unsealed sibling of ``groups`` (default: every group the
         run owns) that has none running here; returns how many were started."""
         with self.barrier:
-            ledger = self.controller.ledger
+            ledger = self.state.ledger
             wanted = ledger.groups() if groups is None else groups
             todo = [(idx, i) for idx in wanted for i in ledger.unsealed(idx)]
         self._running = {
@@ -96,7 +96,7 @@ class RunController(ControllerService):
     def owned(self) -> int:
         """Groups handed out and neither trained nor evicted."""
         with self.barrier:
-            return len(self.controller.index)
+            return len(self.state.index)
 
     def next_groups(self, timeout_s: float) -> tuple[list[int], list[int]]:
         """Wait until the sampler picks a step's groups, or finds ready groups it will never
@@ -108,8 +108,8 @@ class RunController(ControllerService):
         while True:
             self.raise_failed()
             with self.barrier:
-                stale = self.controller.stale()
-                picked = [] if stale else self.controller.select()
+                stale = self.state.stale()
+                picked = [] if stale else self.state.select()
             if stale or picked:
                 return picked, stale
             if time.monotonic() >= deadline:
@@ -133,7 +133,7 @@ class RunController(ControllerService):
     def _stuck(self, timeout_s: float) -> str:
         status = self.status()
         with self.barrier:
-            ledger = self.controller.ledger
+            ledger = self.state.ledger
             states = {idx: [s.name for s in ledger.states(idx)] for idx in ledger.groups()}
         return (
             f"no step's groups ready after {timeout_s:g}s: {states}; "
@@ -143,16 +143,16 @@ class RunController(ControllerService):
 
     def rows(self, keys: Sequence[str]) -> dict[str, dict[str, np.ndarray]]:
         with self.barrier:
-            return self.controller.dataplane.get(ROLLOUT_PARTITION, keys)
+            return self.state.dataplane.get(ROLLOUT_PARTITION, keys)
 
     def rollouts(self, groups: Sequence[int]) -> list[tuple[int, int, str, int]]:
         """(group, sibling, rollout id, attempt) of every rollout of ``groups``."""
         with self.barrier:
-            ledger = self.controller.ledger
+            ledger = self.state.ledger
             return [
-                (idx, i, self.controller.row_key(idx, i), ledger.attempt(idx, i))
+                (idx, i, self.state.row_key(idx, i), ledger.attempt(idx, i))
                 for idx in groups
-                for i in range(self.controller.config.group_size)
+                for i in range(self.state.config.group_size)
             ]
 
     def close(self) -> None:
@@ -170,19 +170,19 @@ class RunController(ControllerService):
 
     def owner(self, idx: int, i: int) -> str:
         with self.barrier:  # a restored episode continues on the instance that holds it
-            return self.controller.ledger.owner(idx, i) or self._instance(idx, i)
+            return self.state.ledger.owner(idx, i) or self._instance(idx, i)
 
     def _instance(self, idx: int, i: int) -> str:
-        return self.instances[(idx * self.controller.config.group_size + i) % len(self.instances)]
+        return self.instances[(idx * self.state.config.group_size + i) % len(self.instances)]
 
 
 class _Dispatcher:
     """The run's episodes as coroutines on the participants' loop. Not methods of
-    :class:`RunController` on purpose: Ray makes an actor with any ``async def`` method an
+    :class:`ReferenceController` on purpose: Ray makes an actor with any ``async def`` method an
     asyncio actor whose synchronous methods all share one thread, so one blocking call (a
     trainer waiting for its episodes) would stall the checkpoint phases behind it."""
 
-    def __init__(self, run: RunController) -> None:
+    def __init__(self, run: ReferenceController) -> None:
         self.run = run
 
     async def episode(self, idx: int, i: int) -> None:

@@ -15,7 +15,7 @@ plus one taken mid-generation before a planned crash). The default faults:
   snapshot's prepare fails and is retried by Temporal.
 
 Then the evidence files are checked (``rollsafe verify``) and ``timeline.png`` drawn. The
-run is asynchronous unless ``--deterministic`` (see ``reference.rl.run``).
+run is asynchronous unless ``--deterministic`` (see ``rollsafe.reference.rl.run``).
 """
 
 from __future__ import annotations
@@ -32,30 +32,30 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from reference.rl.controller import Endpoints, RunController
-from reference.rl.demo_faults import (
+from rollsafe.checkpoint.actor import NAMESPACE, actor_name
+from rollsafe.evidence.files import Evidence, FaultRecord
+from rollsafe.evidence.verify import Check, verify
+from rollsafe.faults import ENV_VAR
+from rollsafe.http.served import ServedProcess, rollsafe_command
+from rollsafe.observability.timeline import Span
+from rollsafe.reference.rl.controller import Endpoints, ReferenceController
+from rollsafe.reference.rl.demo_faults import (
     crash_step,
     fail_env_checkpoint_calls,
     snapshot_mid_generation,
     worker_fault_spec,
 )
-from reference.rl.demo_options import DEMO_CALL_TOKENS, INSTANCES, DemoOptions
-from reference.rl.progress import SnapshotWatch, write_timeline
-from reference.rl.run import ReferenceRun, run_config
-from reference.rl.servers import RunServers
-from rollsafe.actor import NAMESPACE, actor_name
-from rollsafe.evidence import Evidence, FaultRecord
-from rollsafe.faults import ENV_VAR
-from rollsafe.served import ServedProcess, rollsafe_command
+from rollsafe.reference.rl.demo_options import DEMO_CALL_TOKENS, INSTANCES, DemoOptions
+from rollsafe.reference.rl.progress import SnapshotWatch, write_timeline
+from rollsafe.reference.rl.run import ReferenceRun, run_config
+from rollsafe.reference.rl.servers import RunServers
 from rollsafe.snapshot import SnapshotStore
-from rollsafe.timeline import Span
-from rollsafe.verify import Check, verify
 
 WORKER_BANNER = r"rollsafe worker: run '(\S+)'"
 
 
-class ActorController:
-    """The run's controller actor, called like a :class:`RunController` in this process."""
+class ControllerActorProxy:
+    """The run's controller actor, called like a :class:`ReferenceController` in this process."""
 
     def __init__(self, handle: Any, name: str) -> None:
         self.handle, self.name = handle, name
@@ -103,10 +103,10 @@ class Demo:
 
     # ---- the processes ---------------------------------------------------------------------
 
-    def start_actor(self, endpoints: Endpoints, *, start_over: bool) -> ActorController:
+    def start_actor(self, endpoints: Endpoints, *, start_over: bool) -> ControllerActorProxy:
         import ray
 
-        cls: Any = ray.remote(RunController)
+        cls: Any = ray.remote(ReferenceController)
         handle = cls.options(
             name=actor_name(self.settings.run_id),
             namespace=NAMESPACE,
@@ -120,7 +120,7 @@ class Demo:
             start_over=start_over,
         )
         ray.get(handle.status.remote())  # constructed, or its error raised here
-        return ActorController(handle, actor_name(self.settings.run_id))
+        return ControllerActorProxy(handle, actor_name(self.settings.run_id))
 
     def start_worker(self, env: dict[str, str], fault: str | None = None) -> ServedProcess:
         extra = {ENV_VAR: fault} if fault else {}
@@ -177,7 +177,7 @@ class Demo:
     def _make_model(self) -> None:
         """--engine vllm: the tiny Hugging Face model the engine serves and the trainer
         trains, built here (nothing can be downloaded), the run's seed its weights'."""
-        from reference.rl.policy import HfModel
+        from rollsafe.reference.rl.policy import HfModel
 
         model = self.settings.model
         if isinstance(model, HfModel):
@@ -324,7 +324,7 @@ class Demo:
         servers.crash()
         for worker in self.workers:
             worker.crash()
-        assert isinstance(run.controller, ActorController)
+        assert isinstance(run.controller, ControllerActorProxy)
         run.controller.kill()
         run.abandon()
         endpoints = servers.start()

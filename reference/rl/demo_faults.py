@@ -1,4 +1,4 @@
-"""How ``rollsafe demo`` plants its faults in a running run (see ``reference.rl.demo``).
+"""How ``rollsafe demo`` plants its faults in a running run (see ``rollsafe.reference.rl.demo``).
 
 What reacts to them (a replaced checkpoint worker, a restarted and restored run) stays in the
 demo, which owns the processes; here are the parts that only poke the run from outside.
@@ -14,10 +14,10 @@ from typing import Any
 
 import httpx
 
-from reference.rl.controller import Endpoints
-from reference.rl.demo_options import Fault
-from reference.rl.run import ReferenceRun
-from rollsafe.evidence import FaultRecord
+from rollsafe.evidence.files import FaultRecord
+from rollsafe.reference.rl.controller import Endpoints
+from rollsafe.reference.rl.demo_options import Fault
+from rollsafe.reference.rl.run import ReferenceRun
 from rollsafe.temporal.connect import ConnectionSettings, connect
 
 Say = Callable[[str], None]
@@ -97,7 +97,7 @@ def fail_env_checkpoint_calls(
 async def _until_a_snapshot_resumes(
     temporal: ConnectionSettings, run_id: str, timeout_s: float = 60.0
 ) -> None:
-    from rollsafe.inspect import inspect_run
+    from rollsafe.cli.inspection import inspect_run
 
     client = await connect(temporal)
     deadline = time.monotonic() + timeout_s

@@ -8,12 +8,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from reference.rl.policy import HfModel
-from reference.rl.run import RunSettings
-from rollsafe.config import RestoreLevelName, SamplerName
+from rollsafe.core.config import RestoreLevelName, SamplerName
+from rollsafe.core.phases import PHASES
 from rollsafe.engine.model import ModelConfig
 from rollsafe.errors import InvalidInput
-from rollsafe.phases import PHASES
+from rollsafe.reference.rl.policy import HfModel
+from rollsafe.reference.rl.run import RunSettings
 
 INSTANCES = ("w0", "w1", "w2")
 # Calls long enough, and enough of them at once, that a snapshot taken while a step generates

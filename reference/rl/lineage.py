@@ -12,7 +12,8 @@ from pathlib import Path
 
 from pydantic import Field
 
-from rollsafe.evidence import (
+from rollsafe.core.phases import RestorePlan
+from rollsafe.evidence.files import (
     MUTATIONS,
     ROLLED_BACK,
     TRAINED,
@@ -23,7 +24,6 @@ from rollsafe.evidence import (
     read_lines,
     replace_lines,
 )
-from rollsafe.phases import RestorePlan
 
 EVICTED = "evicted.jsonl"
 CHECKPOINT_PREFIX = "v"

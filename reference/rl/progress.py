@@ -1,9 +1,10 @@
 """The demo's live view of its snapshots and its ``timeline.png``.
 
 Snapshots are Temporal workflows, most of them started by the supervisor on its timer, so the
-demo learns of them where an operator would: from the server (:mod:`rollsafe.timeline` reads
-each one's history). A watcher prints every snapshot once it has closed, with its park window
-(admission closed to reopened) and total time.
+demo learns of them where an operator would: from the server
+(:mod:`rollsafe.observability.timeline` reads each one's history). A watcher prints every
+snapshot once it has closed, with its park window (admission closed to reopened) and total
+time.
 """
 
 from __future__ import annotations
@@ -14,8 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
+from rollsafe.observability.timeline import (
+    Span,
+    Timeline,
+    render_timeline,
+    restore_spans,
+    snapshot_spans,
+)
 from rollsafe.temporal.connect import ConnectionSettings, connect
-from rollsafe.timeline import Span, Timeline, render_timeline, restore_spans, snapshot_spans
 
 TIMELINE_PNG = "timeline.png"
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from reference.envs.workplace.calendar import Task, action_from_tokens, apply, new_calendar
-from reference.envs.workplace.calendar import prompt as make_prompt
-from reference.envs.workplace.calendar import reward as score
-from reference.rl.trainer import Sample
 from rollsafe.env.protocol import EpisodeResult
 from rollsafe.errors import InvalidInput
+from rollsafe.reference.envs.workplace.calendar import Task, action_from_tokens, apply, new_calendar
+from rollsafe.reference.envs.workplace.calendar import prompt as make_prompt
+from rollsafe.reference.envs.workplace.calendar import reward as score
+from rollsafe.reference.rl.trainer import Sample
 
 TASK_TURNS = 4
 

@@ -27,23 +27,20 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from reference.rl.controller import Endpoints, RunController
-from reference.rl.lineage import (
-    EVICTED,
-    Evicted,
-    checkpoint_dir,
-    checkpoint_versions,
-    roll_back,
-    set_aside_checkpoints,
-    undo_evictions,
+from rollsafe.checkpoint.loop import LoopThread
+from rollsafe.core.config import RestoreLevelName, RunConfig, SamplerName
+from rollsafe.core.phases import (
+    PHASES,
+    Phase,
+    PhaseRequest,
+    PhaseResult,
+    RestorePlan,
+    RestoreRequest,
+    SnapshotSpec,
 )
-from reference.rl.policy import PolicyModel
-from reference.rl.rollouts import samples_from_row, tokens_sha256
-from reference.rl.trainer import PolicyTrainer, StepResult
-from rollsafe.config import RestoreLevelName, RunConfig, SamplerName
 from rollsafe.engine.http import EngineClient
 from rollsafe.engine.model import ModelConfig
-from rollsafe.evidence import (
+from rollsafe.evidence.files import (
     FAULTS,
     HANDED_OUT,
     MUTATIONS,
@@ -59,16 +56,19 @@ from rollsafe.evidence import (
     replace_lines,
     write_report,
 )
-from rollsafe.loop import LoopThread
-from rollsafe.phases import (
-    PHASES,
-    Phase,
-    PhaseRequest,
-    PhaseResult,
-    RestorePlan,
-    RestoreRequest,
-    SnapshotSpec,
+from rollsafe.reference.rl.controller import Endpoints, ReferenceController
+from rollsafe.reference.rl.lineage import (
+    EVICTED,
+    Evicted,
+    checkpoint_dir,
+    checkpoint_versions,
+    roll_back,
+    set_aside_checkpoints,
+    undo_evictions,
 )
+from rollsafe.reference.rl.policy import PolicyModel
+from rollsafe.reference.rl.rollouts import samples_from_row, tokens_sha256
+from rollsafe.reference.rl.trainer import PolicyTrainer, StepResult
 
 TRAINER_DIR = "trainer"
 SNAPSHOTS_DIR = "snapshots"
@@ -97,8 +97,8 @@ class RunSettings(BaseModel):
         return self.sampler == "in_order" and self.ahead_steps == 0
 
 
-class Controller(Protocol):
-    """What the run asks of its controller: a :class:`RunController` here, or the run's Ray
+class ControllerCalls(Protocol):
+    """What the run asks of its controller: a :class:`ReferenceController` here, or the run's Ray
     actor through a proxy (the same methods, each a remote call)."""
 
     def handout(self, groups: Sequence[int]) -> None: ...
@@ -151,18 +151,20 @@ class ReferenceRun:
         endpoints: Endpoints,
         root: Path,
         out: Path,
-        controller: Controller | None = None,
+        controller: ControllerCalls | None = None,
     ) -> None:
         self.settings, self.root, self.out = settings, root, out
         out.mkdir(parents=True, exist_ok=True)
         self.local = (
-            RunController(run_config(settings), root / SNAPSHOTS_DIR, endpoints, settings.turns)
+            ReferenceController(
+                run_config(settings), root / SNAPSHOTS_DIR, endpoints, settings.turns
+            )
             if controller is None
             else None
         )
         chosen = self.local if self.local is not None else controller
         assert chosen is not None
-        self.controller: Controller = chosen
+        self.controller: ControllerCalls = chosen
         # The trainer's own connection to the engine, for pushing weights.
         self.loop = LoopThread("rollsafe-trainer")
         self.engine = EngineClient(endpoints.engine_url, endpoints.engine_token)

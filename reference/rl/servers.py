@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from reference.rl.controller import Endpoints
-from reference.rl.policy import HfModel, PolicyModel
 from rollsafe.engine.model import ModelConfig
-from rollsafe.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
+from rollsafe.http.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
+from rollsafe.reference.rl.controller import Endpoints
+from rollsafe.reference.rl.policy import HfModel, PolicyModel
 
 
 class RunServers:

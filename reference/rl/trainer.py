@@ -1,6 +1,6 @@
 """The reference run's learner: GRPO-style policy gradient on the engine's own model.
 
-The trainer holds the engine's own model (:mod:`reference.rl.policy`): a
+The trainer holds the engine's own model (:mod:`rollsafe.reference.rl.policy`): a
 :class:`~rollsafe.engine.model.TinyTransformer` built from the same config and seed as the
 reference engine, or the Hugging Face directory the vLLM engine serves, so both start from the
 same policy; after each optimizer step its
@@ -28,12 +28,12 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from reference.rl import policy
-from reference.rl.policy import PolicyModel
 from rollsafe.dataplane.columnar import fsync_directory, prepare_empty_directory
 from rollsafe.engine.model import ModelConfig
 from rollsafe.errors import InvalidInput, SchemaMismatch, SnapshotCorrupt
-from rollsafe.tensorfile import HashingWriter, read_tensors, write_tensors
+from rollsafe.reference.rl import policy
+from rollsafe.reference.rl.policy import PolicyModel
+from rollsafe.snapshot.tensorfile import HashingWriter, read_tensors, write_tensors
 
 FORMAT_VERSION: Final = 1
 WEIGHTS_FILE: Final = "weights.safetensors"

@@ -13,7 +13,7 @@ A chunk holds one (field, dtype, ndim) group's arrays among the rows of its shar
 added in key order and a shard closes at about ``shard_bytes`` (one array larger than that
 gets a shard to itself), so a writer holds at most one shard's rows: a backend that streams
 rows out of a remote store never holds the whole partition. No pickle: JSON, and safetensors
-via :mod:`rollsafe.tensorfile`. The format names no backend: an export from one backend
+via :mod:`rollsafe.snapshot.tensorfile`. The format names no backend: an export from one backend
 imports into any other (a TransferQueue run's snapshot opens in the memory plane).
 """
 
@@ -33,7 +33,7 @@ from rollsafe.dataplane import BACKENDS
 from rollsafe.dataplane.protocol import DataPlaneManifest, ExportedFile, Row
 from rollsafe.dataplane.rows import check_partition
 from rollsafe.errors import InvalidInput, SchemaMismatch, SnapshotCorrupt
-from rollsafe.tensorfile import HashingWriter, dtype_name, read_tensors, write_tensors
+from rollsafe.snapshot.tensorfile import HashingWriter, dtype_name, read_tensors, write_tensors
 
 FORMAT_VERSION: Final = 1
 INDEX_FILE = "index.json"

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from rollsafe.errors import InvalidInput
-from rollsafe.tensorfile import dtype_name
+from rollsafe.snapshot.tensorfile import dtype_name
 
 _PARTITION = re.compile(r"[A-Za-z0-9._-]{1,64}")
 

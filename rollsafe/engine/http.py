@@ -28,8 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from rollsafe import bearer, errors
-from rollsafe.bearer import Handler
+from rollsafe import errors
 from rollsafe.engine.protocol import (
     CUT_BATCH,
     CutReport,
@@ -49,7 +48,9 @@ from rollsafe.errors import (
     RollsafeError,
     TransientError,
 )
-from rollsafe.served import CLIENT_KEEPALIVE_S, listening_url, server_config
+from rollsafe.http import bearer
+from rollsafe.http.bearer import Handler
+from rollsafe.http.served import CLIENT_KEEPALIVE_S, listening_url, server_config
 
 M = TypeVar("M", bound=BaseModel)
 NDJSON = "application/x-ndjson"

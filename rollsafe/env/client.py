@@ -56,49 +56,18 @@ from rollsafe.env.protocol import (
     StatusReply,
 )
 from rollsafe.errors import (
-    EnvNotReady,
+    EnvRefused,
     EnvUnavailable,
+    EpisodeParked,
     InvalidInput,
     RollsafeError,
     SchemaMismatch,
 )
-from rollsafe.served import CLIENT_KEEPALIVE_S
+from rollsafe.http.served import CLIENT_KEEPALIVE_S
 
 R = TypeVar("R", bound=BaseModel)
 _JSON = {"content-type": "application/json"}
 PARKED = "checkpoint_parked"
-
-
-class _Refusal(RollsafeError):
-    """An instance's 409: it understood the call and refused it in its current phase."""
-
-    # Class defaults, so an instance rebuilt by errors._rebuild still has every field.
-    url: str = ""
-    op: str = ""
-    reason: str = ""
-    detail: str = ""
-
-    def __init__(self, url: str, op: str, reason: str, detail: str = "") -> None:
-        self.url = url
-        self.op = op
-        self.reason = reason
-        self.detail = detail
-        tail = f": {detail}" if detail else ""
-        super().__init__(f"environment at {url}: {op} refused ({reason}){tail}")
-
-    def __reduce__(self) -> tuple[object, ...]:
-        # The base keeps only class and message; the fields travel as pickle state (Ray).
-        return errors._rebuild, (type(self), str(self)), dict(vars(self))
-
-
-class EpisodeParked(_Refusal, EnvNotReady):
-    """409 ``checkpoint_parked``: the instance is parked for a checkpoint and did not start the
-    episode. Re-send the same :class:`RunEpisode` once it is idle; no attempt is spent."""
-
-
-class EnvRefused(_Refusal, InvalidInput):
-    """Any other 409 (``retired``, ``wrong_phase``, ``other_checkpoint``,
-    ``checkpoint_resumed``, ``already_running``): re-sending the same call cannot succeed."""
 
 
 class EnvClient:

@@ -11,7 +11,6 @@ from typing import Any
 
 from rollsafe.engine.protocol import Engine, PrefixRecord
 from rollsafe.env import protocol as w
-from rollsafe.env.client import EnvRefused, EpisodeParked
 from rollsafe.env.conformance_run import (
     EPISODE_S,
     MIN_TASK_TURNS,
@@ -20,7 +19,7 @@ from rollsafe.env.conformance_run import (
     expect,
     park_commit,
 )
-from rollsafe.errors import InvalidInput
+from rollsafe.errors import EnvRefused, EpisodeParked, InvalidInput
 
 
 async def probe(r: Run) -> None:

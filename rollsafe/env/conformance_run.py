@@ -17,7 +17,8 @@ import httpx
 
 from rollsafe.engine.protocol import Engine
 from rollsafe.env import protocol as w
-from rollsafe.env.client import EnvClient, EnvRefused, EpisodeParked
+from rollsafe.env.client import EnvClient
+from rollsafe.errors import EnvRefused, EpisodeParked
 
 EPISODE_S = 120.0  # one episode's time limit
 MIN_TASK_TURNS = 3  # turns the task must run: an episode must park after its first

@@ -38,7 +38,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from rollsafe.env.client import EnvClient, EpisodeParked
+from rollsafe.env.client import EnvClient
 from rollsafe.env.fleet_instances import (
     Instances,
     LeaseRenewer,
@@ -75,6 +75,7 @@ from rollsafe.env.protocol import (
 )
 from rollsafe.errors import (
     EnvNotReady,
+    EpisodeParked,
     InvalidInput,
     OwnershipMismatch,
     TopologyMismatch,

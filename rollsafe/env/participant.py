@@ -40,25 +40,13 @@ from rollsafe.env.participant_records import (
 )
 from rollsafe.env.protocol import EpisodeRef, EpisodeResult, Phase
 from rollsafe.env.session import Session
-from rollsafe.errors import InvalidInput
+from rollsafe.errors import InvalidInput, ParticipantRefused
 from rollsafe.faults import fault_point, register
 
 R = TypeVar("R", bound=BaseModel)
 _CAPTURED: dict[str, wire.Activity] = {"boundary": "boundary", "generating": "generating"}
 # While a restore reads its records (in a thread): tests hold it there to race a run against it.
 RESTORE_READING = register("env.restore.reading")[0]
-
-
-class Refused(InvalidInput):
-    """Refused in this phase or for this episode (HTTP 409). ``reason``: ``checkpoint_parked``,
-    ``retired``, ``already_running``, ``wrong_phase``, ``other_checkpoint``,
-    ``checkpoint_resumed`` or ``not_parked``."""
-
-    reason: str = "refused"  # also after errors._rebuild, which skips __init__
-
-    def __init__(self, reason: str, detail: str) -> None:
-        self.reason = reason
-        super().__init__(f"{reason}: {detail}")
 
 
 class Participant:
@@ -149,11 +137,15 @@ class Participant:
 
     def _require(self, cid: str, *phases: Phase) -> None:
         if cid in self._closed:
-            raise Refused("checkpoint_resumed", f"{cid} was resumed or expired; never again")
+            raise ParticipantRefused(
+                "checkpoint_resumed", f"{cid} was resumed or expired; never again"
+            )
         if self._open_id is not None and self._open_id != cid:
-            raise Refused("other_checkpoint", f"{self._open_id} is open, not {cid}")
+            raise ParticipantRefused("other_checkpoint", f"{self._open_id} is open, not {cid}")
         if self._phase not in phases:
-            raise Refused("wrong_phase", f"{cid}: phase is {self._phase}, not {'/'.join(phases)}")
+            raise ParticipantRefused(
+                "wrong_phase", f"{cid}: phase is {self._phase}, not {'/'.join(phases)}"
+            )
 
     def _require_future(self, deadline_ts: float) -> None:
         # A deadline already past would open a lease that has run out: answered "ready", then
@@ -269,7 +261,7 @@ class Participant:
             elif session is None or session.moved:
                 wrong.append(f"{ep.key} (moved on since prepare)")
         if wrong:
-            raise Refused("not_parked", f"scope names {', '.join(wrong)}")
+            raise ParticipantRefused("not_parked", f"scope names {', '.join(wrong)}")
 
     async def resume(self, request: wire.ResumeRequest) -> wire.ResumeReply:
         cid = request.checkpoint_id
@@ -289,7 +281,7 @@ class Participant:
         async with self._lock:
             self._expire_if_due()
             if self._phase not in ("idle", "restored"):
-                raise Refused("wrong_phase", f"retire while {self._phase}")
+                raise ParticipantRefused("wrong_phase", f"retire while {self._phase}")
             marks = {(ep.rollout_id, ep.attempt) for ep in request.rollouts}
             count = len(marks - self._retired)
             self._retired |= marks  # marked before anything is dropped: no run slips in
@@ -378,7 +370,7 @@ class Participant:
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if session.retired and (current is None or not current.cancelling()):
-                raise Refused("retired", f"{ep.key} was retired while running") from None
+                raise ParticipantRefused("retired", f"{ep.key} was retired while running") from None
             raise
         finally:
             if self._live.get(ep.key) is session:
@@ -387,14 +379,14 @@ class Participant:
 
     def _admit(self, ep: EpisodeRef) -> None:
         if self._phase != "idle":
-            raise Refused("checkpoint_parked", f"{self._open_id} is {self._phase}")
+            raise ParticipantRefused("checkpoint_parked", f"{self._open_id} is {self._phase}")
         self._check_free(ep)
 
     def _check_free(self, ep: EpisodeRef) -> None:
         if (ep.rollout_id, ep.attempt) in self._retired:
-            raise Refused("retired", f"{ep.key} is retired until forgotten")
+            raise ParticipantRefused("retired", f"{ep.key} is retired until forgotten")
         if ep.key in self._live:
-            raise Refused("already_running", f"{ep.key} is already running here")
+            raise ParticipantRefused("already_running", f"{ep.key} is already running here")
 
     def status(self) -> wire.StatusReply:
         self._lazy_expire()

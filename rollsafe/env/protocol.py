@@ -51,7 +51,7 @@ class _Message(BaseModel):
 
 
 class EpisodeRef(_Message):
-    """One attempt of one rollout (``rollsafe.ids.EpisodeId`` on the wire)."""
+    """One attempt of one rollout (``rollsafe.core.ids.EpisodeId`` on the wire)."""
 
     rollout_id: str = Field(pattern=ROLLOUT_ID_PATTERN)
     attempt: int = Field(ge=0)

@@ -29,10 +29,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from rollsafe.bearer import Handler, guarded
 from rollsafe.env import protocol as wire
-from rollsafe.env.participant import Participant, Refused
-from rollsafe.errors import InvalidInput, InvariantError, TransientError
+from rollsafe.env.participant import Participant
+from rollsafe.errors import InvalidInput, InvariantError, ParticipantRefused, TransientError
+from rollsafe.http.bearer import Handler, guarded
 
 M = TypeVar("M", bound=BaseModel)
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def _error(status: int, error: str, detail: str) -> Response:
 
 def error_response(exc: Exception) -> Response:
     """The typed reply for an error raised while serving a request."""
-    if isinstance(exc, Refused):
+    if isinstance(exc, ParticipantRefused):
         return _error(409, exc.reason, str(exc))
     if isinstance(exc, InvalidInput):
         return _error(422, type(exc).__name__, str(exc))

@@ -25,7 +25,7 @@ import uvicorn
 from rollsafe.engine.protocol import Engine
 from rollsafe.env.hooks import EnvironmentHooks
 from rollsafe.errors import InvalidInput
-from rollsafe.served import listening_url, server_config
+from rollsafe.http.served import listening_url, server_config
 
 Asgi = Callable[..., Any]  # an ASGI application
 

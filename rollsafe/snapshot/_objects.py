@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from rollsafe.errors import InvalidInput, TransientError
+from rollsafe.errors import InvalidInput, ObjectStoreUnavailable
 from rollsafe.snapshot._fs import token, write_new_synced
 from rollsafe.snapshot.manifest import FileEntry
 
@@ -52,11 +52,6 @@ _MEMORY_CREATE = threading.Lock()  # memory:// checks then creates: make that on
 OBJECT_TIMEOUT_S = 60.0
 MIN_BYTES_PER_S = 4 << 20
 T = TypeVar("T")
-
-
-class ObjectStoreUnavailable(TransientError):
-    """The object store did not answer or refused a request for a reason that may pass
-    (a network error, throttling, S3's 409 ConditionalRequestConflict, no answer in time)."""
 
 
 def bounded(

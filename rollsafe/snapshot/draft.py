@@ -32,7 +32,7 @@ from rollsafe.snapshot.manifest import (
     describe_errors,
     validate_relpath,
 )
-from rollsafe.tensorfile import HashingWriter
+from rollsafe.snapshot.tensorfile import HashingWriter
 
 if TYPE_CHECKING:
     from rollsafe.snapshot.store import PublishedSnapshot, SnapshotStore

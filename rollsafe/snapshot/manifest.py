@@ -27,8 +27,8 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from rollsafe.core.ids import RUN_ID_PATTERN
 from rollsafe.errors import InvalidInput, SchemaMismatch, SnapshotCorrupt
-from rollsafe.ids import RUN_ID_PATTERN
 
 SCHEMA_VERSION: Final = 1
 LATEST_VERSION: Final = 1

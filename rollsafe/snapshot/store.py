@@ -22,8 +22,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollsafe.core.ids import validate_run_id
 from rollsafe.errors import InvalidInput, RollsafeError, SchemaMismatch, SnapshotCorrupt
-from rollsafe.ids import validate_run_id
 from rollsafe.snapshot import _fs
 from rollsafe.snapshot.draft import SnapshotDraft
 from rollsafe.snapshot.manifest import LatestPointer, SnapshotKind, SnapshotManifest

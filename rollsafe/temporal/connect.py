@@ -20,7 +20,7 @@ from temporalio.envconfig import ClientConfigProfile, DataSource
 from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 
 from rollsafe.errors import InvalidInput, TemporalUnavailable
-from rollsafe.telemetry import client_plugins
+from rollsafe.observability.tracing import client_plugins
 
 # 127.0.0.1 rather than the CLI's "localhost": localhost may resolve to ::1 first, where the
 # dev server (bound to 127.0.0.1) does not listen.

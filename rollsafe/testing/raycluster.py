@@ -324,16 +324,16 @@ def arm_fault(_instance: Any, name: str, action: str, times: int | None = None) 
 
 def live_tokens(service: Any, pairs: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Any]:
     """(group, index) -> the ``tokens`` of that sealed rollout, read from the data plane of a
-    controller actor (ControllerService), wherever that data plane keeps its rows."""
-    from rollsafe.controller import ROLLOUT_PARTITION
+    controller actor (Controller), wherever that data plane keeps its rows."""
+    from rollsafe.core.run_state import ROLLOUT_PARTITION
 
     with service.barrier:
-        keys = {pair: service.controller.row_key(*pair) for pair in pairs}
-        rows = service.controller.dataplane.get(ROLLOUT_PARTITION, list(keys.values()))
+        keys = {pair: service.state.row_key(*pair) for pair in pairs}
+        rows = service.state.dataplane.get(ROLLOUT_PARTITION, list(keys.values()))
     return {pair: rows[key]["tokens"] for pair, key in keys.items()}
 
 
 def owned_groups(service: Any) -> list[int]:
-    """The groups a controller actor (ControllerService) owns: handed out, not trained."""
+    """The groups a controller actor (Controller) owns: handed out, not trained."""
     with service.barrier:
-        return sorted(service.controller.ledger.groups())
+        return sorted(service.state.ledger.groups())

@@ -26,10 +26,11 @@ import pytest
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
-from rollsafe.actor import NAMESPACE, start_controller_actor
+from rollsafe.checkpoint.actor import NAMESPACE, start_controller_actor
 from rollsafe.client import Checkpointer
-from rollsafe.config import RunConfig
-from rollsafe.controller import ROLLOUT_PARTITION, Controller
+from rollsafe.core.config import RunConfig
+from rollsafe.core.phases import Phase
+from rollsafe.core.run_state import ROLLOUT_PARTITION, RunState
 from rollsafe.dataplane import make_dataplane
 from rollsafe.dataplane.tq_runtime import (
     RAY_ENV,
@@ -39,7 +40,6 @@ from rollsafe.dataplane.tq_runtime import (
 )
 from rollsafe.engine.model import ModelConfig
 from rollsafe.engine.protocol import GenerateRequest, SamplingParams, completion_of
-from rollsafe.phases import Phase
 from rollsafe.snapshot import SnapshotStore
 from rollsafe.snapshot.select import verify_snapshot
 from rollsafe.temporal.connect import connect
@@ -64,7 +64,7 @@ from rollsafe.testing.workers import (
     wait_worker_ready,
     worker_process,
 )
-from workflows.models import PhaseOptions, SnapshotOutcome
+from rollsafe.workflows.models import PhaseOptions, SnapshotOutcome
 
 ray = pytest.importorskip("ray")
 
@@ -276,7 +276,7 @@ async def drill(
         assert untrained and all(np.array_equal(live[p], run.sealed[p]) for p in untrained)
         names = [entry.name for entry in store.list()]
         assert outcome.published.name in names and second.published.name in names
-        restored, plan = Controller.restore(config, store, make_dataplane("memory"))
+        restored, plan = RunState.restore(config, store, make_dataplane("memory"))
         assert plan.snapshot == second.published.name
         assert sorted([*plan.ready, *plan.partial]) == owned
         assert plan.partial[2].regenerate == [0, 1]

@@ -4,7 +4,7 @@
     .venv/bin/python tests/histories/record.py NAME ...   # only these (file stems)
 
 Starts a Temporal dev server in a temporary directory, runs the checkpoint worker in this
-process against an in-process controller (``LocalController`` over ``CheckpointOps``), drives
+process against an in-process controller (``LocalControllerClient`` over ``Controller``), drives
 each case below and writes ``(await handle.fetch_history()).to_json()`` to ``NAME.json``.
 Run ids and workflow ids are fixed so a re-recording differs only in timestamps, run ids
 (UUIDs), attempt counts and similar. ``identity`` fields (``pid@hostname``) are replaced by
@@ -27,19 +27,19 @@ from typing import Any
 
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 
-from activities.controllers import LocalController
-from rollsafe.coordinator import CheckpointOps
+from rollsafe.activities.controllers import LocalControllerClient
+from rollsafe.checkpoint.controller import Controller
+from rollsafe.core.phases import Phase, SnapshotSpec
 from rollsafe.dataplane import make_dataplane
+from rollsafe.evidence.scenario import busy_run
 from rollsafe.faults import arm, disarm_all
-from rollsafe.phases import Phase, SnapshotSpec
-from rollsafe.scenario import busy_run
 from rollsafe.snapshot import SnapshotStore
 from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
-from workers.checkpoint import build_worker
-from workflows.models import PhaseOptions, SnapshotInput, SupervisorConfig, SupervisorInput
-from workflows.snapshot import RolloutSnapshot
-from workflows.supervisor import SnapshotSupervisor, snapshot_id, supervisor_id
+from rollsafe.workers.checkpoint import build_worker
+from rollsafe.workflows.models import PhaseOptions, SnapshotInput, SupervisorConfig, SupervisorInput
+from rollsafe.workflows.snapshot import RolloutSnapshot
+from rollsafe.workflows.supervisor import SnapshotSupervisor, snapshot_id, supervisor_id
 
 HERE = Path(__file__).resolve().parent
 IDENTITY = "rollsafe-history-recorder"
@@ -55,11 +55,11 @@ class Case:
         self.run_id = run_id
         self.task_queue = f"rollsafe.{run_id}"
         store = SnapshotStore(root / run_id, run_id)
-        self.local = LocalController(
-            CheckpointOps(busy_run(run_id, make_dataplane("memory")), store)
+        self.local = LocalControllerClient(
+            Controller.from_parts(busy_run(run_id, make_dataplane("memory")), store)
         )
 
-    def resolve(self, run_id: str) -> LocalController:
+    def resolve(self, run_id: str) -> LocalControllerClient:
         assert run_id == self.run_id, run_id
         return self.local
 

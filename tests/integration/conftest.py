@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-# Fast retries so failure paths finish in a second (workflows.models.PhaseOptions).
+# Fast retries so failure paths finish in a second (rollsafe.workflows.models.PhaseOptions).
 FAST_RETRY = {"retry_initial_s": 0.05, "retry_maximum_s": 0.2, "retry_attempts": 3}
 
 
@@ -34,22 +34,24 @@ class WorkflowHarness:
     """A run whose controller lives in this process, served by workers built on demand."""
 
     def __init__(self, client: Any, tmp_path: Path) -> None:
-        from activities.controllers import LocalController
-        from rollsafe.coordinator import CheckpointOps
+        from rollsafe.activities.controllers import LocalControllerClient
+        from rollsafe.checkpoint.controller import Controller
         from rollsafe.dataplane import make_dataplane
-        from rollsafe.scenario import busy_run
+        from rollsafe.evidence.scenario import busy_run
         from rollsafe.snapshot import SnapshotStore
-        from workflows.supervisor import task_queue_for
+        from rollsafe.workflows.supervisor import task_queue_for
 
         self.client = client
         self.run_id = f"wf-{uuid.uuid4().hex[:8]}"
         self.task_queue = task_queue_for(self.run_id)
         self.store = SnapshotStore(tmp_path, self.run_id)
-        self.ops = CheckpointOps(busy_run(self.run_id, make_dataplane("memory")), self.store)
-        self.local = LocalController(self.ops)
+        self.ops = Controller.from_parts(
+            busy_run(self.run_id, make_dataplane("memory")), self.store
+        )
+        self.local = LocalControllerClient(self.ops)
 
     def worker(self) -> Any:
-        from workers.checkpoint import build_worker
+        from rollsafe.workers.checkpoint import build_worker
 
         return build_worker(self.client, self.task_queue, lambda run_id: self.local)
 
@@ -58,9 +60,9 @@ class WorkflowHarness:
 
     async def start_snapshot(self, seq: int = 1, **fields: Any) -> Any:
         """Start RolloutSnapshot ``seq`` directly (fast retries unless ``options`` given)."""
-        from rollsafe.phases import SnapshotSpec
-        from workflows.models import PhaseOptions, SnapshotInput
-        from workflows.snapshot import RolloutSnapshot
+        from rollsafe.core.phases import SnapshotSpec
+        from rollsafe.workflows.models import PhaseOptions, SnapshotInput
+        from rollsafe.workflows.snapshot import RolloutSnapshot
 
         fields.setdefault("options", PhaseOptions(**FAST_RETRY))
         return await self.client.start_workflow(
@@ -75,8 +77,8 @@ class WorkflowHarness:
 
     async def start_supervisor(self, **config: Any) -> Any:
         """Start the run's SnapshotSupervisor (fast retries unless ``options`` given)."""
-        from workflows.models import PhaseOptions, SupervisorConfig, SupervisorInput
-        from workflows.supervisor import SnapshotSupervisor, supervisor_id
+        from rollsafe.workflows.models import PhaseOptions, SupervisorConfig, SupervisorInput
+        from rollsafe.workflows.supervisor import SnapshotSupervisor, supervisor_id
 
         config.setdefault("options", PhaseOptions(**FAST_RETRY))
         return await self.client.start_workflow(
@@ -87,7 +89,7 @@ class WorkflowHarness:
         )
 
     async def snapshot_phase(self, seq: int) -> Any:
-        from workflows.snapshot import RolloutSnapshot
+        from rollsafe.workflows.snapshot import RolloutSnapshot
 
         handle = self.client.get_workflow_handle(self.snapshot_id(seq))
         return (await handle.query(RolloutSnapshot.status)).phase

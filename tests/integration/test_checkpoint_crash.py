@@ -31,23 +31,23 @@ from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.workflowservice.v1 import ResetStickyTaskQueueRequest
 from temporalio.client import Client, WorkflowHandle
 
-from rollsafe.actor import start_controller_actor
-from rollsafe.checkpoint_state import OpsStatus
-from rollsafe.config import RunConfig
-from rollsafe.controller import Controller
+from rollsafe.checkpoint.actor import start_controller_actor
+from rollsafe.checkpoint.controller import ControllerStatus
+from rollsafe.core.config import RunConfig
+from rollsafe.core.phases import PHASES, Phase, SnapshotSpec
+from rollsafe.core.run_state import RunState
 from rollsafe.dataplane import make_dataplane
+from rollsafe.evidence.scenario import row_content
 from rollsafe.faults import ENV_VAR, EXIT_CODE
-from rollsafe.phases import PHASES, Phase, SnapshotSpec
-from rollsafe.scenario import row_content
 from rollsafe.snapshot import SnapshotStore
 from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
 from rollsafe.temporal.search_attributes import PHASE
 from rollsafe.testing.history import completed_attempts
 from rollsafe.testing.workers import stop_process, wait_worker_ready, worker_process
-from workflows.models import PhaseOptions, SnapshotInput, SnapshotOutcome
-from workflows.snapshot import RolloutSnapshot
-from workflows.supervisor import task_queue_for
+from rollsafe.workflows.models import PhaseOptions, SnapshotInput, SnapshotOutcome
+from rollsafe.workflows.snapshot import RolloutSnapshot
+from rollsafe.workflows.supervisor import task_queue_for
 
 ray = pytest.importorskip("ray")
 
@@ -84,8 +84,8 @@ class Run:
     actor: Any
     store: SnapshotStore
 
-    def status(self) -> OpsStatus:
-        status: OpsStatus = ray.get(self.actor.status.remote())
+    def status(self) -> ControllerStatus:
+        status: ControllerStatus = ray.get(self.actor.status.remote())
         return status
 
 
@@ -203,7 +203,7 @@ def check_published_once(run: Run, outcome: SnapshotOutcome) -> None:
     # Open for real: a new attempt passes the gate.
     assert ray.get(run.actor.dispatch.remote(2, 0)) is not None
 
-    _, plan = Controller.restore(run.config, run.store, make_dataplane("memory"))
+    _, plan = RunState.restore(run.config, run.store, make_dataplane("memory"))
     assert (plan.snapshot, plan.checkpoint_id) == (reader.name, outcome.checkpoint_id)
     assert plan.ready == [0] and sorted(plan.partial) == [1, 2]
     assert (plan.partial[1].restored, plan.partial[1].regenerate) == ([0], [1])
@@ -303,7 +303,7 @@ async def test_two_workers_on_one_queue_the_survivor_finishes_a_killed_capture(
 LEASED = OPTIONS.model_copy(update={"admission_lease_s": 4.0})
 
 
-async def gate_reopened(run: Run) -> OpsStatus:
+async def gate_reopened(run: Run) -> ControllerStatus:
     deadline = time.monotonic() + WAIT_S
     while not (status := run.status()).gate_open:
         assert time.monotonic() < deadline, f"admission still closed: {status}"

@@ -14,16 +14,17 @@ from typing import Any
 import pytest
 from temporalio.client import Client, Interceptor, OutboundInterceptor
 
-from rollsafe.client import (
-    Checkpointer,
+from rollsafe.client import Checkpointer
+from rollsafe.core.phases import Phase
+from rollsafe.errors import (
+    CheckpointTimeout,
+    InvalidInput,
     RestoreFailed,
     SnapshotsFailed,
     SupervisorNotRunning,
 )
-from rollsafe.errors import CheckpointTimeout, InvalidInput
 from rollsafe.faults import arm, disarm_all
-from rollsafe.phases import Phase
-from workflows.models import PhaseOptions
+from rollsafe.workflows.models import PhaseOptions
 
 FAST = PhaseOptions(retry_initial_s=0.05, retry_maximum_s=0.2, retry_attempts=3)
 

@@ -3,19 +3,14 @@ typed errors across the process boundary, a fault point that kills the actor's p
 
 import pytest
 
-from rollsafe.actor import (
-    ControllerNotFound,
-    actor_name,
-    get_controller_actor,
-    start_controller_actor,
-)
-from rollsafe.checkpoint_state import CheckpointRefused, SnapshotLost
-from rollsafe.config import RunConfig
-from rollsafe.controller import Controller
+from rollsafe.checkpoint.actor import actor_name, get_controller_actor, start_controller_actor
+from rollsafe.core.config import RunConfig
+from rollsafe.core.phases import PHASES, Phase, PhaseRequest, SnapshotSpec
+from rollsafe.core.run_state import RunState
 from rollsafe.dataplane import make_dataplane
+from rollsafe.errors import CheckpointRefused, ControllerUnavailable, SnapshotLost
+from rollsafe.evidence.scenario import row_content
 from rollsafe.faults import ENV_VAR
-from rollsafe.phases import PHASES, Phase, PhaseRequest, SnapshotSpec
-from rollsafe.scenario import row_content
 from rollsafe.snapshot import SnapshotStore
 
 
@@ -62,7 +57,7 @@ def test_ten_phases_through_the_named_actor(ray_session, tmp_path):
     finally:
         ray.kill(first)
 
-    _, plan = Controller.restore(
+    _, plan = RunState.restore(
         config(run_id), SnapshotStore(tmp_path, run_id), make_dataplane("memory")
     )
     assert (plan.snapshot, plan.ready, sorted(plan.partial)) == (info.name, [0], [1, 2])
@@ -95,5 +90,5 @@ def test_an_exit_fault_kills_the_actor_and_a_new_one_cannot_publish(ray_session,
 
 
 def test_looking_up_a_run_without_an_actor(ray_session):
-    with pytest.raises(ControllerNotFound, match=actor_name("nobody")):
+    with pytest.raises(ControllerUnavailable, match=actor_name("nobody")):
         get_controller_actor("nobody")

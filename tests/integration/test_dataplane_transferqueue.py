@@ -221,7 +221,7 @@ def test_storage_units_are_placed_by_a_custom_resource_that_must_exist() -> None
     storage = tq_runtime.tq_config(2, "data_node")["backend"]["SimpleStorage"]
     assert storage == {"num_data_storage_units": 2, "required_node_resource": "data_node"}
     assert "required_node_resource" not in tq_runtime.tq_config()["backend"]["SimpleStorage"]
-    # Refused before tq.init, which would leave its named controller behind.
+    # ParticipantRefused before tq.init, which would leave its named controller behind.
     with pytest.raises(DataPlaneUnavailable, match=r"'data_node'.*--resources"):
         tq_runtime.check_storage_resource("data_node")
     assert tq_runtime.nodes_with("CPU") == [here]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rollsafe.evidence import Evidence
-from rollsafe.served import rollsafe_command
+from rollsafe.evidence.files import Evidence
+from rollsafe.http.served import rollsafe_command
 
 STEPS = "4"
 

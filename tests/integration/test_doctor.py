@@ -24,11 +24,11 @@ from temporalio.api.operatorservice.v1 import (
 from temporalio.client import WorkflowExecutionStatus
 from typer.testing import CliRunner
 
-from rollsafe import doctor_temporal
-from rollsafe.cli import app
-from rollsafe.doctor import DoctorReport
-from rollsafe.doctor_checks import DoctorCheck, Status
-from rollsafe.doctor_temporal import PROBE_WORKFLOW
+from rollsafe.cli.app import app
+from rollsafe.cli.doctor import DoctorReport
+from rollsafe.cli.doctor import temporal as doctor_temporal
+from rollsafe.cli.doctor.checks import DoctorCheck, Status
+from rollsafe.cli.doctor.temporal import PROBE_WORKFLOW
 from rollsafe.temporal.connect import ConnectionSettings, connect
 from rollsafe.temporal.devserver import DevServer
 

@@ -32,7 +32,7 @@ from rollsafe.engine.protocol import (
 )
 from rollsafe.engine.torch_engine import TorchEngine
 from rollsafe.errors import EngineUnavailable, InvalidInput, PrefixMismatch
-from rollsafe.served import ENGINE_BANNER, ServedProcess, start_served
+from rollsafe.http.served import ENGINE_BANNER, ServedProcess, start_served
 from rollsafe.testing.parity import completed
 
 TOKEN = "engine-test-token"

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from rollsafe.env.conformance import CHECKS, ConformanceReport, run_conformance
-from rollsafe.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, rollsafe_command
+from rollsafe.http.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, rollsafe_command
 
 ENGINE_TOKEN = "conf-engine-token"
 ENV_TOKEN = "conf-env-token"
@@ -154,9 +154,9 @@ def lakes(
 ) -> Iterator[dict[str, ServedProcess]]:
     """The FrozenLake example and its lossy twin, served with --hooks."""
     how = {
-        "lake": ["--hooks", "reference.envs.frozen_lake:FrozenLake"],
-        "lossy-lake": ["--hooks", "reference.envs.lossy:LossyFrozenLake"],
-        "regen-lake": ["--hooks", "reference.envs.lossy:RegeneratingFrozenLake"],
+        "lake": ["--hooks", "rollsafe.reference.envs.frozen_lake:FrozenLake"],
+        "lossy-lake": ["--hooks", "rollsafe.reference.envs.lossy:LossyFrozenLake"],
+        "regen-lake": ["--hooks", "rollsafe.reference.envs.lossy:RegeneratingFrozenLake"],
     }
     yield from serve_envs(engine, tmp_path_factory.mktemp("lakes"), how)
 

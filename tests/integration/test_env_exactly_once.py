@@ -30,12 +30,10 @@ from typing import Any
 import httpx
 import pytest
 
-from reference.envs.workplace.calendar import Task, action_from_tokens, apply, new_calendar
-from reference.envs.workplace.calendar import reward as score
 from rollsafe.dataplane.memory import MemoryDataPlane
 from rollsafe.engine.http import EngineClient
 from rollsafe.engine.staging import StagedCut, cut_and_stage, load_prefixes
-from rollsafe.env.client import EnvClient, EnvRefused
+from rollsafe.env.client import EnvClient
 from rollsafe.env.fleet import EnvFleet
 from rollsafe.env.fleet_rules import FleetPrepared
 from rollsafe.env.protocol import (
@@ -50,8 +48,10 @@ from rollsafe.env.protocol import (
     ResumeRequest,
     RunEpisode,
 )
-from rollsafe.errors import EnvUnavailable
-from rollsafe.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, rollsafe_command
+from rollsafe.errors import EnvRefused, EnvUnavailable
+from rollsafe.http.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, rollsafe_command
+from rollsafe.reference.envs.workplace.calendar import Task, action_from_tokens, apply, new_calendar
+from rollsafe.reference.envs.workplace.calendar import reward as score
 
 ENGINE_TOKEN = "eo-engine-token"
 ENV_TOKEN = "eo-env-token"

@@ -7,21 +7,21 @@ import asyncio
 import uuid
 from pathlib import Path
 
-from activities.controllers import LocalController
-from rollsafe.config import RunConfig
-from rollsafe.controller import Controller
-from rollsafe.coordinator import CheckpointOps
+from rollsafe.activities.controllers import LocalControllerClient
+from rollsafe.checkpoint.controller import Controller
+from rollsafe.cli.inspection import inspect_run, render
+from rollsafe.core.config import RunConfig
+from rollsafe.core.phases import Phase, SnapshotSpec
+from rollsafe.core.run_state import RunState
 from rollsafe.dataplane import make_dataplane
 from rollsafe.faults import arm, disarm_all
-from rollsafe.inspect import inspect_run, render
-from rollsafe.phases import Phase, SnapshotSpec
 from rollsafe.snapshot import SnapshotStore
 from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
-from workers.checkpoint import build_worker
-from workflows.models import PhaseOptions, SnapshotInput
-from workflows.snapshot import RolloutSnapshot
-from workflows.supervisor import task_queue_for
+from rollsafe.workers.checkpoint import build_worker
+from rollsafe.workflows.models import PhaseOptions, SnapshotInput
+from rollsafe.workflows.snapshot import RolloutSnapshot
+from rollsafe.workflows.supervisor import task_queue_for
 
 
 async def _eventually(check, timeout_s: float = 10.0):
@@ -40,10 +40,10 @@ async def test_inspect_shows_the_stuck_phase_with_and_without_a_worker(
     client = await connect(server.settings())
     run_id = f"insp-{uuid.uuid4().hex[:8]}"
     config = RunConfig(run_id=run_id, group_size=2, groups_per_step=1)
-    ops = CheckpointOps(
-        Controller(config, make_dataplane("memory")), SnapshotStore(tmp_path, run_id)
+    ops = Controller.from_parts(
+        RunState(config, make_dataplane("memory")), SnapshotStore(tmp_path, run_id)
     )
-    local = LocalController(ops)
+    local = LocalControllerClient(ops)
     arm("phase.drain.before", "sleep:4")
     try:
         worker = build_worker(client, task_queue_for(run_id), lambda _: local)

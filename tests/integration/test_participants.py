@@ -22,16 +22,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rollsafe.actor import ControllerService
-from rollsafe.config import RunConfig
-from rollsafe.dataplane.protocol import DataPlaneManifest
-from rollsafe.engine.http import EngineClient
-from rollsafe.engine.staging import PREFIX_PARTITION
-from rollsafe.env.client import EnvClient
-from rollsafe.env.fleet import EnvFleet
-from rollsafe.env.protocol import EpisodeResult, RunEpisode
-from rollsafe.loop import LoopThread
-from rollsafe.participants import (
+from rollsafe.checkpoint.controller import Controller
+from rollsafe.checkpoint.loop import LoopThread
+from rollsafe.checkpoint.participants import (
     RECORD_FILE,
     ParticipantOptions,
     Participants,
@@ -39,9 +32,16 @@ from rollsafe.participants import (
     to_episode,
     to_ref,
 )
-from rollsafe.phases import PHASES, Phase, PhaseRequest, RestoreRequest, SnapshotSpec
-from rollsafe.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
-from rollsafe.states import AttemptState
+from rollsafe.core.config import RunConfig
+from rollsafe.core.phases import PHASES, Phase, PhaseRequest, RestoreRequest, SnapshotSpec
+from rollsafe.core.states import AttemptState
+from rollsafe.dataplane.protocol import DataPlaneManifest
+from rollsafe.engine.http import EngineClient
+from rollsafe.engine.staging import PREFIX_PARTITION
+from rollsafe.env.client import EnvClient
+from rollsafe.env.fleet import EnvFleet
+from rollsafe.env.protocol import EpisodeResult, RunEpisode
+from rollsafe.http.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
 
 RUN = "with-envs"
 ENGINE_TOKEN, ENV_TOKEN = "pt-engine", "pt-env"
@@ -100,7 +100,7 @@ class Run:
         )
         config = RunConfig(run_id=RUN, group_size=GROUP_SIZE, groups_per_step=2)
         config = config.model_copy(update={"restore_level": "prefix"})
-        self.service = ControllerService(config, root, participants=self.participants)
+        self.service = Controller(config, root, participants=self.participants)
 
     @staticmethod
     async def _clients(servers: Servers) -> tuple[EnvFleet, EngineClient]:
@@ -182,10 +182,10 @@ def test_phases_park_cut_commit_and_a_restore_brings_the_episodes_back(
     # The staged prefixes are in the snapshot only: the live data plane let them go at resume.
     exported = DataPlaneManifest.model_validate_json((snapshot / "dataplane.json").read_bytes())
     assert exported.partitions[PREFIX_PARTITION] == len(record.staged)
-    assert first.service.controller.dataplane.count(PREFIX_PARTITION) == 0
+    assert first.service.state.dataplane.count(PREFIX_PARTITION) == 0
     # After resume, every episode of the first life finished and sealed.
     assert len(finished) == GROUPS * GROUP_SIZE
-    ledger = first.service.controller.ledger
+    ledger = first.service.state.ledger
     assert all(ledger.states(idx) == [AttemptState.SEALED] * GROUP_SIZE for idx in range(GROUPS))
 
     # Crash every environment server; restore from the snapshot onto fresh ones.
@@ -195,7 +195,7 @@ def test_phases_park_cut_commit_and_a_restore_brings_the_episodes_back(
     try:
         plan = second.service.restore(RestoreRequest(run_id=RUN, restore_id="restore-1"))
         # Handed to the environments, then dropped from the live data plane too.
-        assert second.service.controller.dataplane.count(PREFIX_PARTITION) == 0
+        assert second.service.state.dataplane.count(PREFIX_PARTITION) == 0
         resumed = {(idx, i) for idx, g in plan.partial.items() for i in g.resumed}
         expected = {(e.rollout.group.idx, e.rollout.i) for e in map(to_episode, committed)}
         assert resumed == expected

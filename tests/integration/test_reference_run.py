@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from reference.rl.run import ReferenceRun, RunSettings
-from reference.rl.servers import RunServers
-from rollsafe.evidence import TRAINED, Evidence, FaultRecord, TrainedRow, read_lines
-from rollsafe.phases import Phase
-from rollsafe.verify import verify
+from rollsafe.core.phases import Phase
+from rollsafe.evidence.files import TRAINED, Evidence, FaultRecord, TrainedRow, read_lines
+from rollsafe.evidence.verify import verify
+from rollsafe.reference.rl.run import ReferenceRun, RunSettings
+from rollsafe.reference.rl.servers import RunServers
 
 ENGINE_TOKEN, ENV_TOKEN = "rr-engine", "rr-env"
 INSTANCES = ("w0", "w1", "w2")

@@ -17,10 +17,10 @@ from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
-from rollsafe.phases import PhaseResult
-from workflows.models import SnapshotInput, SnapshotOutcome, SupervisorInput
-from workflows.snapshot import RolloutSnapshot, start_activity
-from workflows.supervisor import SnapshotSupervisor
+from rollsafe.core.phases import PhaseResult
+from rollsafe.workflows.models import SnapshotInput, SnapshotOutcome, SupervisorInput
+from rollsafe.workflows.snapshot import RolloutSnapshot, start_activity
+from rollsafe.workflows.supervisor import SnapshotSupervisor
 
 HISTORIES = Path(__file__).resolve().parents[1] / "histories"
 FILES = sorted(HISTORIES.glob("*.json"))

@@ -19,16 +19,16 @@ from typing import Any
 
 import pytest
 
-from activities.controllers import RayController
-from rollsafe.actor import start_controller_actor
+from rollsafe.activities.controllers import RayControllerClient
+from rollsafe.checkpoint.actor import start_controller_actor
 from rollsafe.client import Checkpointer
-from rollsafe.config import RunConfig
-from rollsafe.scenario import row_content
+from rollsafe.core.config import RunConfig
+from rollsafe.evidence.scenario import row_content
 from rollsafe.snapshot import EntryState, SnapshotStore
 from rollsafe.temporal.connect import connect
-from workers.checkpoint import build_worker
-from workflows.models import PhaseOptions
-from workflows.supervisor import task_queue_for
+from rollsafe.workers.checkpoint import build_worker
+from rollsafe.workflows.models import PhaseOptions
+from rollsafe.workflows.supervisor import task_queue_for
 
 ray = pytest.importorskip("ray")
 
@@ -42,7 +42,7 @@ def config(run_id: str) -> RunConfig:
 @asynccontextmanager
 async def worker(client: Any, run_id: str) -> AsyncIterator[None]:
     """A checkpoint worker that reaches the controller actor by name, as `rollsafe worker`."""
-    async with build_worker(client, task_queue_for(run_id), RayController):
+    async with build_worker(client, task_queue_for(run_id), RayControllerClient):
         yield
 
 

@@ -22,20 +22,20 @@ from pathlib import Path
 
 import pytest
 
-from reference.rl.controller import Endpoints
-from reference.rl.run import SNAPSHOTS_DIR, ReferenceRun, RunSettings
-from reference.rl.servers import RunServers
-from rollsafe.capture import CapturedState
+from rollsafe.checkpoint.participants import RECORD_FILE, ParticipantsRecord
+from rollsafe.core.capture import CapturedState
+from rollsafe.core.ledger import Ledger
+from rollsafe.core.phases import Phase, PhaseResult, RestorePlan, checkpoint_id_for
+from rollsafe.core.states import AttemptState
 from rollsafe.engine.staging import PREFIX_PARTITION
 from rollsafe.env.client import EnvClient
 from rollsafe.env.protocol import PrepareRequest, ResumeRequest
-from rollsafe.evidence import Evidence, TrainedRow
-from rollsafe.ledger import Ledger
-from rollsafe.participants import RECORD_FILE, ParticipantsRecord
-from rollsafe.phases import Phase, PhaseResult, RestorePlan, checkpoint_id_for
+from rollsafe.evidence.files import Evidence, TrainedRow
+from rollsafe.evidence.verify import verify
+from rollsafe.reference.rl.controller import Endpoints
+from rollsafe.reference.rl.run import SNAPSHOTS_DIR, ReferenceRun, RunSettings
+from rollsafe.reference.rl.servers import RunServers
 from rollsafe.snapshot import SnapshotStore
-from rollsafe.states import AttemptState
-from rollsafe.verify import verify
 
 INSTANCES = ("w0", "w1", "w2")
 BASE = RunSettings(run_id="lv", seed=11, steps=2, group_size=4, groups_per_step=2, turns=4)
@@ -118,7 +118,7 @@ def calls_generating(run: ReferenceRun) -> bool:
 def some_sibling_sealed(run: ReferenceRun) -> bool:
     assert run.local is not None
     with run.local.barrier:
-        return bool(mixed_groups(run.local.controller.ledger))
+        return bool(mixed_groups(run.local.state.ledger))
 
 
 def crashed_and_restored(
@@ -165,7 +165,7 @@ def crashed_and_restored(
     if release is not None:
         release()
     assert second.local is not None  # the staged prefixes live on in the snapshot only
-    assert second.local.controller.dataplane.count(PREFIX_PARTITION) == 0
+    assert second.local.state.dataplane.count(PREFIX_PARTITION) == 0
     try:
         second.run()
         second.finish()

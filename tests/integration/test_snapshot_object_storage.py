@@ -36,7 +36,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from rollsafe.doctor_checks import Status, check_storage
+from rollsafe.cli.doctor.checks import Status, check_storage
 from rollsafe.errors import InvalidInput, NoValidSnapshot
 from rollsafe.snapshot import SnapshotKind
 from rollsafe.snapshot import _objects as objects
@@ -393,12 +393,12 @@ def test_s3_the_controller_actor_publishes_through_its_cache(
     """The run's controller as a Ray actor with an s3:// root: drafts staged in its cache, the
     snapshot in the bucket (credentials and endpoint from the actor's environment, as on a Ray
     node), restored by this process through a cache of its own."""
-    from rollsafe.actor import start_controller_actor
-    from rollsafe.config import RunConfig
-    from rollsafe.controller import Controller
+    from rollsafe.checkpoint.actor import start_controller_actor
+    from rollsafe.core.config import RunConfig
+    from rollsafe.core.phases import PHASES, PhaseRequest, SnapshotSpec
+    from rollsafe.core.run_state import RunState
     from rollsafe.dataplane import make_dataplane
-    from rollsafe.phases import PHASES, PhaseRequest, SnapshotSpec
-    from rollsafe.scenario import row_content
+    from rollsafe.evidence.scenario import row_content
 
     ray = ray_session
     config = RunConfig(run_id=RUN, group_size=2, groups_per_step=2)
@@ -423,5 +423,5 @@ def test_s3_the_controller_actor_publishes_through_its_cache(
     assert list((tmp_path / "actor-cache" / RUN / "snapshots").iterdir())  # staged there
     store = store_at(url, tmp_path / "reader-cache", options)
     assert [entry.name for entry in store.list()] == [info.name]
-    _, plan = Controller.restore(config, store, make_dataplane("memory"))
+    _, plan = RunState.restore(config, store, make_dataplane("memory"))
     assert (plan.snapshot, plan.ready, sorted(plan.partial)) == (info.name, [], [0, 1])

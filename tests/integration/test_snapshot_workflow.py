@@ -9,14 +9,14 @@ import pytest
 from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 
-from rollsafe.controller import Controller
+from rollsafe.core.phases import PHASES, Phase, RestoreRequest
+from rollsafe.core.run_state import RunState
 from rollsafe.dataplane import make_dataplane
+from rollsafe.evidence.scenario import row_content
 from rollsafe.faults import arm, disarm_all
-from rollsafe.phases import PHASES, Phase, RestoreRequest
-from rollsafe.scenario import row_content
-from workflows.restore import RestoreRun, restore_workflow_id
-from workflows.snapshot import RolloutSnapshot
-from workflows.supervisor import SnapshotSupervisor, supervisor_id
+from rollsafe.workflows.restore import RestoreRun, restore_workflow_id
+from rollsafe.workflows.snapshot import RolloutSnapshot
+from rollsafe.workflows.supervisor import SnapshotSupervisor, supervisor_id
 
 
 async def test_a_snapshot_runs_the_ten_phases_once_and_publishes(harness) -> None:
@@ -28,9 +28,7 @@ async def test_a_snapshot_runs_the_ten_phases_once_and_publishes(harness) -> Non
     status = harness.ops.status()
     assert status.gate_open and status.open_checkpoint is None
     assert all(status.effects[p.value] == 1 for p in (Phase.OPEN, Phase.CAPTURE, Phase.PUBLISH))
-    _, plan = Controller.restore(
-        harness.ops.controller.config, harness.store, make_dataplane("memory")
-    )
+    _, plan = RunState.restore(harness.ops.state.config, harness.store, make_dataplane("memory"))
     assert plan.checkpoint_id == outcome.checkpoint_id and plan.ready == [0]
 
 
@@ -115,7 +113,7 @@ async def test_restore_workflow_brings_the_run_back_from_its_newest_snapshot(
     async with harness.worker():
         assert (await harness.snapshot()).status == "published"
         # The run moves on after the snapshot: one more seal that the restore must undo.
-        live = harness.ops.controller
+        live = harness.ops.state
         live.dispatch(2, 0)
         live.seal(2, 0, 0, row_content(2, 0, 0))
         request = RestoreRequest(run_id=harness.run_id, restore_id="r1")
@@ -134,8 +132,8 @@ async def test_restore_workflow_brings_the_run_back_from_its_newest_snapshot(
     assert plan.ready == [0] and sorted(plan.partial) == [1, 2]
     assert plan.partial[1].restored == [0] and plan.partial[2].restored == []
     assert again == plan  # idempotent per restore id: the run was not restored twice
-    assert harness.ops.controller is not live
-    assert harness.ops.controller.ledger.sealed(2) == []
+    assert harness.ops.state is not live
+    assert harness.ops.state.ledger.sealed(2) == []
 
 
 async def test_restore_without_a_snapshot_fails_naming_it(harness) -> None:

@@ -356,7 +356,7 @@ def _read_banner(proc: subprocess.Popen[str], timeout_s: float) -> list[str]:
 
 def test_server_command_prints_the_address_and_stops_on_sigterm(tmp_path: Path) -> None:
     code = (
-        "import sys; from pathlib import Path; from rollsafe.temporal.cli import server_command; "
+        "import sys; from pathlib import Path; from rollsafe.cli.server import server_command; "
         "server_command(state_dir=Path(sys.argv[1]), port=0)"
     )
     proc = subprocess.Popen(

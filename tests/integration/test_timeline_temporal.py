@@ -6,10 +6,16 @@ from __future__ import annotations
 import asyncio
 import time
 
+from rollsafe.core.phases import RestoreRequest
 from rollsafe.faults import arm, disarm_all
-from rollsafe.phases import RestoreRequest
-from rollsafe.timeline import Span, Timeline, render_timeline, restore_spans, snapshot_spans
-from workflows.restore import RestoreRun, restore_workflow_id
+from rollsafe.observability.timeline import (
+    Span,
+    Timeline,
+    render_timeline,
+    restore_spans,
+    snapshot_spans,
+)
+from rollsafe.workflows.restore import RestoreRun, restore_workflow_id
 
 
 async def _listed(read, count: int, timeout_s: float = 10.0) -> list[Span]:

@@ -17,33 +17,33 @@ SCRIPT = textwrap.dedent(
     from pathlib import Path
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-    from rollsafe.telemetry import configure_tracing
+    from rollsafe.observability.tracing import configure_tracing
 
     exporter = InMemorySpanExporter()
     configure_tracing(SimpleSpanProcessor(exporter))
 
-    from activities.controllers import LocalController
-    from rollsafe.config import RunConfig
-    from rollsafe.controller import Controller
-    from rollsafe.coordinator import CheckpointOps
+    from rollsafe.activities.controllers import LocalControllerClient
+    from rollsafe.core.config import RunConfig
+    from rollsafe.core.run_state import RunState
+    from rollsafe.checkpoint.controller import Controller
     from rollsafe.dataplane import make_dataplane
-    from rollsafe.phases import SnapshotSpec
+    from rollsafe.core.phases import SnapshotSpec
     from rollsafe.snapshot import SnapshotStore
     from rollsafe.temporal.connect import connect
     from rollsafe.temporal.devserver import DevServer
-    from workers.checkpoint import build_worker
-    from workflows.supervisor import task_queue_for
-    from workflows.models import SnapshotInput
-    from workflows.snapshot import RolloutSnapshot
+    from rollsafe.workers.checkpoint import build_worker
+    from rollsafe.workflows.supervisor import task_queue_for
+    from rollsafe.workflows.models import SnapshotInput
+    from rollsafe.workflows.snapshot import RolloutSnapshot
 
     async def main(root: Path) -> None:
         async with DevServer(root / "temporal") as server:
             client = await connect(server.settings())
             config = RunConfig(run_id="traced", group_size=2, groups_per_step=1)
-            ops = CheckpointOps(
-                Controller(config, make_dataplane("memory")), SnapshotStore(root, "traced")
+            ops = Controller.from_parts(
+                RunState(config, make_dataplane("memory")), SnapshotStore(root, "traced")
             )
-            local = LocalController(ops)
+            local = LocalControllerClient(ops)
             async with build_worker(client, task_queue_for("traced"), lambda _: local):
                 outcome = await client.execute_workflow(
                     RolloutSnapshot.run,

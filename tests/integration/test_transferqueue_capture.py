@@ -15,16 +15,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rollsafe.actor import ControllerService
-from rollsafe.config import RunConfig
-from rollsafe.controller import ROLLOUT_PARTITION, Controller
+from rollsafe.checkpoint.controller import Controller
+from rollsafe.core.config import RunConfig
+from rollsafe.core.phases import PHASES, PhaseRequest, SnapshotSpec
+from rollsafe.core.run_state import ROLLOUT_PARTITION, RunState
 from rollsafe.dataplane.protocol import row_digest
 from rollsafe.dataplane.tq_runtime import import_tq
 from rollsafe.dataplane.transferqueue import TransferQueueDataPlane
 from rollsafe.engine.protocol import SamplingParams, prompt_digest, seal_prefix
 from rollsafe.engine.staging import PrefixReader, prefix_key, stage_prefixes
 from rollsafe.errors import DataPlaneKeyMissing
-from rollsafe.phases import PHASES, PhaseRequest, SnapshotSpec
 from rollsafe.snapshot import SnapshotStore
 
 pytestmark = pytest.mark.usefixtures("transferqueue")
@@ -46,7 +46,7 @@ class Writer(threading.Thread):
     the gate is open, seal a backlog of dispatched rollouts (sealing goes on while the gate is
     closed, as in-flight episodes do), and commit steps that delete trained rows."""
 
-    def __init__(self, service: ControllerService) -> None:
+    def __init__(self, service: Controller) -> None:
         super().__init__(daemon=True)
         self.service = service
         self.stop = threading.Event()
@@ -74,7 +74,7 @@ class Writer(threading.Thread):
                 idx, i, attempt = backlog.pop(0)
                 row = rollout_row(idx, i, attempt)
                 if self.service.seal(idx, i, attempt, row):
-                    self.sealed[self.service.controller.row_key(idx, i)] = row_digest(row)
+                    self.sealed[self.service.state.row_key(idx, i)] = row_digest(row)
                     self.seals += 1
             if self.seals and self.seals % 25 == 0 and (ready := self.service.select()):
                 self.service.claim(ready, step)
@@ -83,9 +83,9 @@ class Writer(threading.Thread):
 
 
 @pytest.fixture
-def hammered(tmp_path: Path) -> Iterator[tuple[ControllerService, Writer, list[int]]]:
+def hammered(tmp_path: Path) -> Iterator[tuple[Controller, Writer, list[int]]]:
     config = RunConfig(run_id=RUN, group_size=2, groups_per_step=2)
-    service = ControllerService(config, tmp_path, dataplane="transferqueue", keep_latest_k=10)
+    service = Controller(config, tmp_path, dataplane="transferqueue", keep_latest_k=10)
     writer = Writer(service)
     seals_inside: list[int] = []
     writer.start()
@@ -104,11 +104,11 @@ def hammered(tmp_path: Path) -> Iterator[tuple[ControllerService, Writer, list[i
     try:
         yield service, writer, seals_inside
     finally:
-        service.controller.dataplane.clear()
+        service.state.dataplane.clear()
 
 
 def test_capture_under_a_hammering_writer_restores_every_row_intact(
-    hammered: tuple[ControllerService, Writer, list[int]],
+    hammered: tuple[Controller, Writer, list[int]],
 ) -> None:
     service, writer, seals_inside = hammered
     assert writer.error is None, writer.error
@@ -120,8 +120,8 @@ def test_capture_under_a_hammering_writer_restores_every_row_intact(
     for entry in published:
         plane = TransferQueueDataPlane()  # a clean namespace, as after a crash
         try:
-            restored, _ = Controller.restore(
-                service.controller.config,
+            restored, _ = RunState.restore(
+                service.state.config,
                 service.store,
                 plane,
                 accept=lambda m, seq=entry.seq: None if m.seq == seq else "not this one",
@@ -231,8 +231,8 @@ def test_a_controller_actor_keeps_its_rows_in_transferqueue(
 ) -> None:
     """The controller runs in its own Ray worker process and attaches to the driver's
     TransferQueue; its snapshot restores here, in another process, into a clean namespace."""
-    from rollsafe.actor import start_controller_actor
-    from rollsafe.scenario import row_content
+    from rollsafe.checkpoint.actor import start_controller_actor
+    from rollsafe.evidence.scenario import row_content
 
     ray, run_id = ray_session, "tq-actor"
     config = RunConfig(run_id=run_id, group_size=2, groups_per_step=2)
@@ -245,16 +245,14 @@ def test_a_controller_actor_keeps_its_rows_in_transferqueue(
         spec = SnapshotSpec(run_id=run_id, seq=1)
         for phase in PHASES:
             ray.get(actor.run_phase.remote(PhaseRequest(spec=spec, phase=phase)))
-        backend = ray.get(
-            actor.__ray_call__.remote(lambda service: service.controller.dataplane.name)
-        )
+        backend = ray.get(actor.__ray_call__.remote(lambda service: service.state.dataplane.name))
         assert backend == "transferqueue"
     finally:
-        ray.get(actor.__ray_call__.remote(lambda service: service.controller.dataplane.clear()))
+        ray.get(actor.__ray_call__.remote(lambda service: service.state.dataplane.clear()))
         ray.kill(actor)
     plane = TransferQueueDataPlane()
     try:
-        restored, plan = Controller.restore(config, SnapshotStore(tmp_path, run_id), plane)
+        restored, plan = RunState.restore(config, SnapshotStore(tmp_path, run_id), plane)
         assert plan.ready == [0] and sorted(plan.partial) == [1]
         rows = plane.get(ROLLOUT_PARTITION, [restored.row_key(0, 0), restored.row_key(1, 0)])
         assert row_digest(rows[restored.row_key(1, 0)]) == row_digest(row_content(1, 0, 0))

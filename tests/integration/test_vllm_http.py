@@ -22,7 +22,7 @@ from rollsafe.engine.protocol import (
     PrefixRecord,
     SamplingParams,
 )
-from rollsafe.served import ENGINE_BANNER, ServedProcess, start_served
+from rollsafe.http.served import ENGINE_BANNER, ServedProcess, start_served
 from rollsafe.testing.parity import completed, mismatches
 
 TOKEN = "vllm-test-token"

@@ -25,15 +25,15 @@ import pytest
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy
 
-from rollsafe.actor import start_controller_actor
-from rollsafe.config import RunConfig
+from rollsafe.checkpoint.actor import start_controller_actor
+from rollsafe.core.config import RunConfig
+from rollsafe.core.phases import PHASES, Phase, SnapshotSpec
 from rollsafe.faults import ENV_VAR
-from rollsafe.phases import PHASES, Phase, SnapshotSpec
 from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
-from workflows.models import PhaseOptions, SnapshotInput, SnapshotOutcome
-from workflows.snapshot import RolloutSnapshot
-from workflows.supervisor import task_queue_for
+from rollsafe.workflows.models import PhaseOptions, SnapshotInput, SnapshotOutcome
+from rollsafe.workflows.snapshot import RolloutSnapshot
+from rollsafe.workflows.supervisor import task_queue_for
 
 ray = pytest.importorskip("ray")
 

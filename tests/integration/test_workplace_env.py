@@ -22,8 +22,6 @@ import httpx
 import pytest
 from pydantic import BaseModel
 
-from reference.envs.workplace.env import WorkplaceEnv
-from reference.envs.workplace.faults import EXIT_CODE, FaultSwitches
 from rollsafe.engine.http import EngineClient
 from rollsafe.engine.model import ModelConfig
 from rollsafe.engine.protocol import (
@@ -53,7 +51,9 @@ from rollsafe.env.protocol import (
 )
 from rollsafe.env.session import complete_call, take_prefix, turn_request
 from rollsafe.errors import EngineUnavailable, InvalidInput
-from rollsafe.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
+from rollsafe.http.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
+from rollsafe.reference.envs.workplace.env import WorkplaceEnv
+from rollsafe.reference.envs.workplace.faults import EXIT_CODE, FaultSwitches
 
 ROLLOUT = "wp-7_g0"
 TASK = {"seed": 5, "meetings": 3, "turns": 4}

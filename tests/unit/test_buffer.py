@@ -1,8 +1,8 @@
 import pytest
 
-from rollsafe.buffer import ReplayIndex, SamplerState, make_sampler
+from rollsafe.core.buffer import ReplayIndex, SamplerState, make_sampler
+from rollsafe.core.states import GroupState as G
 from rollsafe.errors import IllegalTransition, InvalidInput, SnapshotCorrupt, UnknownGroup
-from rollsafe.states import GroupState as G
 
 
 def index_with(groups: dict[int, tuple[G, int]], size=2) -> ReplayIndex:

@@ -214,7 +214,7 @@ def test_snapshots_list_and_ls_read_object_storage(tmp_path):
     fsspec = pytest.importorskip("fsspec")
     from typer.testing import CliRunner
 
-    from rollsafe.cli import app
+    from rollsafe.cli.app import app
     from rollsafe.snapshot import SnapshotKind
     from rollsafe.snapshot.remote import RemoteSnapshotStore
 

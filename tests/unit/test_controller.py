@@ -1,10 +1,11 @@
-"""The Controller end to end on the memory data plane: checkpoint to disk, restore from it."""
+"""The RunState end to end on the memory data plane: checkpoint to disk, restore from it."""
 
 import numpy as np
 import pytest
 
-from rollsafe.config import RunConfig
-from rollsafe.controller import ROLLOUT_PARTITION, Controller
+from rollsafe.core.config import RunConfig
+from rollsafe.core.run_state import ROLLOUT_PARTITION, RunState
+from rollsafe.core.states import AttemptState, GroupState
 from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import (
     DataPlaneKeyMissing,
@@ -16,9 +17,8 @@ from rollsafe.errors import (
     TopologyMismatch,
     UnknownGroup,
 )
-from rollsafe.scenario import row_content
+from rollsafe.evidence.scenario import row_content
 from rollsafe.snapshot import SnapshotStore
-from rollsafe.states import AttemptState, GroupState
 
 RUN = "ctl"
 
@@ -27,16 +27,16 @@ def config(**overrides) -> RunConfig:
     return RunConfig(**{"run_id": RUN, "group_size": 2, "groups_per_step": 2, **overrides})
 
 
-def commit(run: Controller, idx: int, i: int, owner: str | None = None) -> None:
+def commit(run: RunState, idx: int, i: int, owner: str | None = None) -> None:
     if run.ledger.state(idx, i) == AttemptState.RESERVED:
         run.dispatch(idx, i, owner)
     attempt = run.ledger.attempt(idx, i)
     run.seal(idx, i, attempt, row_content(idx, i, attempt))
 
 
-def busy_run(**overrides) -> Controller:
+def busy_run(**overrides) -> RunState:
     """Groups 0-1 ready, 2 half done, 3 never dispatched; one step committed."""
-    run = Controller(config(**overrides), make_dataplane("memory"))
+    run = RunState(config(**overrides), make_dataplane("memory"))
     run.handout([0, 1, 2, 3, 4])
     for idx in (0, 1, 4):
         commit(run, idx, 0)
@@ -48,7 +48,7 @@ def busy_run(**overrides) -> Controller:
 
 
 def restore(store, **overrides):
-    return Controller.restore(config(**overrides), store, make_dataplane("memory"))
+    return RunState.restore(config(**overrides), store, make_dataplane("memory"))
 
 
 def test_checkpoint_and_restore_round_trip(tmp_path):
@@ -165,12 +165,12 @@ def test_weight_version_never_goes_back():
 
 def test_turn_level_restore_resumes_on_the_same_instance(tmp_path):
     store = SnapshotStore(tmp_path, RUN)
-    run = Controller(config(restore_level="turn"), make_dataplane("memory"))
+    run = RunState(config(restore_level="turn"), make_dataplane("memory"))
     run.handout([0])
     commit(run, 0, 0, owner="env-1")
     episode = run.dispatch(0, 1, owner="env-2")
     run.checkpoint(store, "ck-1")
-    restored, plan = Controller.restore(
+    restored, plan = RunState.restore(
         config(restore_level="turn"), store, make_dataplane("memory"), {episode: "env-2"}
     )
     assert plan.partial[0].model_dump() == {"restored": [0], "resumed": [1], "regenerate": []}
@@ -180,9 +180,9 @@ def test_turn_level_restore_resumes_on_the_same_instance(tmp_path):
 def test_restored_episode_the_run_does_not_own_is_refused(tmp_path):
     store = SnapshotStore(tmp_path, RUN)
     busy_run(restore_level="turn").checkpoint(store, "ck-1")
-    stranger = Controller(config(), make_dataplane("memory")).ledger.rollout_id(9, 0).episode(0)
+    stranger = RunState(config(), make_dataplane("memory")).ledger.rollout_id(9, 0).episode(0)
     with pytest.raises(LedgerInvariantViolation, match="not owned"):
-        Controller.restore(
+        RunState.restore(
             config(restore_level="turn"), store, make_dataplane("memory"), {stranger: "env-1"}
         )
 

@@ -1,18 +1,13 @@
-"""The controller's two fences (rollsafe.coordinator): a fresh controller of a run that has
-published snapshots awaits its restore (DESIGN.md invariant 8), and admission closed past its
-lease reopens by itself and abandons its snapshot (invariant 6). A fake clock moves the lease;
-nothing sleeps."""
+"""The controller's two fences (rollsafe.checkpoint.controller): a fresh controller of a run
+that has published snapshots awaits its restore (DESIGN.md invariant 8), and admission closed
+past its lease reopens by itself and abandons its snapshot (invariant 6). A fake clock moves
+the lease; nothing sleeps."""
 
 import pytest
 
-from rollsafe.actor import ControllerService
-from rollsafe.checkpoint_state import AdmissionLeaseExpired, AnchorPassed, AwaitingRestore
-from rollsafe.config import RunConfig
-from rollsafe.controller import Controller
-from rollsafe.coordinator import CheckpointOps
-from rollsafe.dataplane import make_dataplane
-from rollsafe.errors import NoValidSnapshot
-from rollsafe.phases import (
+from rollsafe.checkpoint.controller import Controller
+from rollsafe.core.config import RunConfig
+from rollsafe.core.phases import (
     PHASES,
     SKIPPING_ERRORS,
     Phase,
@@ -20,7 +15,10 @@ from rollsafe.phases import (
     RestoreRequest,
     SnapshotSpec,
 )
-from rollsafe.scenario import busy_run, row_content
+from rollsafe.core.run_state import RunState
+from rollsafe.dataplane import make_dataplane
+from rollsafe.errors import AdmissionLeaseExpired, AnchorPassed, AwaitingRestore, NoValidSnapshot
+from rollsafe.evidence.scenario import busy_run, row_content
 from rollsafe.snapshot import EntryState, SnapshotStore
 
 RUN = "fenced"
@@ -35,14 +33,14 @@ class FakeClock:
         return self.now
 
 
-def run(ops: CheckpointOps, phase: Phase, seq: int = 1):
+def run(ops: Controller, phase: Phase, seq: int = 1):
     spec = SnapshotSpec(run_id=RUN, seq=seq)
     return ops.run_phase(PhaseRequest(spec=spec, phase=phase, admission_lease_s=LEASE_S))
 
 
 def publish_one(root) -> str:
     """The run before the crash: one published snapshot of a busy controller."""
-    ops = CheckpointOps(busy_run(RUN, make_dataplane("memory")), SnapshotStore(root, RUN))
+    ops = Controller.from_parts(busy_run(RUN, make_dataplane("memory")), SnapshotStore(root, RUN))
     published = [run(ops, phase) for phase in PHASES][-1].published
     assert published is not None
     return published.name
@@ -64,7 +62,7 @@ def test_a_fresh_controller_of_a_run_with_snapshots_takes_no_work_and_no_snapsho
 ):
     name = publish_one(tmp_path)
     before = snapshot_tree(tmp_path)
-    fresh = ControllerService(config(), tmp_path)  # the restarted trainer's controller
+    fresh = Controller(config(), tmp_path)  # the restarted trainer's controller
     assert fresh.status().awaiting_restore
     for refused in (
         lambda: fresh.handout([0]),
@@ -89,7 +87,7 @@ def test_a_fresh_controller_of_a_run_with_snapshots_takes_no_work_and_no_snapsho
 
 def test_start_over_says_the_run_begins_again(tmp_path):
     publish_one(tmp_path)
-    fresh = ControllerService(config(), tmp_path, start_over=True)
+    fresh = Controller(config(), tmp_path, start_over=True)
     assert not fresh.status().awaiting_restore
     fresh.handout([0])
     assert fresh.next_seq() == 2  # seqs go on above the old run's snapshots
@@ -97,14 +95,14 @@ def test_start_over_says_the_run_begins_again(tmp_path):
 
 
 def test_a_controller_of_a_new_run_is_not_fenced(tmp_path):
-    fresh = ControllerService(config(), tmp_path)
+    fresh = Controller(config(), tmp_path)
     assert not fresh.status().awaiting_restore
     fresh.handout([0])
 
 
 def test_a_failed_restore_leaves_the_fence_up(tmp_path):
     publish_one(tmp_path)
-    fresh = ControllerService(config(), tmp_path)
+    fresh = Controller(config(), tmp_path)
     # Only a snapshot at weight version 7 would do: there is none.
     with pytest.raises(NoValidSnapshot, match="no trainer checkpoint of its weight version 0"):
         fresh.restore(RestoreRequest(run_id=RUN, restore_id="r-1", weight_versions=(7,)))
@@ -122,9 +120,9 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def leased(tmp_path, clock) -> tuple[CheckpointOps, SnapshotStore]:
+def leased(tmp_path, clock) -> tuple[Controller, SnapshotStore]:
     store = SnapshotStore(tmp_path, RUN)
-    return CheckpointOps(busy_run(RUN, make_dataplane("memory")), store, clock=clock), store
+    return Controller.from_parts(busy_run(RUN, make_dataplane("memory")), store, clock=clock), store
 
 
 def test_phases_renew_the_lease_while_they_run(leased, clock):
@@ -191,7 +189,7 @@ def test_a_new_checkpoint_opens_over_one_whose_lease_expired_unnoticed(leased, c
 
 
 def test_dispatch_is_refused_until_the_lease_runs_out(tmp_path, clock):
-    service = ControllerService(config(), tmp_path, clock=clock)
+    service = Controller(config(), tmp_path, clock=clock)
     service.handout([0])
     run(service, Phase.OPEN)
     run(service, Phase.CLOSE_ADMISSION)
@@ -209,7 +207,7 @@ def test_controller_restore_is_unaffected_by_an_abandoned_snapshot(leased, clock
     clock.now += LEASE_S
     with pytest.raises(AdmissionLeaseExpired):
         run(ops, Phase.CAPTURE, seq=2)
-    _, plan = Controller.restore(config(), store, make_dataplane("memory"))
+    _, plan = RunState.restore(config(), store, make_dataplane("memory"))
     assert plan.snapshot == "00000001-rollout"
 
 

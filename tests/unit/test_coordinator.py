@@ -1,22 +1,27 @@
-"""CheckpointOps: the ten phases, idempotent per (checkpoint, phase), on a real controller,
+"""Controller: the ten phases, idempotent per (checkpoint, phase), on a real controller,
 memory data plane and snapshot store."""
 
 import threading
 
 import pytest
 
-from rollsafe.actor import ControllerService
-from rollsafe.checkpoint_state import ABORT, CheckpointRefused, SnapshotLost
-from rollsafe.config import RunConfig
-from rollsafe.controller import ROLLOUT_PARTITION, Controller
-from rollsafe.coordinator import CheckpointOps
+from rollsafe.checkpoint.controller import ABORT, Controller
+from rollsafe.core.config import RunConfig
+from rollsafe.core.phases import PHASES, Phase, PhaseRequest, SnapshotSpec
+from rollsafe.core.run_state import ROLLOUT_PARTITION, RunState
+from rollsafe.core.states import AttemptState
 from rollsafe.dataplane import make_dataplane
-from rollsafe.errors import EnvUnavailable, InvalidInput, LedgerInvariantViolation
-from rollsafe.faults import ENV_VAR, InjectedFault, arm, disarm_all
-from rollsafe.phases import PHASES, Phase, PhaseRequest, SnapshotSpec
-from rollsafe.scenario import row_content
+from rollsafe.errors import (
+    CheckpointRefused,
+    EnvUnavailable,
+    InjectedFault,
+    InvalidInput,
+    LedgerInvariantViolation,
+    SnapshotLost,
+)
+from rollsafe.evidence.scenario import row_content
+from rollsafe.faults import ENV_VAR, arm, disarm_all
 from rollsafe.snapshot import EntryState, SnapshotStore
-from rollsafe.states import AttemptState
 
 RUN = "ops"
 SPEC = SnapshotSpec(run_id=RUN, seq=1)
@@ -35,7 +40,7 @@ def config() -> RunConfig:
     return RunConfig(run_id=RUN, group_size=2, groups_per_step=2)
 
 
-def busy(service: ControllerService) -> ControllerService:
+def busy(service: Controller) -> Controller:
     """Groups 0-1 ready, 2 half done, 3 never dispatched, 4 trained."""
     service.handout([0, 1, 2, 3, 4])
     for idx, i in [(0, 0), (0, 1), (1, 0), (1, 1), (4, 0), (4, 1), (2, 0)]:
@@ -48,15 +53,15 @@ def busy(service: ControllerService) -> ControllerService:
 
 
 @pytest.fixture
-def ops(tmp_path) -> ControllerService:
-    return busy(ControllerService(config(), tmp_path))
+def ops(tmp_path) -> Controller:
+    return busy(Controller(config(), tmp_path))
 
 
-def run(ops: CheckpointOps, phase: Phase, spec: SnapshotSpec = SPEC):
+def run(ops: Controller, phase: Phase, spec: SnapshotSpec = SPEC):
     return ops.run_phase(PhaseRequest(spec=spec, phase=phase))
 
 
-def run_all(ops: CheckpointOps, spec: SnapshotSpec = SPEC):
+def run_all(ops: Controller, spec: SnapshotSpec = SPEC):
     return [run(ops, phase, spec) for phase in PHASES]
 
 
@@ -87,7 +92,7 @@ def test_ten_phases_publish_a_snapshot_the_controller_restores(ops):
     status = ops.status()
     assert (status.open_checkpoint, status.gate_open, status.effects) == (None, True, ONCE)
 
-    restored, plan = Controller.restore(config(), ops.store, make_dataplane("memory"))
+    restored, plan = RunState.restore(config(), ops.store, make_dataplane("memory"))
     assert (plan.snapshot, plan.checkpoint_id) == (info.name, info.checkpoint_id)
     assert (plan.loader_position, plan.weight_version, plan.ready) == (5, 1, [0, 1])
     assert sorted(plan.partial) == [2, 3]
@@ -172,7 +177,7 @@ def test_dispatch_waits_at_a_closed_gate(ops):
     run(ops, Phase.OPEN)
     run(ops, Phase.CLOSE_ADMISSION)
     assert ops.dispatch(3, 0) is None
-    assert ops.controller.ledger.state(3, 0) == AttemptState.RESERVED
+    assert ops.state.ledger.state(3, 0) == AttemptState.RESERVED
     run(ops, Phase.CAPTURE)
     run(ops, Phase.RESUME)
     episode = ops.dispatch(3, 0)
@@ -216,7 +221,7 @@ def test_an_ended_checkpoint_never_opens_again(ops):
 
 def test_publish_retried_by_a_controller_that_lost_its_draft(ops, tmp_path):
     info = run_all(ops)[-1].published
-    fresh = ControllerService(config(), tmp_path)  # the actor restarted: no draft, no results
+    fresh = Controller(config(), tmp_path)  # the actor restarted: no draft, no results
     again = run(fresh, Phase.PUBLISH)
     assert not again.replayed and again.published == info
     assert again.summary.startswith("reused the earlier publish")
@@ -224,7 +229,7 @@ def test_publish_retried_by_a_controller_that_lost_its_draft(ops, tmp_path):
 
 
 def test_publish_without_a_draft_or_a_snapshot_is_transient(tmp_path):
-    fresh = ControllerService(config(), tmp_path)
+    fresh = Controller(config(), tmp_path)
     with pytest.raises(SnapshotLost, match="not published") as caught:
         run(fresh, Phase.PUBLISH)
     assert caught.value.transient
@@ -254,11 +259,11 @@ def test_a_second_checkpoint_cannot_open_while_one_is_open(ops):
 
 def test_a_failed_agreement_check_writes_nothing_and_can_be_retried(ops):
     run(ops, Phase.OPEN)
-    row = ops.controller.dataplane.get(ROLLOUT_PARTITION, ["ops-0_g0"])
-    ops.controller.dataplane.delete(ROLLOUT_PARTITION, ["ops-0_g0"])
+    row = ops.state.dataplane.get(ROLLOUT_PARTITION, ["ops-0_g0"])
+    ops.state.dataplane.delete(ROLLOUT_PARTITION, ["ops-0_g0"])
     with pytest.raises(LedgerInvariantViolation, match="4 rollout rows but 5"):
         run(ops, Phase.CAPTURE)
-    ops.controller.dataplane.put(ROLLOUT_PARTITION, row)
+    ops.state.dataplane.put(ROLLOUT_PARTITION, row)
     assert run(ops, Phase.CAPTURE).counts == EXPECTED_COUNTS
 
 
@@ -310,7 +315,7 @@ def test_next_seq_skips_published_and_seen_checkpoints(ops, tmp_path):
     assert ops.next_seq() == 2
     ops.abort(SnapshotSpec(run_id=RUN, seq=2))  # ended without a snapshot: its id is spent
     assert ops.next_seq() == 3
-    assert ControllerService(config(), tmp_path).next_seq() == 2  # a fresh one sees the disk
+    assert Controller(config(), tmp_path).next_seq() == 2  # a fresh one sees the disk
 
 
 class FlakyParticipants:
@@ -329,7 +334,7 @@ class FlakyParticipants:
 
 def test_admission_reopens_even_when_the_environments_cannot_be_resumed(tmp_path):
     flaky = FlakyParticipants()
-    ops = busy(ControllerService(config(), tmp_path, participants=flaky))
+    ops = busy(Controller(config(), tmp_path, participants=flaky))
     run(ops, Phase.OPEN)
     run(ops, Phase.CLOSE_ADMISSION)
     with pytest.raises(EnvUnavailable):

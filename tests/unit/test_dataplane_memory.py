@@ -17,7 +17,7 @@ from rollsafe.dataplane import columnar
 from rollsafe.dataplane.memory import MemoryDataPlane
 from rollsafe.dataplane.protocol import DataPlane, DataPlaneManifest, ExportedFile, row_digest
 from rollsafe.errors import DataPlaneKeyMissing, InvalidInput, SchemaMismatch, SnapshotCorrupt
-from rollsafe.tensorfile import HashingWriter, read_tensors, write_tensors
+from rollsafe.snapshot.tensorfile import HashingWriter, read_tensors, write_tensors
 
 # -- helpers -------------------------------------------------------------------------------------
 

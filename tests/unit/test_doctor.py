@@ -18,11 +18,11 @@ from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.common import SearchAttributeKey
 from typer.testing import CliRunner
 
-from rollsafe import doctor_checks
-from rollsafe.checktable import print_check_table
-from rollsafe.cli import app
-from rollsafe.doctor import DoctorReport
-from rollsafe.doctor_checks import (
+from rollsafe.cli.app import app
+from rollsafe.cli.checktable import print_check_table
+from rollsafe.cli.doctor import DoctorReport
+from rollsafe.cli.doctor import checks as doctor_checks
+from rollsafe.cli.doctor.checks import (
     DoctorCheck,
     Status,
     check_ray,
@@ -30,7 +30,7 @@ from rollsafe.doctor_checks import (
     parse_ray_address,
     storage_fix,
 )
-from rollsafe.doctor_temporal import (
+from rollsafe.cli.doctor.temporal import (
     ClockSkew,
     attribute_findings,
     cli_type_name,

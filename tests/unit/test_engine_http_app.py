@@ -11,7 +11,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from rollsafe.cli import app as cli
+from rollsafe.cli.app import app as cli
 from rollsafe.engine.http import EngineClient, engine_app
 from rollsafe.engine.protocol import (
     CutReport,

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from pydantic import BaseModel
 
-from rollsafe.env.client import EnvClient, EnvRefused, EpisodeParked
+from rollsafe.env.client import EnvClient
 from rollsafe.env.fleet import EnvFleet
 from rollsafe.env.protocol import (
     CommitReply,
@@ -37,7 +37,9 @@ from rollsafe.env.protocol import (
 )
 from rollsafe.errors import (
     EnvNotReady,
+    EnvRefused,
     EnvUnavailable,
+    EpisodeParked,
     InvalidInput,
     OwnershipMismatch,
     SchemaMismatch,

@@ -15,7 +15,7 @@ import pytest
 from rollsafe import faults
 from rollsafe.engine.protocol import SamplingParams, prompt_digest, seal_prefix
 from rollsafe.env.hooks import EnvironmentHooks, EpisodeSession
-from rollsafe.env.participant import RESTORE_READING, Participant, Refused
+from rollsafe.env.participant import RESTORE_READING, Participant
 from rollsafe.env.protocol import (
     CommitRequest,
     EpisodeRef,
@@ -28,7 +28,7 @@ from rollsafe.env.protocol import (
     RetireRequest,
     RunEpisode,
 )
-from rollsafe.errors import EngineUnavailable, InvalidInput, SnapshotCorrupt
+from rollsafe.errors import EngineUnavailable, InvalidInput, ParticipantRefused, SnapshotCorrupt
 
 A, B, C = (EpisodeRef(rollout_id=f"run-{i}_g0", attempt=0) for i in range(3))
 TURNS = 3
@@ -124,8 +124,8 @@ def start(part: Participant, ep: EpisodeRef, turns: int = TURNS) -> asyncio.Task
     return asyncio.ensure_future(part.run(RunEpisode(episode=ep, task={"turns": turns})))
 
 
-async def refused(reason: str, call: Any) -> Refused:
-    with pytest.raises(Refused) as info:
+async def refused(reason: str, call: Any) -> ParticipantRefused:
+    with pytest.raises(ParticipantRefused) as info:
         await call
     assert info.value.reason == reason, str(info.value)
     return info.value

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from reference.envs.frozen_lake import FrozenLake
-from rollsafe.cli import app
+from rollsafe.cli.app import app
 from rollsafe.env.serve import ServeContext, load_hooks_factory, make_hooks
 from rollsafe.errors import InvalidInput
+from rollsafe.reference.envs.frozen_lake import FrozenLake
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,11 +22,11 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("reference.envs.frozen_lake", "expected package.module:factory"),
+        ("rollsafe.reference.envs.frozen_lake", "expected package.module:factory"),
         (":FrozenLake", "expected package.module:factory"),
         ("no_such_module_here:Env", "cannot import 'no_such_module_here'"),
-        ("reference.envs.frozen_lake:Nope", "has no callable 'Nope'"),
-        ("reference.envs.frozen_lake:MIN_TURNS_NOT_HERE", "has no callable"),
+        ("rollsafe.reference.envs.frozen_lake:Nope", "has no callable 'Nope'"),
+        ("rollsafe.reference.envs.frozen_lake:MIN_TURNS_NOT_HERE", "has no callable"),
     ],
 )
 def test_a_hooks_spec_that_cannot_work_is_refused_by_name(spec: str, message: str) -> None:

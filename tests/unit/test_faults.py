@@ -8,8 +8,8 @@ import time
 import pytest
 
 from rollsafe import faults
-from rollsafe.errors import InvalidInput, TransientError
-from rollsafe.faults import ENV_VAR, InjectedFault, arm, disarm_all, fault_point
+from rollsafe.errors import InjectedFault, InvalidInput, TransientError
+from rollsafe.faults import ENV_VAR, arm, disarm_all, fault_point
 
 
 @pytest.fixture(autouse=True)
@@ -110,8 +110,7 @@ def test_sleep_slows_a_point_down(monkeypatch):
 
 
 def test_invariant_action_raises_an_error_that_is_not_retried():
-    from rollsafe.errors import InvariantError
-    from rollsafe.faults import InjectedInvariantFault
+    from rollsafe.errors import InjectedInvariantFault, InvariantError
 
     faults.arm("phase.open.before", "invariant", times=1)
     with pytest.raises(InjectedInvariantFault, match=r"phase\.open\.before") as caught:

@@ -4,8 +4,8 @@ import threading
 
 import pytest
 
-from rollsafe.errors import InvalidInput
-from rollsafe.gate import AdmissionGate, GateHeld
+from rollsafe.core.gate import AdmissionGate
+from rollsafe.errors import GateHeld, InvalidInput
 
 
 def test_close_and_open_are_idempotent_per_checkpoint():

@@ -2,8 +2,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rollsafe.core.ids import EpisodeId, GroupId, RolloutId, validate_run_id
 from rollsafe.errors import InvalidInput
-from rollsafe.ids import EpisodeId, GroupId, RolloutId, validate_run_id
 
 run_ids = st.from_regex(r"[A-Za-z0-9._-]{1,64}", fullmatch=True)
 

@@ -2,6 +2,8 @@ import hashlib
 
 import pytest
 
+from rollsafe.core.ledger import AttemptState, Ledger, RestoreLevel
+from rollsafe.core.states import ATTEMPT_TRANSITIONS
 from rollsafe.errors import (
     IllegalTransition,
     InvalidInput,
@@ -10,8 +12,6 @@ from rollsafe.errors import (
     SnapshotCorrupt,
     UnknownGroup,
 )
-from rollsafe.ledger import AttemptState, Ledger, RestoreLevel
-from rollsafe.states import ATTEMPT_TRANSITIONS
 
 A = AttemptState
 

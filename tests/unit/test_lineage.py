@@ -1,5 +1,5 @@
-"""One lineage of evidence across restores (reference.rl.lineage): what a restore undid leaves
-the evidence files, evictions the restored run owns again are undone, trainer checkpoints of
+"""One lineage of evidence across restores (rollsafe.reference.rl.lineage): what a restore undid
+leaves the evidence files, evictions the restored run owns again are undone, trainer checkpoints of
 undone steps are set aside; and the trainer-checkpoint anchors a restore accepts."""
 
 from __future__ import annotations
@@ -8,15 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from reference.rl.lineage import (
-    Evicted,
-    checkpoint_dir,
-    checkpoint_versions,
-    roll_back,
-    set_aside_checkpoints,
-    undo_evictions,
-)
-from rollsafe.evidence import (
+from rollsafe.core.phases import PartialGroup, RestorePlan
+from rollsafe.evidence.files import (
     MUTATIONS,
     ROLLED_BACK,
     TRAINED,
@@ -25,7 +18,14 @@ from rollsafe.evidence import (
     append_lines,
     read_lines,
 )
-from rollsafe.phases import PartialGroup, RestorePlan
+from rollsafe.reference.rl.lineage import (
+    Evicted,
+    checkpoint_dir,
+    checkpoint_versions,
+    roll_back,
+    set_aside_checkpoints,
+    undo_evictions,
+)
 from rollsafe.snapshot import accept_weight_versions
 
 SHA = "0" * 64

@@ -1,4 +1,4 @@
-"""Metrics: a real CheckpointOps (controller, memory data plane, snapshot store) driven through
+"""Metrics: a real Controller (controller, memory data plane, snapshot store) driven through
 a snapshot's ten phases and a restore records the exact park, drain, cut, capture and restore
 values; the exporter is picked by OTEL_METRICS_EXPORTER.
 
@@ -21,19 +21,19 @@ import pytest
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, InMemoryMetricReader
 
-from rollsafe import metrics
-from rollsafe.actor import ControllerService
-from rollsafe.config import RunConfig
-from rollsafe.controller import EnvironmentsRestored
+from rollsafe.checkpoint.controller import Controller
+from rollsafe.checkpoint.participants import ENVS_DIR, ParticipantsRecord
+from rollsafe.core.config import RunConfig
+from rollsafe.core.ids import EpisodeId, GroupId
+from rollsafe.core.phases import PHASES, Phase, PhaseRequest, RestoreRequest, SnapshotSpec
+from rollsafe.core.run_state import EnvironmentsRestored
 from rollsafe.engine.protocol import CutRefusal
 from rollsafe.engine.staging import StagedCut
 from rollsafe.env.fleet_rules import FleetCommitted, FleetPrepared
-from rollsafe.errors import InvalidInput
-from rollsafe.faults import ENV_VAR, InjectedFault, arm, disarm_all
-from rollsafe.ids import EpisodeId, GroupId
-from rollsafe.participants import ENVS_DIR, ParticipantsRecord
-from rollsafe.phases import PHASES, Phase, PhaseRequest, RestoreRequest, SnapshotSpec
-from rollsafe.scenario import row_content
+from rollsafe.errors import InjectedFault, InvalidInput
+from rollsafe.evidence.scenario import row_content
+from rollsafe.faults import ENV_VAR, arm, disarm_all
+from rollsafe.observability import metrics
 from rollsafe.snapshot import verify_snapshot
 
 READER = InMemoryMetricReader()
@@ -58,7 +58,7 @@ def new_run() -> str:
     return f"m-{uuid.uuid4().hex[:10]}"
 
 
-def busy(service: ControllerService) -> ControllerService:
+def busy(service: Controller) -> Controller:
     """Groups 0-1 ready, 2 half done (sibling 1 dispatched), 3 never dispatched, 4 trained."""
     service.handout([0, 1, 2, 3, 4])
     for idx, i in [(0, 0), (0, 1), (1, 0), (1, 1), (4, 0), (4, 1), (2, 0)]:
@@ -70,15 +70,15 @@ def busy(service: ControllerService) -> ControllerService:
     return service
 
 
-def make_ops(tmp_path: Path, run_id: str, participants: Any = None) -> ControllerService:
+def make_ops(tmp_path: Path, run_id: str, participants: Any = None) -> Controller:
     # Turn level: an environment may restore an unsealed sibling (FakeParticipants does).
     config = RunConfig(
         run_id=run_id, group_size=GROUP_SIZE, groups_per_step=2, restore_level="turn"
     )
-    return busy(ControllerService(config, tmp_path, participants=participants))
+    return busy(Controller(config, tmp_path, participants=participants))
 
 
-def run_phases(ops: ControllerService, run_id: str, seq: int = 1):
+def run_phases(ops: Controller, run_id: str, seq: int = 1):
     spec = SnapshotSpec(run_id=run_id, seq=seq)
     return [ops.run_phase(PhaseRequest(spec=spec, phase=phase)) for phase in PHASES]
 
@@ -107,7 +107,7 @@ def histogram(run_id: str, name: str) -> Any:
     return point
 
 
-def manifest_bytes(ops: ControllerService, run_id: str) -> int:
+def manifest_bytes(ops: Controller, run_id: str) -> int:
     [entry] = ops.store.list()
     manifest, _ = verify_snapshot(entry.path, run_id)
     return sum(f.bytes for f in manifest.files.values())
@@ -186,7 +186,7 @@ def test_capture_bytes_count_once_when_publish_is_retried(tmp_path):
     ops.run_phase(PhaseRequest(spec=spec, phase=Phase.PUBLISH))  # finds it on disk
     # A restarted controller finds the publish too, but wrote none of its bytes.
     config = RunConfig(run_id=run_id, group_size=GROUP_SIZE, groups_per_step=2)
-    fresh = ControllerService(config, tmp_path)
+    fresh = Controller(config, tmp_path)
     assert fresh.run_phase(PhaseRequest(spec=spec, phase=Phase.PUBLISH)).published is not None
     [(_, captured)] = points(run_id)["rollsafe.snapshot.capture_bytes"]
     assert captured.value == manifest_bytes(ops, run_id)
@@ -323,7 +323,7 @@ SCRIPT = textwrap.dedent(
     """
     import os
     from opentelemetry import metrics as api
-    from rollsafe import metrics
+    from rollsafe.observability import metrics
     from rollsafe.errors import InvalidInput
 
     os.environ["OTEL_METRICS_EXPORTER"] = "bogus"

@@ -1,6 +1,6 @@
 """Property tests: random runs with checkpoints, crashes and restores keep invariants 1-3.
 
-A hypothesis state machine drives the real :class:`Controller` (snapshots really written to
+A hypothesis state machine drives the real :class:`RunState` (snapshots really written to
 disk, a crash drops every in-memory object, a restore reads the newest snapshot that verifies
 into a fresh data plane) and keeps its own reference model of the run in plain Python. Every
 expectation comes from that model, never from the controller's own state:
@@ -37,14 +37,14 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from rollsafe.config import RunConfig
-from rollsafe.controller import Controller
+from rollsafe.core.config import RunConfig
+from rollsafe.core.phases import RestorePlan
+from rollsafe.core.run_state import RunState
+from rollsafe.core.states import AttemptState, GroupState
 from rollsafe.dataplane import DataPlane
 from rollsafe.errors import SealConflict, UnknownGroup
-from rollsafe.phases import RestorePlan
-from rollsafe.scenario import row_content, same_row
+from rollsafe.evidence.scenario import row_content, same_row
 from rollsafe.snapshot import SnapshotStore
-from rollsafe.states import AttemptState, GroupState
 
 RUN_ID = "props"
 PARTITION = "rollouts"
@@ -180,7 +180,7 @@ def expected_restore(at_snapshot: RunModel) -> ExpectedRestore:
 
 
 def expected_selection(model: RunModel, config: RunConfig) -> list[int]:
-    """The three samplers of rollsafe.buffer.samplers, from their documented rules."""
+    """The three samplers of rollsafe.core.buffer.samplers, from their documented rules."""
     count = config.groups_per_step
     rows = sorted(model.groups.items())
     if config.sampler == "windowed":
@@ -199,7 +199,7 @@ def expected_selection(model: RunModel, config: RunConfig) -> list[int]:
     return [idx for idx, _ in head]
 
 
-def assert_gone(run: Controller, idx: int) -> None:
+def assert_gone(run: RunState, idx: int) -> None:
     """A trained or evicted group can be neither claimed nor trained (again)."""
     with pytest.raises(UnknownGroup):
         run.claim([idx], step=run.weight_version)
@@ -223,7 +223,7 @@ class RunMachine(RuleBasedStateMachine):
         self.snapshots: list[ModelSnapshot] = []  # kept by retention, oldest first
         self.checkpoints = 0
         self.config: RunConfig | None = None
-        self.controller: Controller | None = None
+        self.state: RunState | None = None
         self.checkpoints_at_restore = 0
 
     def teardown(self) -> None:
@@ -243,17 +243,17 @@ class RunMachine(RuleBasedStateMachine):
             staleness_window=staleness_window,
             restore_level=self.level,
         )
-        self.controller = Controller(self.config, self.planes())
+        self.state = RunState(self.config, self.planes())
 
     # ---- helpers --------------------------------------------------------------------------
 
     @property
-    def run(self) -> Controller:
-        assert self.controller is not None
-        return self.controller
+    def run(self) -> RunState:
+        assert self.state is not None
+        return self.state
 
     def live(self) -> bool:
-        return self.controller is not None
+        return self.state is not None
 
     def groups_with(self, *states: str) -> list[int]:
         return sorted(idx for idx, g in self.model.groups.items() if g.siblings_in(*states))
@@ -460,7 +460,7 @@ class RunMachine(RuleBasedStateMachine):
     )
     @rule()
     def crash(self) -> None:
-        self.controller = None  # every in-memory object is gone, the data plane included
+        self.state = None  # every in-memory object is gone, the data plane included
 
     # Restoring a live run is the same as crashing first: a restore starts from the disk.
     @precondition(lambda self: not self.live())
@@ -475,7 +475,7 @@ class RunMachine(RuleBasedStateMachine):
         # Only the damaged snapshots newer than the chosen one were tried and refused.
         newer = self.snapshots[self.snapshots.index(chosen) + 1 :]
         expected = expected_restore(chosen.model)
-        controller, plan = Controller.restore(
+        controller, plan = RunState.restore(
             self.config, SnapshotStore(self.store.root, RUN_ID), self.planes()
         )
         assert plan.snapshot == chosen.name
@@ -484,11 +484,11 @@ class RunMachine(RuleBasedStateMachine):
         self.check_owed_back(controller, plan, chosen.model, expected)
         self.check_sealed_stays_sealed(controller, plan, expected)
         self.check_trained_once(controller, plan, expected)
-        self.controller, self.model = controller, expected.model
+        self.state, self.model = controller, expected.model
         self.checkpoints_at_restore = self.checkpoints
 
     def check_owed_back(
-        self, run: Controller, plan: RestorePlan, at_snapshot: RunModel, expected: ExpectedRestore
+        self, run: RunState, plan: RestorePlan, at_snapshot: RunModel, expected: ExpectedRestore
     ) -> None:
         owed = at_snapshot.owed()
         assert set(at_snapshot.groups) == owed, "reference model disagrees with invariant 1"
@@ -501,7 +501,7 @@ class RunMachine(RuleBasedStateMachine):
             assert run.index.start_version(idx) == group.start_version, f"group {idx}"
 
     def check_sealed_stays_sealed(
-        self, run: Controller, plan: RestorePlan, expected: ExpectedRestore
+        self, run: RunState, plan: RestorePlan, expected: ExpectedRestore
     ) -> None:
         model = expected.model
         sealed = {(idx, i) for idx, g in model.groups.items() for i in g.siblings_in(SEALED)}
@@ -533,7 +533,7 @@ class RunMachine(RuleBasedStateMachine):
                         run.seal(idx, i, stale, row_content(idx, i, stale))
 
     def check_trained_once(
-        self, run: Controller, plan: RestorePlan, expected: ExpectedRestore
+        self, run: RunState, plan: RestorePlan, expected: ExpectedRestore
     ) -> None:
         trained = expected.model.trained()
         assert len(trained) == len(set(trained)), f"a group trained twice: {trained}"
@@ -554,9 +554,9 @@ class RunMachine(RuleBasedStateMachine):
     @invariant()
     def controller_matches_the_model(self) -> None:
         """Early, precise failures: the live controller agrees with the model at every step."""
-        if self.controller is None:
+        if self.state is None:
             return
-        run, model = self.controller, self.model
+        run, model = self.state, self.model
         assert (run.loader_position, run.weight_version) == (
             model.loader_position,
             model.weight_version,

@@ -1,7 +1,7 @@
 """The six checkpoint situations x three samplers: every case must pass (none xfail), on each
 data-plane backend (memory, and TransferQueue on a real Ray: the session's fixture).
 
-Each situation replays a scenario file through the real Controller (snapshot written to disk,
+Each situation replays a scenario file through the real RunState (snapshot written to disk,
 crash drops everything, restore reads it back) and checks the exact owed set, which rollouts
 came back and which are regenerated, and what each sampler would train next.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rollsafe.dataplane import make_dataplane
-from rollsafe.scenario import Scenario, ScenarioRunner
+from rollsafe.evidence.scenario import Scenario, ScenarioRunner
 
 SCENARIOS = Path(__file__).parent.parent / "scenarios"
 SAMPLERS = ["windowed", "in_order", "weight_fifo"]
@@ -94,7 +94,7 @@ def test_restore_matrix(situation, sampler, tmp_path, dataplane_factory):
     assert got == groups
     assert report.next_selection == selections[sampler]
     # The restored rows are the committed ones, byte for byte, and nothing else is stored.
-    run = runner.controller
+    run = runner.state
     assert run is not None
     stored = set(run.dataplane.list("rollouts"))
     sealed = {run.row_key(idx, i) for idx, (_, restored, _) in groups.items() for i in restored}
@@ -145,7 +145,7 @@ def test_prompt_group_level_regenerates_the_whole_partial_group(sampler, tmp_pat
         "restored_rollouts": [],
         "regenerate": [0, 1],
     }
-    run = runner.controller
+    run = runner.state
     assert run is not None
     # The sealed half was thrown away: its row is gone and the rollout owes a new attempt.
     assert "scenario-13_g0" not in run.dataplane.list("rollouts")

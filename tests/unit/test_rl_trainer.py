@@ -13,16 +13,16 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from reference.rl.trainer import (
+from rollsafe.engine.model import ModelConfig, TinyTransformer
+from rollsafe.errors import InvalidInput, SchemaMismatch, SnapshotCorrupt
+from rollsafe.reference.rl.trainer import (
     OPTIMIZER_FILE,
     WEIGHTS_FILE,
     PolicyTrainer,
     Sample,
     group_advantages,
 )
-from rollsafe.engine.model import ModelConfig, TinyTransformer
-from rollsafe.errors import InvalidInput, SchemaMismatch, SnapshotCorrupt
-from rollsafe.tensorfile import HashingWriter, read_tensors, write_tensors
+from rollsafe.snapshot.tensorfile import HashingWriter, read_tensors, write_tensors
 
 KINDS = ["dense", "moe"]
 PROMPT = (3, 17, 40, 5)
@@ -357,7 +357,7 @@ def test_a_hugging_face_policy_trains_and_continues_bitwise(
 ) -> None:
     from safetensors import safe_open
 
-    from reference.rl.policy import HfModel
+    from rollsafe.reference.rl.policy import HfModel
 
     model = HfModel(path=tiny_models["dense"])
     straight, cut = PolicyTrainer(model, 0, lr=3e-3), PolicyTrainer(model, 0, lr=3e-3)
@@ -379,7 +379,7 @@ def test_a_hugging_face_policy_trains_and_continues_bitwise(
 
 
 def test_a_hugging_face_moe_policy_is_refused_by_name(tiny_models: dict[str, Path]) -> None:
-    from reference.rl.policy import HfModel
+    from rollsafe.reference.rl.policy import HfModel
 
     with pytest.raises(InvalidInput, match="mixture-of-experts"):
         PolicyTrainer(HfModel(path=tiny_models["moe"]), 0)

@@ -21,16 +21,22 @@ import pytest
 
 fsspec = pytest.importorskip("fsspec")
 
-from rollsafe.actor import ControllerService  # noqa: E402
-from rollsafe.checkpoint_state import CheckpointRefused, SnapshotLost  # noqa: E402
-from rollsafe.config import RunConfig  # noqa: E402
-from rollsafe.controller import Controller  # noqa: E402
-from rollsafe.coordinator import CheckpointOps  # noqa: E402
+from rollsafe.checkpoint.controller import Controller  # noqa: E402
+from rollsafe.core.config import RunConfig  # noqa: E402
+from rollsafe.core.phases import PHASES, Phase, PhaseRequest, RestoreRequest, SnapshotSpec  # noqa: E402
+from rollsafe.core.run_state import RunState  # noqa: E402
+from rollsafe.core.states import AttemptState  # noqa: E402
 from rollsafe.dataplane import make_dataplane  # noqa: E402
-from rollsafe.errors import InvalidInput, NoValidSnapshot, SnapshotCorrupt  # noqa: E402
-from rollsafe.faults import InjectedFault, arm, disarm_all  # noqa: E402
-from rollsafe.phases import PHASES, Phase, PhaseRequest, RestoreRequest, SnapshotSpec  # noqa: E402
-from rollsafe.scenario import busy_run, row_content  # noqa: E402
+from rollsafe.errors import (  # noqa: E402
+    CheckpointRefused,
+    InjectedFault,
+    InvalidInput,
+    NoValidSnapshot,
+    SnapshotCorrupt,
+    SnapshotLost,
+)
+from rollsafe.evidence.scenario import busy_run, row_content  # noqa: E402
+from rollsafe.faults import arm, disarm_all  # noqa: E402
 from rollsafe.snapshot import (  # noqa: E402
     MANIFEST_NAME,
     SnapshotKind,
@@ -41,7 +47,6 @@ from rollsafe.snapshot import _objects as objects  # noqa: E402
 from rollsafe.snapshot.location import open_snapshot_store  # noqa: E402
 from rollsafe.snapshot.remote import RemoteSnapshotStore  # noqa: E402
 from rollsafe.snapshot.select import EntryState  # noqa: E402
-from rollsafe.states import AttemptState  # noqa: E402
 from rollsafe.testing.race import all_at_once  # noqa: E402
 
 RUN = "run-remote"
@@ -128,7 +133,7 @@ def test_a_controller_restores_from_object_storage(url, tmp_path):
     run = busy_run(RUN, make_dataplane("memory"))
     run.checkpoint(store_at(url, tmp_path / "trainer-host"), "ck-1")
 
-    restored, plan = Controller.restore(
+    restored, plan = RunState.restore(
         run.config, store_at(url, tmp_path / "new-host"), make_dataplane("memory")
     )
     assert plan.loader_position == 3 and plan.ready == [0]
@@ -410,7 +415,7 @@ def test_a_missing_backend_package_is_named(tmp_path, monkeypatch):
 def test_checkpoint_ops_publish_to_and_restore_from_object_storage(url, tmp_path):
     run = busy_run(RUN, make_dataplane("memory"))
     config = run.config
-    ops = CheckpointOps(run, store_at(url, tmp_path / "host-a"))
+    ops = Controller.from_parts(run, store_at(url, tmp_path / "host-a"))
     spec = SnapshotSpec(run_id=RUN, seq=ops.next_seq())
     results = [ops.run_phase(PhaseRequest(spec=spec, phase=phase)) for phase in PHASES]
     info = results[-1].published
@@ -418,12 +423,12 @@ def test_checkpoint_ops_publish_to_and_restore_from_object_storage(url, tmp_path
 
     # a new controller on another host, restoring from the bucket alone: the run's service
     # (what the Ray actor runs) given the bucket's URL
-    other = ControllerService(config, url, snapshot_cache=tmp_path / "host-b")
+    other = Controller(config, url, snapshot_cache=tmp_path / "host-b")
     assert isinstance(other.store, RemoteSnapshotStore)
     assert other.status().awaiting_restore  # the bucket holds the run's snapshots
     plan = other.restore(RestoreRequest(run_id=RUN, restore_id="r-1"))
     assert (plan.snapshot, plan.checkpoint_id) == (info.name, info.checkpoint_id)
-    assert other.controller.ledger.state(1, 0) == AttemptState.SEALED
+    assert other.state.ledger.state(1, 0) == AttemptState.SEALED
     assert other.next_seq() == 2
 
 
@@ -452,7 +457,7 @@ def test_a_retried_publish_whose_cache_is_gone_reuses_the_snapshot_in_the_bucket
     verifies the published snapshot and reuses it, never refuses it as corrupt."""
     config = RunConfig(run_id=RUN, group_size=2, groups_per_step=2)
     cache = tmp_path / "host-a"
-    ops = ControllerService(config, url, snapshot_cache=cache)
+    ops = Controller(config, url, snapshot_cache=cache)
     ops.handout([0, 1])
     episode = ops.dispatch(0, 0)
     assert episode is not None
@@ -474,7 +479,7 @@ def test_a_retried_publish_whose_cache_is_gone_reuses_the_snapshot_in_the_bucket
     assert again.summary == "reused the earlier publish of 00000001-rollout"
     assert Path(info.path).is_relative_to(cache)  # downloaded, verified, cached again
     # the same on another host, from the bucket alone
-    other = ControllerService(config, url, snapshot_cache=tmp_path / "host-b")
+    other = Controller(config, url, snapshot_cache=tmp_path / "host-b")
     elsewhere = other.run_phase(PhaseRequest(spec=spec, phase=Phase.PUBLISH)).published
     assert elsewhere is not None
     assert elsewhere.manifest_sha256 == info.manifest_sha256
@@ -496,7 +501,7 @@ def test_a_retried_publish_finding_only_an_unfinished_upload_is_lost_not_corrupt
     with pytest.raises(Crash):
         publish(store_at(url, tmp_path / "w1", fault_hook=crash), f"{RUN}.rollout.00000002", 2)
     config = RunConfig(run_id=RUN, group_size=2, groups_per_step=2)
-    fresh = ControllerService(config, url, snapshot_cache=tmp_path / "host-b")
+    fresh = Controller(config, url, snapshot_cache=tmp_path / "host-b")
     spec = SnapshotSpec(run_id=RUN, seq=2)
     with pytest.raises(SnapshotLost, match="seq 2 is not published") as caught:
         fresh.run_phase(PhaseRequest(spec=spec, phase=Phase.PUBLISH))

@@ -25,7 +25,7 @@ from rollsafe.snapshot import (
     SnapshotStore,
 )
 from rollsafe.snapshot._fs import hash_file
-from rollsafe.tensorfile import read_tensors, write_tensors
+from rollsafe.snapshot.tensorfile import read_tensors, write_tensors
 
 RUN = "run-1"
 

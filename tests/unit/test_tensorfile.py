@@ -6,7 +6,7 @@ import pytest
 import safetensors.numpy
 
 from rollsafe.errors import SnapshotCorrupt
-from rollsafe.tensorfile import HashingWriter, read_tensors, write_tensors
+from rollsafe.snapshot.tensorfile import HashingWriter, read_tensors, write_tensors
 
 ARRAYS = {
     "ids": np.arange(10, dtype=np.int64),

@@ -11,7 +11,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 
 from rollsafe.errors import InvalidInput
-from rollsafe.timeline import Span, Timeline, _bounds, _park, render_timeline
+from rollsafe.observability.timeline import Span, Timeline, _bounds, _park, render_timeline
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

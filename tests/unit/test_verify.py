@@ -10,17 +10,10 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from rollsafe.cli import app
-from rollsafe.evidence import (
-    FAULTS,
-    HANDED_OUT,
-    MUTATIONS,
-    REPORT,
-    TRAINED,
-    Evidence,
-    EvidenceError,
-)
-from rollsafe.verify import verify
+from rollsafe.cli.app import app
+from rollsafe.errors import EvidenceError
+from rollsafe.evidence.files import FAULTS, HANDED_OUT, MUTATIONS, REPORT, TRAINED, Evidence
+from rollsafe.evidence.verify import verify
 
 GROUP_SIZE = 2
 

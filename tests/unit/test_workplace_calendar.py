@@ -7,7 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference.envs.workplace.calendar import (
+from rollsafe.env.protocol import EpisodeRef
+from rollsafe.errors import InvalidInput, InvariantError
+from rollsafe.reference.envs.workplace.calendar import (
     SLOTS,
     VOCAB,
     Action,
@@ -21,9 +23,7 @@ from reference.envs.workplace.calendar import (
     prompt,
     reward,
 )
-from reference.envs.workplace.record import EpisodeRecord, parse_record
-from rollsafe.env.protocol import EpisodeRef
-from rollsafe.errors import InvalidInput, InvariantError
+from rollsafe.reference.envs.workplace.record import EpisodeRecord, parse_record
 
 ROLLOUT = "wp-0_g0"
 token_lists = st.lists(st.integers(min_value=-(2**40), max_value=2**40), max_size=8)

@@ -6,7 +6,7 @@ turn, maps the generated tokens to a valid calendar action and applies it idempo
 switches) and :mod:`.serve` (the server).
 """
 
-from reference.envs.workplace.calendar import Task
-from reference.envs.workplace.env import WorkplaceEnv
+from rollsafe.reference.envs.workplace.calendar import Task
+from rollsafe.reference.envs.workplace.env import WorkplaceEnv
 
 __all__ = ["Task", "WorkplaceEnv"]

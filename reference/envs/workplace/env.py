@@ -16,14 +16,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from reference.envs.workplace.calendar import action_from_tokens, apply, new_calendar, parse_task
-from reference.envs.workplace.calendar import prompt as make_prompt
-from reference.envs.workplace.calendar import reward as score
-from reference.envs.workplace.record import EpisodeRecord, InFlight, TurnLog, parse_record
 from rollsafe.engine.protocol import Engine
 from rollsafe.env.hooks import EnvironmentHooks, EpisodeSession
 from rollsafe.env.protocol import EpisodeRef, EpisodeResult, RunEpisode
 from rollsafe.errors import InvalidInput
+from rollsafe.reference.envs.workplace.calendar import (
+    action_from_tokens,
+    apply,
+    new_calendar,
+    parse_task,
+)
+from rollsafe.reference.envs.workplace.calendar import prompt as make_prompt
+from rollsafe.reference.envs.workplace.calendar import reward as score
+from rollsafe.reference.envs.workplace.record import EpisodeRecord, InFlight, TurnLog, parse_record
 
 
 class WorkplaceEnv(EnvironmentHooks):

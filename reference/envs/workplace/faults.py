@@ -32,10 +32,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from reference.envs.workplace.calendar import describe
-from rollsafe.bearer import token_matches, unauthorized
 from rollsafe.env.protocol import EPISODES_RUN, PREFIX, ErrorReply, ResumeReply
 from rollsafe.errors import InvalidInput
+from rollsafe.http.bearer import token_matches, unauthorized
+from rollsafe.reference.envs.workplace.calendar import describe
 
 ENV_VAR = "ROLLSAFE_ENV_FAULTS"
 EXIT_CODE = 137  # what a kill -9 looks like, as rollsafe.faults does

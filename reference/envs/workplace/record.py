@@ -12,10 +12,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from reference.envs.workplace.calendar import Calendar, Task, describe
 from rollsafe.engine.protocol import GenerateRequest
 from rollsafe.env.protocol import EpisodeRef
 from rollsafe.errors import InvalidInput
+from rollsafe.reference.envs.workplace.calendar import Calendar, Task, describe
 
 FORMAT: Literal["workplace/1"] = "workplace/1"
 

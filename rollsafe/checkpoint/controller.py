@@ -1,0 +1,699 @@
+"""The controller's side of a rollout snapshot: the ten phases of DESIGN.md section 5, each
+idempotent per ``(checkpoint_id, phase)``, behind one entry point.
+
+Temporal runs an activity at least once, and a timed-out attempt can still be running beside
+its retry. So every phase stores its first result and a repeated call returns it with
+``replayed=True`` without touching anything; and each phase is itself safe to re-run after
+a crash between its effect and its stored result (the ``phase.<name>.after`` fault point):
+re-opening finds the open draft, re-closing finds the gate closed, re-capturing finds the
+capture done. ``effects`` counts real side effects per phase so tests can prove "once".
+
+The draft lives only in this process (the Ray actor outlives checkpoint workers). A publish
+that finds no draft looks the snapshot up in the store (on disk, or in the bucket, whatever
+this host's cache holds): an earlier attempt may have published it.
+
+Two fences keep a snapshot from doing harm when its surroundings died:
+
+- a controller started for a run that already has published snapshots is *awaiting restore*
+  (DESIGN.md invariant 8): it refuses work and snapshots (``AwaitingRestore``) until it has
+  restored, or the caller said the run starts over (``start_over=True``);
+- ``close_admission`` takes a lease on the gate (:mod:`rollsafe.core.gate`), renewed by every
+  phase that runs while the gate is closed and by their activities' heartbeats. If it runs
+  out, admission has reopened by itself and the checkpoint is abandoned: its draft is
+  discarded and every later phase but ``resume`` refuses with ``AdmissionLeaseExpired``.
+
+Plain Python, no Ray: :mod:`rollsafe.checkpoint.actor` wraps this class in a one-line actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from rollsafe.checkpoint.participants import (
+    ENVS_DIR,
+    NOTHING_TO_DO,
+    RECORD_FILE,
+    ParticipantPhases,
+    Participants,
+)
+from rollsafe.core.config import RunConfig
+from rollsafe.core.gate import AdmissionGate, Clock, GateChange, GateCounters
+from rollsafe.core.ids import EpisodeId
+from rollsafe.core.phases import (
+    PHASES,
+    Phase,
+    PhaseRequest,
+    PhaseResult,
+    PublishedSnapshotInfo,
+    RestorePlan,
+    RestoreRequest,
+    SnapshotSpec,
+    holds_admission,
+)
+from rollsafe.core.run_state import Captured, RunState
+from rollsafe.dataplane import Row, make_dataplane
+from rollsafe.engine.staging import drop_staged
+from rollsafe.errors import (
+    AdmissionLeaseExpired,
+    AnchorPassed,
+    AwaitingRestore,
+    CheckpointRefused,
+    InvalidInput,
+    SnapshotLost,
+)
+from rollsafe.faults import fault_point, register
+from rollsafe.observability import metrics
+from rollsafe.snapshot import (
+    FAULT_POINTS,
+    EntryState,
+    PublishedSnapshot,
+    SnapshotDraft,
+    SnapshotStore,
+    accept_weight_versions,
+)
+from rollsafe.snapshot.location import open_snapshot_store
+
+ABORT = "abort"  # the key of abort's lock and effect counter, beside the phases
+KEEP_CHECKPOINTS = 16  # stored results kept for this many recent checkpoint ids
+
+
+class ControllerStatus(BaseModel):
+    """What :meth:`Controller.status` reports."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str
+    # Fenced: started for a run with published snapshots, not restored yet (AwaitingRestore).
+    awaiting_restore: bool
+    open_checkpoint: str | None
+    gate_open: bool
+    gate_holder: str | None
+    gate: GateCounters
+    effects: dict[str, int]  # phase (or "abort") -> side effects performed
+    done: dict[str, list[str]]  # recent checkpoint id -> phases with a stored result
+
+
+@dataclass
+class OpenCheckpoint:
+    """The checkpoint whose draft is open here (at most one at a time)."""
+
+    spec: SnapshotSpec
+    draft: SnapshotDraft
+    lock: threading.Lock = field(default_factory=threading.Lock)  # who may touch the draft
+    captured: Captured | None = None
+    broken: str | None = None  # why the draft can no longer be published
+
+
+@dataclass
+class CheckpointRecord:
+    """One checkpoint's stored phase results and whether it has ended."""
+
+    seq: int
+    results: dict[Phase, PhaseResult] = field(default_factory=dict)
+    # One lock per phase, not per checkpoint: a duplicate attempt waits for the first, but
+    # resume never waits behind a long phase of its own checkpoint.
+    locks: dict[str, threading.Lock] = field(
+        default_factory=lambda: {key: threading.Lock() for key in (*PHASES, ABORT)}
+    )
+    # Resumed or aborted: it may never open or close the gate again (checked and set under
+    # Controller._meta, so a late duplicate attempt cannot slip in between).
+    resumed: bool = False
+    aborted: PhaseResult | None = None
+
+
+def phase_result(
+    spec: SnapshotSpec,
+    phase: Phase,
+    summary: str,
+    counts: dict[str, int] | None = None,
+    published: PublishedSnapshotInfo | None = None,
+) -> PhaseResult:
+    return PhaseResult(
+        phase=phase,
+        checkpoint_id=spec.checkpoint_id,
+        summary=summary,
+        counts=counts or {},
+        published=published,
+    )
+
+
+def published_info(published: PublishedSnapshot) -> PublishedSnapshotInfo:
+    """A published snapshot, small enough for a workflow payload."""
+    manifest = published.manifest
+    return PublishedSnapshotInfo(
+        name=published.name,
+        path=str(published.path),
+        checkpoint_id=manifest.checkpoint_id,
+        manifest_sha256=published.manifest_sha256,
+        weight_version=manifest.weight_version,
+        loader_position=manifest.loader_position,
+        counts=dict(manifest.counts),
+    )
+
+
+# Inside publish (SnapshotStore's own points), e.g. ROLLSAFE_FAULT=store.before_rename.
+STORE_POINTS = register(*(f"store.{point}" for point in FAULT_POINTS))
+
+
+def _store_fault(point: str) -> None:
+    fault_point(f"store.{point}")
+
+
+log = logging.getLogger(__name__)
+_PUBLISHED_STATES = (EntryState.VALID, EntryState.INVALID, EntryState.UNCHECKED)
+
+
+class Controller:
+    """One run's controller (docs/design.md section 4): its state (:class:`RunState`), its
+    snapshot store, the admission gate and its participants; the ten phases of a snapshot, a
+    restore, and the run's own operations, all behind one barrier.
+
+    Built from plain arguments, so Ray can construct it remotely
+    (:func:`rollsafe.checkpoint.actor.start_controller_actor`); :meth:`from_parts` assembles
+    one around a state and a store already made (tests, benchmarks)."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        snapshot_root: Path | str,
+        dataplane: str = "memory",
+        keep_latest_k: int = 2,
+        participants: Participants | None = None,
+        *,
+        start_over: bool = False,
+        snapshot_cache: Path | str | None = None,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        """``snapshot_root``: a path (a local disk or a shared POSIX mount) or object storage
+        (``s3://``, ``gs://``), whose drafts are staged under ``snapshot_cache``
+        (docs/snapshot-format.md). ``start_over``: the run begins again although it has
+        published snapshots (they stay until retention removes them); without it such a
+        controller awaits its restore. ``clock``: the admission lease's (tests pass a fake
+        one)."""
+        store = open_snapshot_store(
+            snapshot_root,
+            config.run_id,
+            cache_dir=snapshot_cache,
+            keep_latest_k=keep_latest_k,
+            fault_hook=_store_fault,
+        )
+        state = RunState(config, make_dataplane(dataplane))
+        self._assemble(state, store, participants, start_over=start_over, clock=clock)
+
+    @classmethod
+    def from_parts(
+        cls,
+        state: RunState,
+        store: SnapshotStore,
+        participants: Participants | None = None,
+        *,
+        start_over: bool = False,
+        clock: Clock = time.monotonic,
+    ) -> Controller:
+        """A controller around ``state`` and ``store`` (of the same run)."""
+        controller = cls.__new__(cls)
+        controller._assemble(state, store, participants, start_over=start_over, clock=clock)
+        return controller
+
+    def _assemble(
+        self,
+        state: RunState,
+        store: SnapshotStore,
+        participants: Participants | None,
+        *,
+        start_over: bool,
+        clock: Clock,
+    ) -> None:
+        if store.run_id != state.config.run_id:
+            raise InvalidInput(
+                f"store of run {store.run_id!r}, run state of {state.config.run_id!r}"
+            )
+        self.state = state
+        self.store = store
+        self.gate = AdmissionGate(clock, on_expired=self._admission_expired)
+        # The run's environments and engines; None: phases 3-7 have nothing to do.
+        self.participants = participants
+        self._awaiting_restore = not start_over and any(
+            entry.state in _PUBLISHED_STATES for entry in store.list(verify=False)
+        )
+        # Held by capture and by every call that changes the controller's state
+        # (rollsafe.checkpoint.actor.Controller), so a capture sees the run standing still.
+        self.barrier = threading.Lock()
+        self._phases = (
+            ParticipantPhases(participants, self.barrier, lambda: self.state)
+            if participants is not None
+            else None
+        )
+        self._meta = threading.RLock()  # held briefly: guards the fields below
+        self._open: OpenCheckpoint | None = None
+        self._records: OrderedDict[str, CheckpointRecord] = OrderedDict()
+        self.effects: dict[str, int] = {str(key): 0 for key in (*PHASES, ABORT)}
+        self._restores: dict[str, RestorePlan] = {}
+        metrics.configure_metrics()  # where the instruments record: OTEL_METRICS_EXPORTER
+
+    # ---- checkpoint phases -----------------------------------------------------------------
+
+    def run_phase(self, request: PhaseRequest) -> PhaseResult:
+        spec, phase = request.spec, request.phase
+        record = self._record(spec)
+        with record.locks[phase]:
+            if (stored := record.results.get(phase)) is not None:
+                return stored.model_copy(update={"replayed": True})
+            if record.aborted is not None and phase is not Phase.RESUME:
+                raise CheckpointRefused(
+                    f"checkpoint {spec.checkpoint_id} was aborted: {phase} refused"
+                )
+            fault_point(f"phase.{phase}.before")
+            with metrics.timed_phase(spec.run_id, phase):
+                result = self._run(request, record)
+            fault_point(f"phase.{phase}.after")
+            record.results[phase] = result
+            return result
+
+    def abort(self, spec: SnapshotSpec) -> PhaseResult:
+        """Discard the draft, if any, and reopen the gate; stored results are kept."""
+        record = self._record(spec)
+        with record.locks[ABORT]:
+            if record.aborted is not None:
+                return record.aborted.model_copy(update={"replayed": True})
+            with self._meta:
+                record.resumed = True
+            try:
+                resumed = self._resume_participants(spec.checkpoint_id)
+            finally:
+                with self._meta:
+                    change = self.gate.open(spec.checkpoint_id)
+                metrics.admission_reopened(spec.run_id, spec.checkpoint_id, change)
+            entry = self._entry(spec.checkpoint_id)
+            if entry is not None:
+                with entry.lock:
+                    entry.broken = "aborted"  # for a phase that found the entry before abort
+                    entry.draft.discard()
+                with self._meta:
+                    self._open = None
+            discarded = "draft discarded" if entry else "no draft to discard"
+            self._effect(ABORT, entry is not None or change.changed)
+            record.aborted = phase_result(
+                spec, Phase.RESUME, f"aborted: {discarded}; {resumed}admission {change.detail}"
+            )
+            return record.aborted
+
+    def _run(self, request: PhaseRequest, record: CheckpointRecord) -> PhaseResult:
+        spec, phase = request.spec, request.phase
+        cid = spec.checkpoint_id
+        if phase is not Phase.RESUME:
+            self._check_lease(spec)
+        if phase is Phase.OPEN:
+            return self._open_draft(spec, record)
+        if phase is Phase.RESUME:
+            with self._meta:
+                record.resumed = True
+            try:
+                resumed = self._resume_participants(cid)
+            finally:  # admission reopens even when an instance could not be reached (lease)
+                with self._meta:
+                    change = self.gate.open(cid)
+                metrics.admission_reopened(spec.run_id, cid, change)
+                self._effect(phase, change.changed)
+            return phase_result(spec, phase, f"{resumed}admission {change.detail}")
+        if phase is Phase.PUBLISH:
+            return self._publish(spec, self._entry(cid))
+        if phase is Phase.CLOSE_ADMISSION:
+            with self._meta:  # resume takes it too: it cannot slip between check and close
+                if record.resumed:
+                    raise CheckpointRefused(
+                        f"checkpoint {cid} already resumed: it may not close admission again"
+                    )
+                self._require_open(spec)
+                change = self.gate.close(cid, request.admission_lease_s)
+            metrics.admission_closed(spec.run_id, cid, change)
+            self._effect(phase, change.changed)
+            return phase_result(spec, phase, f"admission {change.detail}")
+        entry = self._require_open(spec)
+        if holds_admission(phase):
+            self.gate.renew(cid)
+        if phase is Phase.CAPTURE:
+            return self._capture(spec, entry)
+        if self.participants is None:
+            return phase_result(spec, phase, NOTHING_TO_DO[phase])
+        return self._participant_phase(spec, phase, entry, self.participants)
+
+    def _participant_phase(
+        self, spec: SnapshotSpec, phase: Phase, entry: OpenCheckpoint, participants: Participants
+    ) -> PhaseResult:
+        phases = self._phases
+        assert phases is not None  # made with the participants
+        if phase is not Phase.COMMIT_ENVS:
+            summary, counts = phases.run(spec, phase)
+            return phase_result(spec, phase, summary, counts)
+        with entry.lock:  # COMMIT_ENVS writes into the draft
+            self._check_usable(entry)
+            committed = participants.commit(spec.checkpoint_id, entry.draft.path, phases.level_of)
+            if RECORD_FILE not in entry.draft.files:  # a retried commit records once
+                entry.draft.record(ENVS_DIR)
+                entry.draft.write_json(RECORD_FILE, committed)
+        episodes = sum(len(c.committed) for c in committed.committed.instances.values())
+        return phase_result(
+            spec, phase, f"{episodes} episodes committed", {"committed_episodes": episodes}
+        )
+
+    def _resume_participants(self, checkpoint_id: str) -> str:
+        if self.participants is None:
+            return ""
+        return self.participants.resume(checkpoint_id, self.state.dataplane) + "; "
+
+    def _open_draft(self, spec: SnapshotSpec, record: CheckpointRecord) -> PhaseResult:
+        cid = spec.checkpoint_id
+        stale = self._open
+        if stale is not None and self.gate.expired(stale.spec.checkpoint_id) is not None:
+            self._abandon(stale)  # no phase of it came back to notice: never publishable
+        with self._meta:
+            self._check_fence(f"checkpoint {cid}")
+            if record.resumed:  # a stray late attempt would hold a draft nobody finishes
+                raise CheckpointRefused(f"checkpoint {cid} already ended: it may not open again")
+            current = self._open
+            if current is not None and current.spec.checkpoint_id != cid:
+                raise CheckpointRefused(
+                    f"checkpoint {cid} cannot open: checkpoint {current.spec.checkpoint_id} "
+                    "is still open (publish or abort it first)"
+                )
+            if current is None:
+                current = self._open = OpenCheckpoint(
+                    spec, self.store.begin(spec.kind, cid, spec.seq)
+                )
+                self._effect(Phase.OPEN, True)
+        return phase_result(spec, Phase.OPEN, f"draft {current.draft.path.name} open")
+
+    def _capture(self, spec: SnapshotSpec, entry: OpenCheckpoint) -> PhaseResult:
+        with entry.lock, self.barrier:
+            self._check_usable(entry)
+            if entry.captured is None:
+                self._check_anchor(spec)
+                before = len(entry.draft.files)
+                try:
+                    entry.captured = self.state.write_snapshot(entry.draft)
+                except BaseException as exc:
+                    # A check that failed wrote nothing and may be retried; a failed write
+                    # leaves files a retry would collide with.
+                    if len(entry.draft.files) != before:
+                        entry.broken = f"capture failed part-way ({type(exc).__name__}: {exc})"
+                    raise
+                self._effect(Phase.CAPTURE, True)
+        counts = entry.captured.counts
+        summary = f"captured {counts['groups']} groups, {counts['sealed_rollouts']} sealed rollouts"
+        return phase_result(spec, Phase.CAPTURE, summary, counts)
+
+    def _publish(self, spec: SnapshotSpec, entry: OpenCheckpoint | None) -> PhaseResult:
+        published: PublishedSnapshot | None = None
+        if entry is not None:
+            with entry.lock:
+                self._check_usable(entry)
+                if entry.captured is None:
+                    raise CheckpointRefused(
+                        f"checkpoint {spec.checkpoint_id}: publish before capture"
+                    )
+                if entry.draft.path.exists():  # else an earlier attempt renamed it, then failed
+                    done = entry.captured
+                    published = entry.draft.publish(
+                        weight_version=done.weight_version,
+                        loader_position=done.loader_position,
+                        anchor_step=spec.anchor_step,
+                        counts=done.counts,
+                        anchors=spec.anchors,
+                    )
+                    self._effect(Phase.PUBLISH, not published.reused)
+                with self._meta:
+                    self._open = None
+        if published is None:
+            published = self._find_published(spec)
+        if entry is not None:  # this process wrote the draft (also if a failed try renamed it)
+            metrics.record_capture_bytes(spec.run_id, published.manifest)
+        info = published_info(published)
+        how = "reused the earlier publish of" if published.reused else "published"
+        return phase_result(spec, Phase.PUBLISH, f"{how} {info.name}", info.counts, info)
+
+    def _find_published(self, spec: SnapshotSpec) -> PublishedSnapshot:
+        """The snapshot an earlier attempt published for this checkpoint, verified where it
+        lives (on disk, or downloaded from object storage: the local cache may be gone)."""
+        published = self.store.verify_published(spec.seq)
+        if published is None:
+            raise SnapshotLost(
+                f"checkpoint {spec.checkpoint_id}: no draft here (the controller restarted?) "
+                f"and seq {spec.seq} is not published: take the snapshot again"
+            )
+        if published.manifest.checkpoint_id != spec.checkpoint_id:
+            raise CheckpointRefused(
+                f"seq {spec.seq} is published as {published.name} by checkpoint "
+                f"{published.manifest.checkpoint_id}, not {spec.checkpoint_id}"
+            )
+        return published
+
+    def restore(self, request: RestoreRequest) -> RestorePlan:
+        """Replace this controller's state with the newest snapshot that verifies (under the
+        barrier, so no dispatch sees a half-restored run). Idempotent per ``restore_id``;
+        refused while a checkpoint is open. On failure the current state is kept."""
+        with self._meta:
+            if (plan := self._restores.get(request.restore_id)) is not None:
+                return plan
+            if self._open is not None:
+                raise CheckpointRefused(
+                    f"restore {request.restore_id}: checkpoint {self._open.spec.checkpoint_id} "
+                    "is open; it must finish or abort first"
+                )
+        environments, outcomes = (
+            self.participants.restorer(request.restore_id)
+            if self.participants is not None
+            else (None, [])
+        )
+        with self.barrier:
+            current = self.state
+            fresh = make_dataplane(current.dataplane.name)
+            try:
+                restored, plan = RunState.restore(
+                    current.config,
+                    self.store,
+                    fresh,
+                    accept=accept_weight_versions(request.weight_versions),
+                    environments=environments,
+                )
+            except BaseException:
+                fresh.clear()  # a remote data plane would keep a half-import forever
+                if self.participants is not None and outcomes and outcomes[-1].ok:
+                    self.participants.abandon_restore(request.restore_id, outcomes[-1])
+                raise
+            self.state = restored
+            current.dataplane.clear()  # replaced by the snapshot's rows
+        drop_staged(restored.dataplane)  # the environments hold what they needed of them
+        if self.participants is not None and outcomes and outcomes[-1].ok:
+            # (A failed environment restore was undone and resumed by the fleet itself.)
+            tokens = self.participants.resume_restored(request.restore_id)
+            metrics.record_restored_prefix_tokens(self.store.run_id, tokens)
+        metrics.record_restore(self.store.run_id, plan, restored.config.group_size)
+        with self._meta:
+            self._restores[request.restore_id] = plan
+            self._awaiting_restore = False
+        return plan
+
+    def next_seq(self) -> int:
+        """A seq no snapshot of this run has used: above every published one and every
+        checkpoint this controller has seen (an aborted seq's id is never accepted again)."""
+        on_disk = [e.seq for e in self.store.list(verify=False) if e.seq is not None]
+        with self._meta:
+            seen = [record.seq for record in self._records.values()]
+        return max([*on_disk, *seen], default=0) + 1
+
+    def status(self) -> ControllerStatus:
+        with self._meta:
+            return ControllerStatus(
+                run_id=self.store.run_id,
+                awaiting_restore=self._awaiting_restore,
+                open_checkpoint=self._open.spec.checkpoint_id if self._open else None,
+                gate_open=self.gate.is_open,
+                gate_holder=self.gate.holder,
+                gate=self.gate.counters(),
+                effects=dict(self.effects),
+                done={cid: [p.value for p in r.results] for cid, r in self._records.items()},
+            )
+
+    def renew_admission(self, spec: SnapshotSpec) -> bool:
+        """Extend the admission lease of ``spec``'s checkpoint (its activities call this
+        with every heartbeat). False when it does not hold the gate: nothing changes."""
+        return self.gate.renew(spec.checkpoint_id)
+
+    @contextmanager
+    def changing(self, what: str) -> Iterator[None]:
+        """The capture barrier, for a call that changes the run's state: refused while the
+        controller awaits its restore."""
+        with self.barrier:
+            with self._meta:
+                self._check_fence(what)
+            yield
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _check_fence(self, what: str) -> None:
+        if self._awaiting_restore:
+            raise AwaitingRestore(
+                f"{what} refused: run {self.store.run_id} has published snapshots and this "
+                "controller has not restored one; restore it first (Checkpointer.restore), "
+                "or start the controller with start_over=True to begin the run again"
+            )
+
+    def _check_anchor(self, spec: SnapshotSpec) -> None:
+        """A trainer snapshot captures at its anchor's weight version or not at all."""
+        version = self.state.weight_version
+        if spec.kind == "trainer" and spec.anchor_step is not None and spec.anchor_step != version:
+            raise AnchorPassed(
+                f"anchor_passed: snapshot {spec.checkpoint_id} is anchored at weight version "
+                f"{spec.anchor_step} and the controller is at {version} (a step committed "
+                "before it could capture); to be sure of a snapshot at a trainer checkpoint, "
+                "await Checkpointer.snapshot_now() before the next step commits"
+            )
+
+    def _check_lease(self, spec: SnapshotSpec) -> None:
+        """Refuse every phase but resume of a checkpoint whose admission lease expired,
+        discarding its draft first (it can never be published)."""
+        lease_s = self.gate.expired(spec.checkpoint_id)
+        if lease_s is None:
+            return
+        entry = self._entry(spec.checkpoint_id)
+        if entry is not None:
+            self._abandon(entry)
+        raise AdmissionLeaseExpired(
+            f"checkpoint {spec.checkpoint_id}: admission stayed closed past its {lease_s:g} s "
+            "lease with no phase renewing it (no worker left?) and reopened by itself; the "
+            "snapshot is abandoned, nothing of it is published: take the next one"
+        )
+
+    def _abandon(self, entry: OpenCheckpoint) -> None:
+        with entry.lock:
+            entry.broken = entry.broken or "admission lease expired"
+            entry.draft.discard()
+        with self._meta:
+            if self._open is entry:
+                self._open = None
+
+    def _admission_expired(self, checkpoint_id: str) -> None:
+        """The gate's hook (called under its lock): the park window ended by the lease."""
+        metrics.admission_reopened(
+            self.store.run_id, checkpoint_id, GateChange(True, "lease expired")
+        )
+        log.warning(
+            "run %s: checkpoint %s held admission closed past its lease; admission reopened "
+            "by itself and the snapshot is abandoned",
+            self.store.run_id,
+            checkpoint_id,
+        )
+
+    def _record(self, spec: SnapshotSpec) -> CheckpointRecord:
+        if spec.run_id != self.store.run_id:
+            raise InvalidInput(f"checkpoint {spec.checkpoint_id} is not of run {self.store.run_id}")
+        cid = spec.checkpoint_id
+        with self._meta:
+            record = self._records.setdefault(cid, CheckpointRecord(spec.seq))
+            self._records.move_to_end(cid)
+            open_cid = self._open.spec.checkpoint_id if self._open else None
+            for old in [c for c in self._records if c not in (cid, open_cid)]:
+                if len(self._records) <= KEEP_CHECKPOINTS:
+                    break
+                del self._records[old]
+            return record
+
+    def _entry(self, cid: str) -> OpenCheckpoint | None:
+        with self._meta:
+            return self._open if self._open and self._open.spec.checkpoint_id == cid else None
+
+    def _require_open(self, spec: SnapshotSpec) -> OpenCheckpoint:
+        entry = self._entry(spec.checkpoint_id)
+        if entry is None:
+            raise SnapshotLost(
+                f"checkpoint {spec.checkpoint_id} is not open here (not opened, already "
+                "published, or the controller restarted): take the snapshot again"
+            )
+        return entry
+
+    def _check_usable(self, entry: OpenCheckpoint) -> None:
+        if entry.broken is not None:
+            raise SnapshotLost(
+                f"checkpoint {entry.spec.checkpoint_id}: {entry.broken}: take the snapshot again"
+            )
+
+    def _effect(self, key: str, happened: bool) -> None:
+        if happened:
+            with self._meta:
+                self.effects[key] += 1
+
+    # ---- the run's operations: each changes the state behind the barrier --------------------
+
+    # The run's changes are refused (AwaitingRestore) while the controller awaits its restore.
+
+    def handout(self, groups: Sequence[int]) -> None:
+        """The data loader hands out these dataset indices (at or above the loader position,
+        no repeats): each becomes a group of ``group_size`` rollouts, reserved at the current
+        weight version; the loader position moves past the highest."""
+        with self.changing("handout"):
+            self.state.handout(groups)
+
+    def dispatch(self, idx: int, i: int, owner: str | None = None) -> EpisodeId | None:
+        """Dispatch one attempt through the admission gate, in the same step that marks it
+        DISPATCHED; None when the gate is closed (the attempt stays RESERVED, spends nothing)."""
+        with self.changing("dispatch"), self.gate.admission() as admitted:
+            return self.state.dispatch(idx, i, owner) if admitted else None
+
+    def seal(self, idx: int, i: int, attempt: int, row: Row) -> bool:
+        """Commit rollout ``i`` of group ``idx`` (its dispatched ``attempt``): ``row`` is its
+        training row, named numpy arrays (``rollsafe.dataplane.Row``), stored in the data
+        plane under the rollout's key and digested. False when this exact seal was already
+        applied (a retry); a different row for a sealed rollout is refused."""
+        with self.changing("seal"):
+            return self.state.seal(idx, i, attempt, row)
+
+    def claim(self, groups: Sequence[int], step: int) -> None:
+        """The trainer takes these ready groups for ``step`` (its optimizer has not committed):
+        a restore before :meth:`commit_step` gives them back as ready."""
+        with self.changing("claim"):
+            self.state.claim(groups, step)
+
+    def commit_step(self, groups: Sequence[int]) -> None:
+        """The step that claimed ``groups`` committed: they leave the run for good (their rows
+        are dropped) and the weight version goes up by one."""
+        with self.changing("commit_step"):
+            self.state.commit_step(groups)
+
+    def evict(self, groups: Sequence[int]) -> None:
+        """Drop these ready groups on purpose (e.g. :meth:`stale` ones): never trained, never
+        owed back. Record the eviction on your side first, so a crash cannot lose it."""
+        with self.changing("evict"):
+            for idx in groups:
+                self.state.evict(idx)
+
+    def select(self) -> list[int]:
+        """The ready groups the sampler picks for the next step (``groups_per_step`` of them),
+        or [] while not enough are ready."""
+        with self.barrier:
+            return self.state.select()
+
+    def stale(self) -> list[int]:
+        """Ready groups the sampler will never pick (past ``staleness_window``): evicting
+        them is the run's call (:meth:`evict`)."""
+        with self.barrier:
+            return self.state.stale()
+
+    def loader_position(self) -> int:
+        """The next dataset index to hand out (every index below it was handed out)."""
+        with self.barrier:
+            return self.state.loader_position
+
+    def attempt(self, idx: int, i: int) -> int:
+        """The current attempt number of rollout ``i`` of group ``idx``."""
+        with self.barrier:
+            return self.state.ledger.attempt(idx, i)

@@ -1,0 +1,420 @@
+"""A run's environments and engines in a snapshot's phases and in a restore (DESIGN.md sections
+5 and 6): the work of phases 3-7 and 9 that the coordinator (``Controller``) hands over when
+the run has participants.
+
+The run's dispatcher sends ``/episodes/run`` calls on :attr:`Participants.loop` and records
+each in :attr:`Participants.pending` until its reply arrives; this object uses the same loop,
+so the drain waits on the dispatcher's own record. What one checkpoint's phases hand each other
+(the inventory, the cut, the commit) is kept here per checkpoint id; the coordinator makes each
+phase run once per checkpoint id, and the environment protocol replays each operation too.
+
+The snapshot gets ``envs/<instance>/...`` (what each instance exported, each file hashed into
+the manifest) and ``participants.json`` (the committed scope per instance, which calls were cut
+and staged): what a restore needs to bring the episodes back as attempt n + 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollsafe.checkpoint.loop import LoopThread
+from rollsafe.core.ids import EpisodeId, RolloutId
+from rollsafe.core.ledger import Retirement
+from rollsafe.core.phases import Phase, SnapshotSpec
+from rollsafe.core.run_state import EnvironmentsRestored, RestoreEnvironments, RunState
+from rollsafe.core.states import RestoreLevel
+from rollsafe.dataplane import DataPlane
+from rollsafe.engine.protocol import CutRefusal, Engine
+from rollsafe.engine.staging import (
+    StagedCut,
+    cut_and_stage,
+    drop_staged,
+    load_prefixes,
+)
+from rollsafe.env.drain import PendingReplies
+from rollsafe.env.fleet import EnvFleet
+from rollsafe.env.fleet_rules import FleetCommitted, FleetPrepared, FleetRestored
+from rollsafe.env.protocol import EpisodeRef
+from rollsafe.errors import CheckpointSpent, EnvRefused, InvalidInput
+from rollsafe.observability import metrics
+from rollsafe.snapshot import SnapshotReader
+
+RECORD_FILE = "participants.json"
+ENVS_DIR = "envs"
+
+
+class ParticipantOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    park_deadline_s: float = Field(default=30.0, gt=0, description="prepare: parked by then")
+    drain_timeout_s: float = Field(default=10.0, ge=0, description="replies on the wire")
+    recut_for_s: float = Field(
+        default=0.2,
+        ge=0,
+        description="calls not started yet when first cut are tried again this long",
+    )
+    restore_deadline_s: float = Field(default=60.0, gt=0)
+
+
+class ParticipantsRecord(BaseModel):
+    """``participants.json``: what the snapshot's environments and engines committed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format_version: Literal[1] = 1
+    committed: FleetCommitted
+    staged: dict[str, int] = Field(description="cut call id -> prefix tokens staged")
+    refused: dict[str, str] = Field(description="call id -> why it was not cut (turn level)")
+    stragglers: tuple[EpisodeRef, ...] = Field(description="replies still out after the drain")
+
+
+@dataclass
+class _Checkpoint:
+    prepared: FleetPrepared | None = None
+    stragglers: list[EpisodeRef] = field(default_factory=list)
+    cut: StagedCut | None = None
+    committed: FleetCommitted | None = None
+
+
+# The restore level of a parked episode's group (the ledger's, looked up by the coordinator):
+# what its snapshot must hold. ``prefix``: the episode and its cut call's prefix; ``turn``: the
+# episode only (its call regenerates from the turn's start); ``sibling`` / ``prompt_group``:
+# nothing (the rollout is generated again from scratch).
+LevelOf = Callable[[EpisodeRef], RestoreLevel]
+
+
+def _every_level(_: EpisodeRef) -> RestoreLevel:
+    return RestoreLevel.PREFIX
+
+
+def to_ref(episode: EpisodeId) -> EpisodeRef:
+    return EpisodeRef(rollout_id=episode.rollout.key, attempt=episode.attempt)
+
+
+def to_episode(ref: EpisodeRef) -> EpisodeId:
+    return EpisodeId(RolloutId.parse(ref.rollout_id), ref.attempt)
+
+
+def _previous(ref: EpisodeRef) -> EpisodeId:
+    """Attempt n of a restored (or refused) attempt n + 1."""
+    return to_episode(EpisodeRef(rollout_id=ref.rollout_id, attempt=ref.attempt - 1))
+
+
+class Participants:
+    def __init__(
+        self,
+        fleet: EnvFleet,
+        engines: Mapping[str, Engine],
+        *,
+        loop: LoopThread,
+        pending: PendingReplies | None = None,
+        options: ParticipantOptions | None = None,
+    ) -> None:
+        self.fleet = fleet
+        self.engines = dict(engines)
+        self.loop = loop
+        self.pending = pending if pending is not None else PendingReplies()
+        self.options = options or ParticipantOptions()
+        self._checkpoints: dict[str, _Checkpoint] = {}
+        self._handed_back: dict[str, int] = {}  # restore id -> staged tokens handed back
+
+    # ---- the snapshot's phases ------------------------------------------------------------
+
+    def retire(self, retirements: Sequence[Retirement]) -> int:
+        """Phase 3: environments refuse abandoned attempts from now on (on the instance that
+        ran them; everywhere when the owner is not known)."""
+        by_instance: dict[str, list[EpisodeRef]] = {}
+        for retirement in retirements:
+            owners = [retirement.owner] if retirement.owner else list(self.fleet.names)
+            for name in owners:
+                by_instance.setdefault(name, []).append(to_ref(retirement.episode))
+        if not by_instance:
+            return 0
+        counts = self.loop.run(self.fleet.retire_all(by_instance))
+        return sum(counts.values())
+
+    def prepare(self, checkpoint_id: str) -> FleetPrepared:
+        """Phase 4: every instance parks at a turn boundary (or none stays parked)."""
+        deadline = time.time() + self.options.park_deadline_s
+        try:
+            prepared = self.loop.run(self.fleet.prepare_all(checkpoint_id, deadline))
+        except EnvRefused as exc:
+            if exc.reason != "checkpoint_resumed":
+                raise
+            # An earlier attempt failed on one instance and resumed the others: they refuse
+            # this id forever. Not the run's fault: the next snapshot, under a new id, can.
+            raise CheckpointSpent(
+                f"{checkpoint_id}: an earlier prepare failed and resumed the instances, which "
+                f"now refuse this checkpoint id; take the snapshot again ({exc})"
+            ) from exc
+        self._state(checkpoint_id).prepared = prepared
+        return prepared
+
+    def drain(self, checkpoint_id: str) -> list[EpisodeRef]:
+        """Phase 5: wait for the replies on the wire outside the commit scope (O(pending)).
+        Those still out at the timeout are stragglers: not in the snapshot, so restarted."""
+        prepared = self._prepared(checkpoint_id, "drain")
+        scope = {p.episode.key for inv in prepared.instances.values() for p in inv.parked}
+
+        async def wait() -> list[EpisodeRef]:
+            return await self.pending.wait_outside(scope, self.options.drain_timeout_s)
+
+        stragglers = self.loop.run(wait())
+        self._state(checkpoint_id).stragglers = stragglers
+        return stragglers
+
+    def cut(
+        self, checkpoint_id: str, dataplane: DataPlane, level_of: LevelOf = _every_level
+    ) -> StagedCut:
+        """Phase 6: freeze the parked episodes' calls still generating and stage their
+        prefixes; a call no engine could cut is committed at turn level. Only episodes whose
+        level is ``prefix`` are cut (at any other level the prefix would never be used)."""
+        prepared = self._prepared(checkpoint_id, "cut_generation")
+        generating = [
+            (p.model_call_id, level_of(p.episode))
+            for inv in prepared.instances.values()
+            for p in inv.parked
+            if p.activity == "generating" and p.model_call_id is not None
+        ]
+        calls = [call for call, level in generating if level == RestoreLevel.PREFIX]
+        cut = self.loop.run(self._cut_everywhere(calls, dataplane)) if calls else _NO_CUT
+        skipped = tuple(call for call, level in generating if level != RestoreLevel.PREFIX)
+        cut = cut.model_copy(update={"skipped": skipped})
+        self._state(checkpoint_id).cut = cut
+        return cut
+
+    def commit(
+        self, checkpoint_id: str, snapshot_dir: Path, level_of: LevelOf = _every_level
+    ) -> ParticipantsRecord:
+        """Phase 7: each instance exports its parked episodes into ``<snapshot>/envs`` (those
+        whose level restores episodes: ``turn`` or ``prefix``)."""
+        state = self._state(checkpoint_id)
+        prepared = self._prepared(checkpoint_id, "commit_envs")
+        scope = {
+            name: [p.episode for p in inv.parked if level_of(p.episode) >= RestoreLevel.TURN]
+            for name, inv in prepared.instances.items()
+        }
+        # Absolute: the environment servers write there themselves, from their own cwd.
+        dest = snapshot_dir.resolve() / ENVS_DIR
+        committed = self.loop.run(self.fleet.commit_all(checkpoint_id, scope, dest))
+        state.committed = committed
+        cut = state.cut or _NO_CUT
+        return ParticipantsRecord(
+            committed=committed,
+            staged=dict(cut.staged),
+            refused={r.call_id: r.reason for r in cut.refused},
+            stragglers=tuple(state.stragglers),
+        )
+
+    def resume(self, checkpoint_id: str, dataplane: DataPlane) -> str:
+        """Phase 9 (and abort): environments resume, frozen calls go on. Every exit path.
+        The staged prefixes leave the live data plane: the capture (phase 8, before this) has
+        put them in the snapshot, the only place a restore reads them from; kept live, every
+        later capture would export them again, forever."""
+        state = self._checkpoints.get(checkpoint_id)
+        frozen = list(state.cut.staged) if state is not None and state.cut is not None else []
+
+        async def resume_all() -> None:
+            await self.fleet.resume_all(checkpoint_id)
+            if frozen:
+                await asyncio.gather(*(e.release(frozen) for e in self.engines.values()))
+
+        self.loop.run(resume_all())
+        if frozen:
+            drop_staged(dataplane)
+        self._checkpoints.pop(checkpoint_id, None)  # kept until done: a retry releases too
+        return f"{len(self.fleet.names)} instances resumed, {len(frozen)} cut calls released"
+
+    # ---- restore ---------------------------------------------------------------------------
+
+    def restore(
+        self,
+        restore_id: str,
+        snapshot_dir: Path,
+        record: ParticipantsRecord,
+        dataplane: DataPlane,
+    ) -> FleetRestored:
+        """Bring the committed episodes back as attempt n + 1 on their instances, with the
+        staged prefixes of their cut calls (read from the restored data plane). All or
+        nothing: on failure no instance keeps any (see :class:`FleetRestored`)."""
+        scope = {name: list(c.committed) for name, c in record.committed.instances.items()}
+        prefixes = load_prefixes(dataplane, record.staged) if record.staged else {}
+
+        as_json = {call: p.model_dump(mode="json") for call, p in prefixes.items()}
+        deadline = time.time() + self.options.restore_deadline_s
+        restored = self.loop.run(
+            self.fleet.restore_all(
+                restore_id,
+                record.committed.checkpoint_id,
+                snapshot_dir.resolve() / ENVS_DIR,
+                scope,
+                as_json,
+                deadline,
+            )
+        )
+        if restored.ok:
+            self._handed_back[restore_id] = sum(len(p.tokens) for p in prefixes.values())
+        return restored
+
+    def resume_restored(self, restore_id: str) -> int:
+        """The restore succeeded: the environments resume. Returns the tokens of the staged
+        prefixes they were handed."""
+        self.loop.run(self.fleet.resume_all(restore_id))
+        return self._handed_back.pop(restore_id, 0)
+
+    def abandon_restore(self, restore_id: str, restored: FleetRestored) -> None:
+        """The controller's restore failed after the environments restored: they must not keep
+        the n + 1 attempts (retired: refused until forgotten), and resume."""
+        self._handed_back.pop(restore_id, None)
+        refs = {name: list(refs) for name, refs in restored.restored.items() if refs}
+
+        async def undo() -> None:
+            try:
+                if refs:
+                    await self.fleet.retire_all(refs)
+            finally:
+                await self.fleet.resume_all(restore_id)
+
+        self.loop.run(undo())
+
+    def restorer(self, restore_id: str) -> tuple[RestoreEnvironments, list[FleetRestored]]:
+        """For ``RunState.restore(environments=...)``: restores the snapshot's committed
+        episodes. The outcomes are appended to the list returned beside it (for
+        :meth:`resume_restored` / :meth:`abandon_restore`). A snapshot taken without
+        participants restores none. If the environments fail, the fleet has already retired
+        every n + 1 attempt and resumed: those rollouts fall back to a restart from scratch
+        (as n + 2) rather than failing the restore (DESIGN.md section 6)."""
+        outcomes: list[FleetRestored] = []
+
+        def restore(reader: SnapshotReader, dataplane: DataPlane) -> EnvironmentsRestored:
+            if RECORD_FILE not in reader.manifest.files:
+                return EnvironmentsRestored({})
+            record = reader.read_json(RECORD_FILE, ParticipantsRecord)
+            outcome = self.restore(restore_id, reader.path, record, dataplane)
+            outcomes.append(outcome)
+            if not outcome.ok:
+                refused = frozenset(_previous(ref) for ref in outcome.restarts)
+                return EnvironmentsRestored({}, refused=refused, errors=outcome.errors)
+            return EnvironmentsRestored(
+                {_previous(ref): name for name, refs in outcome.restored.items() for ref in refs}
+            )
+
+        return restore, outcomes
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    async def _cut_everywhere(self, calls: list[str], dataplane: DataPlane) -> StagedCut:
+        """Cut on every engine (an engine refuses a call it does not hold), again for a moment
+        those not started yet, and merge: staged by one, or refused by all."""
+        staged: dict[str, int] = {}
+        reasons: dict[str, CutRefusal] = {}
+        handoffs = 0
+        give_up = time.monotonic() + self.options.recut_for_s
+        remaining = list(calls)
+        while remaining:
+            for engine in self.engines.values():
+                result = await cut_and_stage(engine, remaining, dataplane)
+                staged.update(result.staged)
+                handoffs += result.handoffs
+                for refusal in result.refused:
+                    if refusal.call_id not in staged and refusal.reason != "unknown_call":
+                        reasons[refusal.call_id] = refusal
+            remaining = [c for c in remaining if c not in staged]
+            if not remaining or time.monotonic() >= give_up:
+                break
+            await asyncio.sleep(0.01)
+        refused = tuple(
+            reasons.get(call) or CutRefusal(call_id=call, reason="unknown_call")
+            for call in calls
+            if call not in staged
+        )
+        return StagedCut(staged=staged, refused=refused, handoffs=handoffs)
+
+    def _state(self, checkpoint_id: str) -> _Checkpoint:
+        return self._checkpoints.setdefault(checkpoint_id, _Checkpoint())
+
+    def _prepared(self, checkpoint_id: str, phase: str) -> FleetPrepared:
+        prepared = self._state(checkpoint_id).prepared
+        if prepared is None:
+            raise InvalidInput(f"{phase} of {checkpoint_id}: the environments were not prepared")
+        return prepared
+
+
+_NO_CUT = StagedCut(staged={}, refused=(), handoffs=0)
+
+
+Outcome = tuple[str, dict[str, int]]
+# The summaries of phases 3-7 when the run has no participants.
+NOTHING_TO_DO = {
+    Phase.RETIRE_DROPPED: "no environment instances configured: nothing to retire",
+    Phase.PREPARE_ENVS: "no environment instances configured: nothing to park",
+    Phase.DRAIN: "no environment instances configured: no replies on the wire to wait for",
+    Phase.CUT_GENERATION: "no generation engines configured: nothing to cut",
+    Phase.COMMIT_ENVS: "no environment instances configured: nothing to commit",
+}
+
+
+class ParticipantPhases:
+    def __init__(
+        self,
+        participants: Participants,
+        barrier: threading.Lock,
+        state: Callable[[], RunState],
+    ) -> None:
+        self.participants = participants
+        self.barrier = barrier  # the coordinator's: held for every read of the controller
+        self.state = state  # the current one (a restore replaces it)
+
+    def run(self, spec: SnapshotSpec, phase: Phase) -> Outcome:
+        cid = spec.checkpoint_id
+        if phase is Phase.RETIRE_DROPPED:
+            return self.retire_dropped()
+        if phase is Phase.PREPARE_ENVS:
+            prepared = self.participants.prepare(cid)
+            parked = sum(len(i.parked) for i in prepared.instances.values())
+            restarts = sum(len(i.restarts) for i in prepared.instances.values())
+            summary = f"{len(prepared.instances)} instances parked {parked} episodes"
+            return f"{summary}, {restarts} to restart", {"parked": parked}
+        if phase is Phase.DRAIN:
+            stragglers = self.participants.drain(cid)
+            summary = f"{len(stragglers)} replies still out after the drain (restarted)"
+            return summary, {"stragglers": len(stragglers)}
+        if phase is Phase.CUT_GENERATION:
+            return self.cut(spec)
+        raise ValueError(f"{phase} is not a participant phase run here")
+
+    def retire_dropped(self) -> Outcome:
+        with self.barrier:
+            retirements = self.state().ledger.retirements()
+        count = self.participants.retire(retirements)
+        with self.barrier:
+            self.state().ledger.mark_retired(r.episode for r in retirements)
+        return f"{count} abandoned attempts retired", {}
+
+    def cut(self, spec: SnapshotSpec) -> Outcome:
+        dataplane = self.state().dataplane
+        cut = self.participants.cut(spec.checkpoint_id, dataplane, self.level_of)
+        metrics.record_cut(spec.run_id, cut)
+        outcomes = metrics.cut_outcomes(cut)
+        summary = (
+            f"{outcomes['cut']} calls cut and staged, {outcomes['skipped']} skipped "
+            f"(finished, not started, or a coarser restore level), {outcomes['failed']} "
+            "could not be cut (turn level)"
+        )
+        return summary, outcomes
+
+    def level_of(self, ref: EpisodeRef) -> RestoreLevel:
+        """The restore level of a parked episode's group; an episode of a group the ledger
+        does not hold is kept whole (the restore then names it as not owned by the run)."""
+        idx = to_episode(ref).rollout.group.idx
+        with self.barrier:
+            ledger = self.state().ledger
+            return ledger.level(idx) if idx in ledger else RestoreLevel.PREFIX

@@ -1,0 +1,1 @@
+"""The ``rollsafe`` command: one module per command group (docs/architecture.md)."""

@@ -1,0 +1,108 @@
+"""A controller's state as captured for a snapshot (everything but the data plane's rows),
+and its files: written into a draft, read back from a verified snapshot.
+
+Capturing is copying numpy columns; checking that the ledger, the replay index and the data
+plane agree works on those copies, so it is done once per checkpoint and costs no Python loop
+over rollouts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from rollsafe.core.buffer import SamplerState
+from rollsafe.core.columns import KEY_COLUMN
+from rollsafe.core.config import RunConfig
+from rollsafe.core.states import AttemptState, GroupState
+from rollsafe.errors import LedgerInvariantViolation, SnapshotCorrupt
+from rollsafe.snapshot import SnapshotDraft, SnapshotReader
+from rollsafe.snapshot.tensorfile import read_tensors, write_tensors
+
+LEDGER_FILE = "ledger.safetensors"
+INDEX_FILE = "replay_index.safetensors"
+Columns = tuple[dict[str, np.ndarray], dict[str, str]]  # arrays, string metadata
+
+
+class LoaderState(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format_version: int = 1
+    position: int
+    weight_version: int
+
+
+@dataclass(frozen=True)
+class CapturedState:
+    ledger: Columns
+    index: Columns
+    loader: LoaderState
+    sampler: SamplerState
+    config: RunConfig
+
+    def counts(self) -> dict[str, int]:
+        retirements = len(json.loads(self.ledger[1]["retire"]))
+        return {
+            "groups": len(self.index[0][KEY_COLUMN]),
+            "claimed_groups": int((self.index[0]["state"] == int(GroupState.CLAIMED)).sum()),
+            "retirements": retirements,
+        }
+
+    def write(self, draft: SnapshotDraft) -> None:
+        for relpath, (arrays, metadata) in ((LEDGER_FILE, self.ledger), (INDEX_FILE, self.index)):
+            with draft.open(relpath) as out:
+                write_tensors(out, arrays, metadata)
+        draft.write_json("loader.json", self.loader)
+        draft.write_json("sampler.json", self.sampler)
+        draft.write_json("run.json", self.config)
+
+    @classmethod
+    def read(cls, reader: SnapshotReader) -> CapturedState:
+        state = cls(
+            ledger=_read_columns(reader, LEDGER_FILE),
+            index=_read_columns(reader, INDEX_FILE),
+            loader=reader.read_json("loader.json", LoaderState),
+            sampler=reader.read_json("sampler.json", SamplerState),
+            config=reader.read_json("run.json", RunConfig),
+        )
+        manifest = reader.manifest
+        if (state.loader.position, state.loader.weight_version) != (
+            manifest.loader_position,
+            manifest.weight_version,
+        ):
+            raise SnapshotCorrupt(f"{reader.name}: loader.json disagrees with the manifest")
+        return state
+
+
+def _read_columns(reader: SnapshotReader, relpath: str) -> Columns:
+    return read_tensors(reader.read_bytes(relpath), f"{reader.name}/{relpath}")
+
+
+def check_agreement(state: CapturedState, rows: int) -> int:
+    """The ledger and the index describe the same groups with the same sealed counts, and the
+    data plane holds one row per sealed rollout. Returns the number of sealed rollouts."""
+    ledger, index = state.ledger[0], state.index[0]
+    if not np.array_equal(ledger[KEY_COLUMN], index[KEY_COLUMN]):
+        only_ledger = np.setdiff1d(ledger[KEY_COLUMN], index[KEY_COLUMN])[:10].tolist()
+        only_index = np.setdiff1d(index[KEY_COLUMN], ledger[KEY_COLUMN])[:10].tolist()
+        raise LedgerInvariantViolation(
+            f"ledger and replay index disagree: only in ledger {only_ledger}, "
+            f"only in index {only_index}"
+        )
+    sealed = np.count_nonzero(ledger["state"] == int(AttemptState.SEALED), axis=1)
+    differ = np.flatnonzero(sealed != index["sealed"])
+    if differ.size:
+        at = int(differ[0])
+        raise LedgerInvariantViolation(
+            f"group {int(index[KEY_COLUMN][at])}: ledger has {int(sealed[at])} sealed "
+            f"rollouts, index {int(index['sealed'][at])}"
+        )
+    total = int(sealed.sum())
+    if rows != total:
+        raise LedgerInvariantViolation(
+            f"data plane holds {rows} rollout rows but {total} are sealed"
+        )
+    return total

@@ -1,0 +1,35 @@
+"""A run's configuration as rollsafe sees it. Every default is defined here, once."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rollsafe.core.ids import validate_run_id
+
+SamplerName = Literal["windowed", "in_order", "weight_fifo"]
+RestoreLevelName = Literal["prompt_group", "sibling", "turn", "prefix"]
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str
+    group_size: int = Field(ge=1, le=1024)
+    groups_per_step: int = Field(ge=1)
+    sampler: SamplerName = "windowed"
+    staleness_window: int = Field(default=1, ge=0)
+    # The finest level a group may restore at; each group records its own at handout.
+    restore_level: RestoreLevelName = "sibling"
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, value: str) -> str:
+        return validate_run_id(value)
+
+
+class SnapshotConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    keep_latest_k: int = Field(default=2, ge=1)

@@ -1,0 +1,149 @@
+"""What the checkpoint workflows and the controller say to each other: the ten phases of a
+rollout snapshot (DESIGN.md section 5) and one typed model in, one out.
+
+Workflow code imports this module (pydantic only, no numpy/torch/ray), so it must stay free
+of heavy imports and side effects.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+
+from rollsafe.core.gate import ADMISSION_LEASE_S
+
+
+class Phase(StrEnum):
+    OPEN = "open"
+    CLOSE_ADMISSION = "close_admission"
+    RETIRE_DROPPED = "retire_dropped"
+    PREPARE_ENVS = "prepare_envs"
+    DRAIN = "drain"
+    CUT_GENERATION = "cut_generation"
+    COMMIT_ENVS = "commit_envs"
+    CAPTURE = "capture"
+    RESUME = "resume"
+    PUBLISH = "publish"
+
+
+PHASES: tuple[Phase, ...] = tuple(Phase)
+# From capture on, the snapshot owns the run's state: a trainer step can no longer abort it.
+NO_ABORT_FROM = Phase.CAPTURE
+
+
+def abortable(phase: Phase | None) -> bool:
+    """Whether a snapshot in ``phase`` (None: not started) can still be aborted. Phases are
+    compared by position, never as strings."""
+    return phase is None or PHASES.index(phase) < PHASES.index(NO_ABORT_FROM)
+
+
+# Errors (ApplicationError types) by which a phase says the snapshot should not be taken at
+# all: it ends "skipped", the error's message its reason, not "failed"
+# (rollsafe.checkpoint.controller).
+SKIPPING_ERRORS = frozenset({"AnchorPassed"})
+
+
+def holds_admission(phase: Phase) -> bool:
+    """Whether a snapshot in ``phase`` holds the admission gate closed (after
+    ``close_admission``, before ``resume``): such a phase renews the gate's lease while it
+    runs."""
+    return PHASES.index(Phase.CLOSE_ADMISSION) < PHASES.index(phase) < PHASES.index(Phase.RESUME)
+
+
+def checkpoint_id_for(run_id: str, seq: int, kind: str) -> str:
+    """Minted from the workflow's input, never at random: a retried activity or a replayed
+    workflow names the same checkpoint."""
+    return f"{run_id}.{kind}.{seq:08d}"
+
+
+class SnapshotSpec(BaseModel):
+    """Which snapshot: everything a phase needs to find its checkpoint."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str
+    seq: int = Field(ge=1)
+    kind: Literal["rollout", "trainer"] = "rollout"
+    anchor_step: int | None = Field(default=None, ge=0)
+    # Anchors: the weight versions the trainer holds checkpoints of when the snapshot
+    # starts. Publish's retention keeps the newest snapshot at each (docs/snapshot-format.md).
+    anchors: tuple[NonNegativeInt, ...] = ()
+
+    @property
+    def checkpoint_id(self) -> str:
+        return checkpoint_id_for(self.run_id, self.seq, self.kind)
+
+
+class PhaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    spec: SnapshotSpec
+    phase: Phase
+    # close_admission: how long the gate stays closed without a renewal (rollsafe.core.gate).
+    admission_lease_s: float = Field(default=ADMISSION_LEASE_S, gt=0)
+
+
+class PublishedSnapshotInfo(BaseModel):
+    """A published snapshot, small enough for a workflow payload."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    path: str
+    checkpoint_id: str
+    manifest_sha256: str
+    weight_version: int
+    loader_position: int
+    counts: dict[str, int] = Field(default_factory=dict)
+
+
+class PhaseResult(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    phase: Phase
+    checkpoint_id: str
+    summary: str  # one line for operators: what the phase did, or why it did nothing
+    counts: dict[str, int] = Field(default_factory=dict)
+    published: PublishedSnapshotInfo | None = None
+    # True when this is the stored result of an earlier call with the same
+    # (checkpoint_id, phase): activities run at least once, the effect happens once.
+    replayed: bool = False
+
+
+class PartialGroup(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    restored: list[int]  # sealed siblings whose rows came back, digest-checked
+    resumed: list[int]  # attempts their environment restored (turn/prefix), as attempt + 1
+    regenerate: list[int]  # siblings to generate again
+
+
+class RestorePlan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    snapshot: str
+    checkpoint_id: str
+    skipped: dict[str, str]  # newer snapshots refused, with the reason
+    loader_position: int
+    weight_version: int
+    ready: list[int]
+    partial: dict[int, PartialGroup]
+    released_claims: list[int]
+    # Partial groups in redispatch order: admitted (generating) groups first, since they
+    # may be the only work that can advance the trainer, then groups never dispatched.
+    redispatch: list[int]
+    # Instances that could not restore their episodes, and why: those episodes restart from
+    # scratch (the next attempt but one) instead of resuming.
+    environments_failed: dict[str, str] = Field(default_factory=dict)
+
+
+class RestoreRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str
+    restore_id: str  # idempotency key: a retried restore returns the first plan
+    # Weight versions the trainer holds checkpoints of: only a snapshot taken at one of them
+    # is restored (its rows and the trainer's weights must describe the same steps). None: any.
+    weight_versions: tuple[int, ...] | None = None

@@ -1,0 +1,335 @@
+"""The controller: loader position, ledger, replay index, sampler and data plane as one run.
+
+A plain class with no I/O beyond the snapshot directory and the data plane. The Ray actor of
+later issues is a one-line wrapper around it; the scenario runner drives it directly.
+
+``checkpoint`` captures everything needed to restore (after cross-checking that the ledger,
+the index and the data plane agree) and publishes a snapshot. ``RunState.restore`` builds a
+new controller from the newest snapshot that verifies, checks every restored row against the
+digest it was sealed with, releases claims of steps that never committed, applies each
+group's restart rule and returns a :class:`RestorePlan` saying what is owed and how.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from rollsafe.core.buffer import ReplayIndex, make_sampler
+from rollsafe.core.capture import (
+    INDEX_FILE,
+    LEDGER_FILE,
+    CapturedState,
+    LoaderState,
+    check_agreement,
+)
+from rollsafe.core.config import RunConfig
+from rollsafe.core.ids import EpisodeId
+from rollsafe.core.ledger import Ledger
+from rollsafe.core.phases import PartialGroup, RestorePlan
+from rollsafe.core.states import GroupState, RestoreLevel
+from rollsafe.dataplane import DataPlane, Row, row_digest
+from rollsafe.dataplane.protocol import DataPlaneManifest
+from rollsafe.errors import (
+    InvalidInput,
+    LedgerInvariantViolation,
+    RowMismatch,
+    SnapshotCorrupt,
+    TopologyMismatch,
+)
+from rollsafe.faults import fault_point, register
+from rollsafe.snapshot import (
+    FileEntry,
+    SnapshotDraft,
+    SnapshotKind,
+    SnapshotManifest,
+    SnapshotReader,
+    SnapshotStore,
+)
+
+ROLLOUT_PARTITION = "rollouts"
+# Inside a capture, after the state files and before the data-plane export.
+CAPTURE_MID = register("phase.capture.state_written")[0]
+_VERIFY_BATCH = 1024
+
+
+@dataclass(frozen=True)
+class Captured:
+    """What a capture wrote, with the values its manifest must carry."""
+
+    weight_version: int
+    loader_position: int
+    counts: dict[str, int]
+
+
+@dataclass(frozen=True)
+class EnvironmentsRestored:
+    """What a restore's environments did with the snapshot's episodes."""
+
+    # Attempt n of each episode an instance restored (as attempt n + 1) -> that instance.
+    episodes: Mapping[EpisodeId, str]
+    # Attempt n of each episode the environments could not restore: its attempt n + 1 is
+    # retired (refused forever), so the rollout restarts from scratch as attempt n + 2.
+    refused: frozenset[EpisodeId] = frozenset()
+    errors: Mapping[str, str] = field(default_factory=dict)  # instance -> why it failed
+
+
+# Restores a snapshot's environment episodes, given the snapshot and the data plane it was
+# just loaded into (the staged prefixes are read from it).
+RestoreEnvironments = Callable[[SnapshotReader, DataPlane], EnvironmentsRestored]
+
+
+class RunState:
+    def __init__(self, config: RunConfig, dataplane: DataPlane) -> None:
+        self.config = config
+        self.dataplane = dataplane
+        self.ledger = Ledger(config.run_id, config.group_size)
+        self.index = ReplayIndex(config.group_size)
+        self.sampler = make_sampler(config.sampler, config.staleness_window)
+        self.level = RestoreLevel.parse(config.restore_level)
+        self.loader_position = 0
+        self.weight_version = 0
+
+    # ---- the run ---------------------------------------------------------------------------
+
+    def handout(self, groups: Sequence[int]) -> None:
+        """The loader hands out these dataset indices, reserved at the current weight version."""
+        if not groups:
+            raise InvalidInput("handout needs at least one dataset index")
+        if len(set(groups)) != len(groups):
+            raise InvalidInput(f"handout repeats an index: {list(groups)}")
+        below = [idx for idx in groups if idx < self.loader_position]
+        if below:
+            raise InvalidInput(
+                f"handout of {below}: below the loader position {self.loader_position}"
+            )
+        for idx in groups:
+            self.index.reserve(idx, self.weight_version)
+            self.ledger.reserve_group(idx, self.level)
+        self.loader_position = max(groups) + 1
+
+    def row_key(self, idx: int, i: int) -> str:
+        return self.ledger.rollout_id(idx, i).key
+
+    def dispatch(self, idx: int, i: int, owner: str | None = None) -> EpisodeId:
+        episode = self.ledger.dispatch(idx, i, owner)
+        self.index.start(idx, self.weight_version)
+        return episode
+
+    def seal(self, idx: int, i: int, attempt: int, row: Row) -> bool:
+        """Commit a finished rollout's row. False when this exact seal was already applied."""
+        digest = row_digest(row)
+        if not self.ledger.check_seal(idx, i, attempt, digest):
+            return False
+        self.dataplane.put(ROLLOUT_PARTITION, {self.row_key(idx, i): row})
+        self.ledger.seal(idx, i, attempt, digest)
+        self.index.set_sealed(idx, len(self.ledger.sealed(idx)))
+        return True
+
+    def claim(self, groups: Sequence[int], step: int) -> None:
+        self.index.claim(groups, step)
+
+    def commit_step(self, groups: Sequence[int]) -> None:
+        """An optimizer step trained ``groups`` and committed: they leave the run for good,
+        and the policy moves to the next weight version."""
+        if len(set(groups)) != len(groups):
+            raise InvalidInput(f"a step cannot train a group twice: {list(groups)}")
+        keys = {idx: self._sealed_keys(idx) for idx in groups}
+        self.index.train(groups)
+        for idx in groups:
+            self._drop(idx, keys[idx])
+        self.sampler.committed(self.index, groups)
+        self.weight_version += 1
+
+    def evict(self, idx: int) -> None:
+        keys = self._sealed_keys(idx)
+        self.index.evict(idx)
+        self._drop(idx, keys)
+
+    def set_weight_version(self, version: int) -> None:
+        if version < self.weight_version:
+            raise InvalidInput(
+                f"weight version {version} is older than the current {self.weight_version}"
+            )
+        self.weight_version = version
+
+    def select(self) -> list[int]:
+        return self.sampler.select(self.index, self.weight_version, self.config.groups_per_step)
+
+    def stale(self) -> list[int]:
+        """Ready groups the sampler will never pick: evicting them is the run's call."""
+        return self.sampler.stale(self.index, self.weight_version)
+
+    def _sealed_keys(self, idx: int) -> list[str]:
+        return [self.row_key(idx, i) for i in self.ledger.sealed(idx)]
+
+    def _drop(self, idx: int, keys: list[str]) -> None:
+        self.ledger.drop_group(idx)
+        if keys:
+            self.dataplane.delete(ROLLOUT_PARTITION, keys)
+
+    # ---- checkpoint ------------------------------------------------------------------------
+
+    def checkpoint(
+        self,
+        store: SnapshotStore,
+        checkpoint_id: str,
+        kind: SnapshotKind = SnapshotKind.ROLLOUT,
+        anchor_step: int | None = None,
+        seq: int | None = None,
+    ) -> SnapshotManifest:
+        # Leaving the block without publishing (any error) discards the draft.
+        with store.begin(kind, checkpoint_id, seq) as draft:
+            captured = self.write_snapshot(draft)
+            return draft.publish(
+                weight_version=captured.weight_version,
+                loader_position=captured.loader_position,
+                anchor_step=anchor_step,
+                counts=captured.counts,
+            ).manifest
+
+    def write_snapshot(self, draft: SnapshotDraft) -> Captured:
+        """Write the state and the data plane's rows into ``draft`` after checking that they
+        agree. The caller keeps writers out meanwhile (the coordinator's barrier)."""
+        state = self.capture()
+        sealed = check_agreement(state, self.dataplane.count(ROLLOUT_PARTITION))
+        state.write(draft)
+        fault_point(CAPTURE_MID)
+        exported = self.dataplane.export(draft.path / "dataplane")
+        draft.write_json("dataplane.json", exported)
+        draft.record_hashed(
+            {
+                f"dataplane/{f.path}": FileEntry(sha256=f.sha256, bytes=f.bytes)
+                for f in exported.files
+            }
+        )
+        return Captured(
+            weight_version=state.loader.weight_version,
+            loader_position=state.loader.position,
+            counts={**state.counts(), "sealed_rollouts": sealed},
+        )
+
+    def capture(self) -> CapturedState:
+        """Copies of everything but the data plane's rows; no I/O."""
+        return CapturedState(
+            ledger=self.ledger.capture(),
+            index=self.index.capture(),
+            loader=LoaderState(position=self.loader_position, weight_version=self.weight_version),
+            sampler=self.sampler.state(),
+            config=self.config,
+        )
+
+    # ---- restore ---------------------------------------------------------------------------
+
+    @classmethod
+    def restore(
+        cls,
+        config: RunConfig,
+        store: SnapshotStore,
+        dataplane: DataPlane,
+        restored_episodes: Mapping[EpisodeId, str] | None = None,
+        accept: Callable[[SnapshotManifest], str | None] | None = None,
+        environments: RestoreEnvironments | None = None,
+    ) -> tuple[RunState, RestorePlan]:
+        """Restore from the newest snapshot that verifies into ``dataplane`` (empty).
+
+        ``restored_episodes`` maps each episode an environment restored to its instance;
+        ``environments`` restores them itself (``rollsafe.checkpoint.participants``) once the
+        rows verified.
+        The new controller is returned only if every check passed; on any error the snapshot
+        directory is unchanged and ``dataplane`` (which may hold imported rows) is discarded
+        by the caller.
+        """
+        reader = store.select(accept)
+        controller = cls(config, dataplane)
+        controller._load(reader)
+        controller._verify_rows()
+        envs = EnvironmentsRestored(dict(restored_episodes or {}))
+        if environments is not None:  # after the rows verified: the envs need their prefixes
+            envs = environments(reader, controller.dataplane)
+            envs = replace(envs, episodes={**(restored_episodes or {}), **envs.episodes})
+        plan = controller._restart(reader, envs)
+        return controller, plan
+
+    def _load(self, reader: SnapshotReader) -> None:
+        state = CapturedState.read(reader)
+        for name in ("run_id", "group_size", "sampler"):
+            saved, configured = getattr(state.config, name), getattr(self.config, name)
+            if saved != configured:
+                raise TopologyMismatch(
+                    f"snapshot {reader.name} was taken with {name}={saved!r}; "
+                    f"this run has {configured!r}"
+                )
+        self.ledger = Ledger.restore(*state.ledger, f"{reader.name}/{LEDGER_FILE}")
+        self.index = ReplayIndex.restore(*state.index, f"{reader.name}/{INDEX_FILE}")
+        self.loader_position = state.loader.position
+        self.weight_version = state.loader.weight_version
+        self.sampler.load_state(state.sampler, self.index)
+        exported = reader.read_json("dataplane.json", DataPlaneManifest)
+        self.dataplane.import_(reader.path / "dataplane", exported)
+        try:
+            check_agreement(state, self.dataplane.count(ROLLOUT_PARTITION))
+        except LedgerInvariantViolation as exc:
+            raise SnapshotCorrupt(f"{reader.name}: {exc}") from None
+
+    def _verify_rows(self) -> None:
+        """Every sealed rollout's row must come back byte for byte (its sealed digest)."""
+        pending: list[tuple[int, int, str]] = []
+        for idx in self.ledger.groups():
+            pending.extend((idx, i, self.row_key(idx, i)) for i in self.ledger.sealed(idx))
+        for start in range(0, len(pending), _VERIFY_BATCH):
+            batch = pending[start : start + _VERIFY_BATCH]
+            rows = self.dataplane.get(ROLLOUT_PARTITION, [key for _, _, key in batch])
+            for idx, i, key in batch:
+                if row_digest(rows[key]) != self.ledger.digest(idx, i):
+                    raise RowMismatch(idx, i, key, "restored row differs from its sealed digest")
+
+    def _check_owned(self, episode: EpisodeId, what: str) -> None:
+        """An episode the environments name must be the ledger's current attempt."""
+        idx, i = episode.rollout.group.idx, episode.rollout.i
+        if idx not in self.ledger or self.ledger.episode(idx, i) != episode:
+            raise LedgerInvariantViolation(f"{what} episode {episode} is not owned by the run")
+
+    def _restart(self, reader: SnapshotReader, envs: EnvironmentsRestored) -> RestorePlan:
+        released = self.index.release_claims()
+        refused: dict[int, set[int]] = {}
+        for episode in envs.refused:
+            self._check_owned(episode, "refused")
+            refused.setdefault(episode.rollout.group.idx, set()).add(episode.rollout.i)
+        by_group: dict[int, dict[int, str]] = {}
+        for episode, instance in envs.episodes.items():
+            self._check_owned(episode, "restored")
+            by_group.setdefault(episode.rollout.group.idx, {})[episode.rollout.i] = instance
+        partial: dict[int, PartialGroup] = {}
+        for idx in self.index.in_states(GroupState.RESERVED, GroupState.GENERATING):
+            outcome = self.ledger.restart(idx, by_group.pop(idx, None), refused.get(idx, ()))
+            if outcome.dropped_rows:
+                self.dataplane.delete(
+                    ROLLOUT_PARTITION, [self.row_key(idx, i) for i in outcome.dropped_rows]
+                )
+            self.index.set_sealed(idx, len(outcome.kept))
+            partial[idx] = PartialGroup(
+                restored=list(outcome.kept),
+                resumed=list(outcome.resumed),
+                regenerate=list(outcome.regenerate),
+            )
+        if by_group:
+            raise LedgerInvariantViolation(
+                "environments restored episodes of groups that are not generating: "
+                f"{sorted(by_group)}"
+            )
+        admitted_first = sorted(
+            partial, key=lambda g: (self.index.state(g) != GroupState.GENERATING, g)
+        )
+        return RestorePlan(
+            snapshot=reader.path.name,
+            checkpoint_id=reader.manifest.checkpoint_id,
+            skipped=dict(reader.skipped),
+            loader_position=self.loader_position,
+            weight_version=self.weight_version,
+            ready=self.index.in_states(GroupState.READY),
+            partial=partial,
+            released_claims=released,
+            redispatch=admitted_first,
+            environments_failed=dict(envs.errors),
+        )

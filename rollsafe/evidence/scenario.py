@@ -1,0 +1,280 @@
+"""Scenario files: a run written down as events, replayed against the real RunState.
+
+The format is exact (external suites are written against it; see docs/scenarios.md). A
+checkpoint really writes a snapshot to disk, a crash really drops every in-memory object (the
+data plane included) and a restore really reads the newest valid snapshot into new objects.
+Row content is a pure function of (group, rollout, attempt), so the runner checks every
+restored row byte for byte against what was committed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+
+from rollsafe.core.config import RestoreLevelName, RunConfig, SamplerName
+from rollsafe.core.run_state import ROLLOUT_PARTITION, RunState
+from rollsafe.core.states import AttemptState, GroupState
+from rollsafe.dataplane import DataPlane
+from rollsafe.errors import RollsafeError, RowMismatch, ScenarioError
+from rollsafe.snapshot import SnapshotStore
+
+SCENARIO_RUN_ID = "scenario"
+Index = Annotated[StrictInt, Field(ge=0)]
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Handout(_Event):
+    op: Literal["handout"]
+    groups: list[Index] = Field(min_length=1)
+
+
+class Commit(_Event):
+    op: Literal["commit"]
+    group: Index
+    rollouts: list[Index] = Field(min_length=1)
+
+
+class Claim(_Event):
+    op: Literal["claim"]
+    groups: list[Index] = Field(min_length=1)
+
+
+class Train(_Event):
+    op: Literal["train"]
+    groups: list[Index] = Field(min_length=1)
+
+
+class Evict(_Event):
+    op: Literal["evict"]
+    group: Index
+
+
+class WeightVersion(_Event):
+    op: Literal["weight_version"]
+    version: Index
+
+
+class Checkpoint(_Event):
+    op: Literal["checkpoint"]
+
+
+class Crash(_Event):
+    op: Literal["crash"]
+
+
+class Restore(_Event):
+    op: Literal["restore"]
+
+
+Event = Annotated[
+    Handout | Commit | Claim | Train | Evict | WeightVersion | Checkpoint | Crash | Restore,
+    Field(discriminator="op"),
+]
+
+
+class Scenario(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    sampler: SamplerName
+    group_size: Annotated[StrictInt, Field(ge=1, le=1024)]
+    groups_per_step: Annotated[StrictInt, Field(ge=1)]
+    staleness_window: Annotated[StrictInt, Field(ge=0)] = 1
+    # Extension to the published format: the restore level every group is handed out with.
+    restore_level: RestoreLevelName = "sibling"
+    events: list[Event]
+
+    def run_config(self) -> RunConfig:
+        return RunConfig(
+            run_id=SCENARIO_RUN_ID,
+            group_size=self.group_size,
+            groups_per_step=self.groups_per_step,
+            sampler=self.sampler,
+            staleness_window=self.staleness_window,
+            restore_level=self.restore_level,
+        )
+
+
+class GroupReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    state: Literal["ready", "generating"]
+    restored_rollouts: list[int]  # sealed: rows committed (after a restore: came back)
+    regenerate: list[int]  # not sealed: still to generate
+
+
+class ScenarioReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    loader_position: int
+    weight_version: int
+    groups: dict[str, GroupReport]
+    next_selection: list[int]
+
+
+def load_scenario(path: Path) -> Scenario:
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ScenarioError(f"{path}: no such file") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ScenarioError(f"{path}: not valid JSON ({exc})") from None
+    try:
+        return Scenario.model_validate(raw)
+    except ValidationError as exc:
+        raise ScenarioError(f"{path}: {_describe(exc)}") from None
+
+
+def _describe(exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors()[:5]:
+        where = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        problems.append(f"{where}: {error['msg']}")
+    return "; ".join(problems)
+
+
+def row_content(group: int, rollout: int, attempt: int) -> dict[str, np.ndarray]:
+    """The row a rollout's attempt commits: a pure function of its identity."""
+    seed = hashlib.sha256(f"{SCENARIO_RUN_ID}/{group}/{rollout}/{attempt}".encode()).digest()
+    tokens = np.frombuffer(seed, dtype=np.uint16).astype(np.int32)
+    return {
+        "tokens": tokens,
+        "logprobs": -(tokens.astype(np.float32) / 65536.0),
+        "reward": np.array(float(seed[0]) / 255.0, dtype=np.float32),
+    }
+
+
+def busy_run(run_id: str, dataplane: DataPlane) -> RunState:
+    """A small run with work in flight, for examples and tests: group 0 ready (both rollouts
+    sealed), group 1 half sealed, group 2 only handed out."""
+    run = RunState(RunConfig(run_id=run_id, group_size=2, groups_per_step=2), dataplane)
+    run.handout([0, 1, 2])
+    for idx, siblings in ((0, (0, 1)), (1, (0,))):
+        for i in siblings:
+            run.dispatch(idx, i)
+            run.seal(idx, i, 0, row_content(idx, i, 0))
+    return run
+
+
+class ScenarioRunner:
+    def __init__(
+        self, scenario: Scenario, snapshot_dir: Path, make_dataplane: Callable[[], DataPlane]
+    ) -> None:
+        self.scenario = scenario
+        self.config = scenario.run_config()
+        # Snapshots already in the directory are the run's history: a scenario may start
+        # with "restore" to continue a run an earlier process checkpointed (a real crash).
+        self.store = SnapshotStore(snapshot_dir, SCENARIO_RUN_ID)
+        self.make_dataplane = make_dataplane
+        self.state: RunState | None = RunState(self.config, make_dataplane())
+        self.checkpoint_nonce = uuid.uuid4().hex[:8]
+        self.checkpoints = 0
+        self.crashed_at: int | None = None
+
+    def run(self) -> ScenarioReport:
+        for number, event in enumerate(self.scenario.events, start=1):
+            try:
+                self._apply(number, event)
+            except RowMismatch:
+                raise
+            except RollsafeError as exc:
+                if isinstance(exc, ScenarioError):
+                    raise
+                raise ScenarioError(f"event {number} ({event.op}): {exc}") from exc
+        return self.report()
+
+    def _live(self, number: int, event: _Event) -> RunState:
+        if self.state is None:
+            raise ScenarioError(
+                f"event {number} ({getattr(event, 'op', '?')}): the run crashed at event "
+                f"{self.crashed_at}; only 'restore' can follow"
+            )
+        return self.state
+
+    def _apply(self, number: int, event: _Event) -> None:
+        if isinstance(event, Crash):
+            self._live(number, event)
+            self.state, self.crashed_at = None, number  # every in-memory object is gone
+        elif isinstance(event, Restore):
+            self._restore()
+        else:
+            self._apply_live(self._live(number, event), event)
+
+    def _apply_live(self, run: RunState, event: _Event) -> None:
+        if isinstance(event, Handout):
+            run.handout(event.groups)
+        elif isinstance(event, Commit):
+            self._commit(run, event)
+        elif isinstance(event, Claim):
+            run.claim(event.groups, step=run.weight_version)
+        elif isinstance(event, Train):
+            run.commit_step(event.groups)
+        elif isinstance(event, Evict):
+            run.evict(event.group)
+        elif isinstance(event, WeightVersion):
+            run.set_weight_version(event.version)
+        elif isinstance(event, Checkpoint):
+            self.checkpoints += 1
+            checkpoint_id = f"scenario-{self.checkpoint_nonce}-{self.checkpoints}"
+            run.checkpoint(self.store, checkpoint_id=checkpoint_id)
+
+    def _commit(self, run: RunState, event: Commit) -> None:
+        for i in event.rollouts:
+            state = run.ledger.state(event.group, i)
+            if state == AttemptState.RESERVED:
+                run.dispatch(event.group, i)
+            attempt = run.ledger.attempt(event.group, i)
+            run.seal(event.group, i, attempt, row_content(event.group, i, attempt))
+
+    def _restore(self) -> None:
+        self.state = None  # a restore always starts from nothing but the disk
+        state, _plan = RunState.restore(self.config, self.store, self.make_dataplane())
+        self._check_rows(state)
+        self.state, self.crashed_at = state, None
+
+    def _check_rows(self, run: RunState) -> None:
+        for idx in run.ledger.groups():
+            sealed = run.ledger.sealed(idx)
+            rows = run.dataplane.get(ROLLOUT_PARTITION, [run.row_key(idx, i) for i in sealed])
+            for i in sealed:
+                key = run.row_key(idx, i)
+                expected = row_content(idx, i, run.ledger.attempt(idx, i))
+                if not same_row(rows[key], expected):
+                    raise RowMismatch(idx, i, key, "restored row differs from the committed row")
+
+    def report(self) -> ScenarioReport:
+        run = self.state or RunState(self.config, self.make_dataplane())
+        groups = {
+            str(idx): GroupReport(
+                state="ready" if state in (GroupState.READY, GroupState.CLAIMED) else "generating",
+                restored_rollouts=run.ledger.sealed(idx),
+                regenerate=run.ledger.unsealed(idx),
+            )
+            for idx, state, _ in run.index.rows()
+        }
+        return ScenarioReport(
+            loader_position=run.loader_position,
+            weight_version=run.weight_version,
+            groups=groups,
+            next_selection=run.select(),
+        )
+
+
+def same_row(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> bool:
+    return set(actual) == set(expected) and all(
+        actual[name].dtype == expected[name].dtype
+        and actual[name].shape == expected[name].shape
+        and actual[name].tobytes() == expected[name].tobytes()
+        for name in expected
+    )

@@ -1,0 +1,1 @@
+"""rollsafe's HTTP plumbing shared by the engine and environment servers and their clients."""

@@ -1,0 +1,1 @@
+"""What a run shows about its checkpoints: metrics, traces, and the timeline."""
