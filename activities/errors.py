@@ -1,4 +1,4 @@
-"""rollsafe errors at the Temporal boundary (DESIGN.md section 11)."""
+"""rollsafe errors at the Temporal boundary (docs/design.md section 11)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """One activity per snapshot phase, each a thin call to the run's controller.
 
 Activities are registered under the phase's name, so an operator sees the phase of a stuck
-snapshot as its pending activity. Long calls heartbeat every second (DESIGN.md section 5:
+snapshot as its pending activity. Long calls heartbeat every second (docs/design.md section 5:
 heartbeat timeout ~5 s) so a killed worker's phase is retried within seconds, and a
 cancelled phase (abort) is noticed at the next beat. A phase that runs while its checkpoint
 holds admission closed also renews the gate's lease with every beat: a worker that dies

@@ -139,7 +139,7 @@ async def park_window(episodes: int, instances: int, repeats: int, root: Path) -
         asyncio.create_task(parts[i % instances].run(RunEpisode(episode=ref(i), task=calendar(i))))
         for i in range(episodes)
     ]
-    while sum(env.started for env in envs) < episodes:
+    while sum(env.started for env in envs) < episodes:  # noqa: ASYNC110 - yields to the runs
         await asyncio.sleep(0)
     cycle_runs: list[dict[str, Any]] = []
     plain: list[float] = []

@@ -7,7 +7,7 @@ snapshotted alternately (a) by calling ``Controller.run_phase`` for the ten phas
 in this process, and (b) by running the ``RolloutSnapshot`` workflow on the tuned local dev
 server with a worker in this process whose activities call the same ``Controller``; the
 run has no environments or engines, so it is started with ``participants=False``. Both
-publish real snapshots to the same disk. Target (issue 3): Temporal adds at most 10 % or
+publish real snapshots to the same disk. Target: Temporal adds at most 10 % or
 150 ms, whichever is larger.
 """
 
@@ -24,6 +24,7 @@ from pathlib import Path
 from rollsafe.activities.controllers import LocalControllerClient
 from rollsafe.checkpoint.controller import Controller
 from rollsafe.core.config import RunConfig
+from rollsafe.core.ids import snapshot_workflow_id, task_queue_for
 from rollsafe.core.phases import PHASES, PhaseRequest, SnapshotSpec
 from rollsafe.core.run_state import RunState
 from rollsafe.dataplane import make_dataplane
@@ -34,7 +35,6 @@ from rollsafe.temporal.devserver import DevServer
 from rollsafe.workers.checkpoint import build_worker
 from rollsafe.workflows.models import SnapshotInput
 from rollsafe.workflows.snapshot import RolloutSnapshot
-from rollsafe.workflows.supervisor import task_queue_for
 
 RUN_ID = "orchestration"
 GROUP_SIZE = 8
@@ -84,7 +84,7 @@ async def measure(
                             SnapshotInput(
                                 spec=SnapshotSpec(run_id=RUN_ID, seq=seq), participants=False
                             ),
-                            id=f"rollsafe/{RUN_ID}/snapshot/{seq}",
+                            id=snapshot_workflow_id(RUN_ID, seq),
                             task_queue=task_queue_for(RUN_ID),
                         )
                         elapsed = time.perf_counter() - start

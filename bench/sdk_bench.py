@@ -1,4 +1,4 @@
-"""What a trainer step pays to tell its run's workflows it committed (issue 15).
+"""What a trainer step pays to tell its run's workflows it committed.
 
     .venv/bin/python bench/sdk_bench.py [--steps 200]
 
@@ -33,6 +33,7 @@ from temporalio.client import (
 from rollsafe.activities.controllers import LocalControllerClient
 from rollsafe.checkpoint.controller import Controller
 from rollsafe.client import WORKER_TIMEOUT_S, Checkpointer
+from rollsafe.core.ids import supervisor_id, task_queue_for
 from rollsafe.core.phases import Phase, PhaseRequest, PhaseResult
 from rollsafe.dataplane import make_dataplane
 from rollsafe.evidence.scenario import busy_run
@@ -41,7 +42,7 @@ from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
 from rollsafe.workers.checkpoint import build_worker
 from rollsafe.workflows.snapshot import RolloutSnapshot
-from rollsafe.workflows.supervisor import SnapshotSupervisor, task_queue_for
+from rollsafe.workflows.supervisor import SnapshotSupervisor
 
 RUN_ID = "sdk-bench"
 Step = Callable[[int], Awaitable[object]]
@@ -50,7 +51,7 @@ Step = Callable[[int], Awaitable[object]]
 async def describe_then_signal(client: Client, step: int) -> None:
     """The SDK before: describe, abort each pending snapshot (an update: needs a worker),
     then signal."""
-    handle = client.get_workflow_handle_for(SnapshotSupervisor.run, f"rollsafe/{RUN_ID}")
+    handle = client.get_workflow_handle_for(SnapshotSupervisor.run, supervisor_id(RUN_ID))
     description = await handle.describe()
     for child in description.raw_description.pending_children:
         snapshot = client.get_workflow_handle_for(RolloutSnapshot.run, child.workflow_id)
@@ -121,7 +122,7 @@ async def main(steps: int, pending_steps: int) -> None:
             orphan_before = await timed(lambda n: describe_then_signal(client, n), pending_steps)
             pending.cancel()
             await asyncio.gather(pending, return_exceptions=True)
-            await client.get_workflow_handle(f"rollsafe/{RUN_ID}").terminate("bench over")
+            await client.get_workflow_handle(supervisor_id(RUN_ID)).terminate("bench over")
     print(f"train_step_committed, {steps} steps each (before: {pending_steps} when pending)")
     print(line("idle, worker serving", idle_now, idle_before))
     print(line("no worker, snapshot pending", orphan_now, orphan_before))

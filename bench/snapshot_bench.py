@@ -127,6 +127,18 @@ def same(a: tuple[dict[str, np.ndarray], dict[str, str]], b: Ledger | ReplayInde
     return meta == a[1] and all(np.array_equal(arrays[k], v) for k, v in a[0].items())
 
 
+def profile_checkpoint(
+    store: SnapshotStore, run: RunState, sealed: int, seq: int, profile: Path
+) -> None:
+    """One more checkpoint under cProfile: stats to ``profile``, the top 15 to stderr."""
+    os.sync()
+    store.sweep()
+    profiler = cProfile.Profile()
+    profiler.runcall(checkpoint, store, run, sealed, seq)
+    profiler.dump_stats(profile)
+    pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(15)
+
+
 def measure(rollouts: int, repeats: int, root: Path, profile: Path | None) -> dict[str, Any]:
     start = time.perf_counter()
     ledger, index = build(rollouts)
@@ -176,12 +188,7 @@ def measure(rollouts: int, repeats: int, root: Path, profile: Path | None) -> di
                 br.append(baseline_read(path, into))
                 path.unlink()
     if profile is not None:
-        os.sync()
-        store.sweep()
-        profiler = cProfile.Profile()
-        profiler.runcall(checkpoint, store, run, sealed, seq + 1)
-        profiler.dump_stats(profile)
-        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(15)
+        profile_checkpoint(store, run, sealed, seq + 1, profile)
     shutil.rmtree(store.root)
     shutil.rmtree(base_dir)
     c, w, rs, rd = (statistics.median(x) for x in (ckpt, bw, rest, br))
@@ -190,8 +197,13 @@ def measure(rollouts: int, repeats: int, root: Path, profile: Path | None) -> di
     row |= {"baseline_write_s": w, "write_ratio": w / c, "write_ratio_min": min(bw) / min(ckpt)}
     row |= {"sweep_s": statistics.median(sweep), "restore_s": rs}
     row |= {"restore_rollouts_per_s": rollouts / rs, "baseline_read_s": rd, "read_ratio": rd / rs}
-    all_runs = {"checkpoint": ckpt, "baseline_write": bw, "restore": rest, "baseline_read": br}
-    all_runs["sweep"] = sweep
+    all_runs = {
+        "checkpoint": ckpt,
+        "baseline_write": bw,
+        "restore": rest,
+        "baseline_read": br,
+        "sweep": sweep,
+    }
     return row | {"all_s": all_runs}
 
 

@@ -43,7 +43,7 @@ from temporalio.client import (
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
-from rollsafe.core.ids import validate_run_id
+from rollsafe.core.ids import restore_workflow_id, supervisor_id, task_queue_for, validate_run_id
 from rollsafe.core.phases import RestorePlan, RestoreRequest
 from rollsafe.errors import (
     CheckpointTimeout,
@@ -63,8 +63,8 @@ from rollsafe.workflows.models import (
     SupervisorInput,
     SupervisorStatus,
 )
-from rollsafe.workflows.restore import RestoreRun, restore_workflow_id
-from rollsafe.workflows.supervisor import SnapshotSupervisor, supervisor_id, task_queue_for
+from rollsafe.workflows.restore import RestoreRun
+from rollsafe.workflows.supervisor import SnapshotSupervisor
 
 # Queries and updates need a live worker: say so, rather than hang, when none serves the run.
 WORKER_TIMEOUT_S = 5.0
@@ -204,7 +204,9 @@ class Checkpointer:
         self.saved_checkpoints.pop(step, None)
         self._anchors = (self._anchors or set()) - {step}
 
-    async def snapshot_now(self, timeout: float | None = None) -> SnapshotOutcome:
+    # `timeout`: the SDK's documented keyword; it bounds the update
+    # and maps to CheckpointTimeout, which asyncio.timeout around the call would not.
+    async def snapshot_now(self, timeout: float | None = None) -> SnapshotOutcome:  # noqa: ASYNC109
         """Take a rollout snapshot now (after any queued ones) and return its outcome. After
         ``timeout`` seconds raises :class:`CheckpointTimeout`; a request that reached the
         supervisor is not withdrawn: that snapshot still runs, and its outcome later shows in
@@ -258,7 +260,7 @@ class Checkpointer:
         self, restore_id: str, weight_versions: Sequence[int] | None = None
     ) -> RestorePlan:
         """Restore the run's controller from its newest snapshot that verifies, through the
-        RestoreRun workflow (DESIGN.md section 6). Idempotent per ``restore_id``: a retried
+        RestoreRun workflow (docs/design.md section 6). Idempotent per ``restore_id``: a retried
         restore returns the first plan. Needs no supervisor: a trainer restores before
         :meth:`start`. ``weight_versions``: those the trainer holds checkpoints of (its
         anchors, which :meth:`start` then hands to the supervisor); only a snapshot taken at

@@ -214,7 +214,7 @@ class SnapshotLost(TransientError):
 
 
 class AwaitingRestore(TransientError):
-    """A fresh controller of a run that already has published snapshots is fenced (DESIGN.md
+    """A fresh controller of a run that already has published snapshots is fenced (docs/design.md
     invariant 8): it takes no work and no snapshot until it has restored, or was started with
     ``start_over=True``. A snapshot of its empty state would become the newest one, and
     retention would delete the run's real state."""

@@ -1,4 +1,4 @@
-"""Named fault points (DESIGN.md section 12): places where a test can crash the process, or
+"""Named fault points (docs/design.md section 12): places where a test can crash the process, or
 raise, exactly between "done" and "recorded".
 
 Arm points with the environment variable ``ROLLSAFE_FAULT`` (read at every check, so a
@@ -94,6 +94,15 @@ def release(name: str) -> None:
     if held is None or held.kind != "hold":
         raise InvalidInput(f"fault point {name!r} is not armed with hold")
     held.released.set()
+
+
+def disarm(name: str) -> None:
+    """Disarm ``name``; threads held at it are let go."""
+    with _lock:
+        _armed.pop(name, None)
+        held = _holds.pop(name, None)
+    if held is not None:
+        held.released.set()
 
 
 def disarm_all() -> None:

@@ -24,10 +24,11 @@ from temporalio.worker import Worker
 
 from rollsafe.activities.controllers import ControllerResolver, RayControllerClient
 from rollsafe.activities.snapshot import SnapshotActivities
+from rollsafe.core.ids import task_queue_for
 from rollsafe.temporal.connect import ConnectionSettings, connect
 from rollsafe.workflows.restore import RestoreRun
 from rollsafe.workflows.snapshot import RolloutSnapshot
-from rollsafe.workflows.supervisor import SnapshotSupervisor, task_queue_for
+from rollsafe.workflows.supervisor import SnapshotSupervisor
 
 STICKY_TIMEOUT = timedelta(seconds=2)
 

@@ -13,7 +13,7 @@ with workflow.unsafe.imports_passed_through():
 
 
 class PhaseOptions(BaseModel):
-    """How phase activities are scheduled. Defaults suit a local run; DESIGN.md section 5."""
+    """How phase activities are scheduled. Defaults suit a local run; docs/design.md section 5."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -106,7 +106,8 @@ class SupervisorState(BaseModel):
 
 
 class SupervisorInput(BaseModel):
-    """One model in (DESIGN.md section 12): the config, and the state continue-as-new carries."""
+    """One model in (docs/design.md section 12): the config, and the state continue-as-new
+    carries."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -1,10 +1,10 @@
-"""RestoreRun: bring a run back from its newest snapshot that verifies (DESIGN.md section 6).
+"""RestoreRun: bring a run back from its newest snapshot that verifies (docs/design.md section 6).
 
-Id ``rollsafe/{run_id}/restore/{restore_id}``. Today the controller does select, validate,
-load the data plane and restart in one idempotent call (``restore_controller``); environment
-restore (all or nothing across instances) is a phase of its own once environments exist.
-The plan it returns says which groups come back ready, which partly, and in what order to
-redispatch them.
+Id ``rollsafe/{run_id}/restore/{restore_id}``. The controller selects, validates, loads the
+data plane, restores the environments and engines (all or nothing across instances) and
+applies each group's restart rule in one idempotent call (``restore_controller``). The plan
+it returns says which groups come back ready, which partly, and in what order to redispatch
+them.
 """
 
 from __future__ import annotations
@@ -18,10 +18,6 @@ with workflow.unsafe.imports_passed_through():
     from rollsafe.workflows.snapshot import start_activity
 
 RESTORE_CONTROLLER_ACTIVITY = "restore_controller"
-
-
-def restore_workflow_id(run_id: str, restore_id: str) -> str:
-    return f"rollsafe/{run_id}/restore/{restore_id}"
 
 
 @workflow.defn(name="RestoreRun")

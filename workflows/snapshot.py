@@ -1,4 +1,4 @@
-"""RolloutSnapshot: one snapshot, the ten phases of DESIGN.md section 5 in order.
+"""RolloutSnapshot: one snapshot, the ten phases of docs/design.md section 5 in order.
 
 Every phase is an activity named after it (so `temporal workflow describe` shows the phase of
 a stuck snapshot as its pending activity) and keyed by ``(checkpoint_id, phase)`` on the

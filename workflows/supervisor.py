@@ -18,6 +18,7 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
+    from rollsafe.core.ids import snapshot_workflow_id
     from rollsafe.core.phases import SnapshotSpec
     from rollsafe.temporal.search_attributes import KIND, RUN_ID
     from rollsafe.workflows.models import (
@@ -37,19 +38,6 @@ with workflow.unsafe.imports_passed_through():
 
 NEXT_SEQ_ACTIVITY = "next_snapshot_seq"
 TOO_MANY_FAILURES = "TooManyConsecutiveSnapshotFailures"
-
-
-def task_queue_for(run_id: str) -> str:
-    """The default task queue of a run's checkpoint workers."""
-    return f"rollsafe.{run_id}"
-
-
-def supervisor_id(run_id: str) -> str:
-    return f"rollsafe/{run_id}"
-
-
-def snapshot_id(run_id: str, seq: int) -> str:
-    return f"rollsafe/{run_id}/snapshot/{seq}"
 
 
 @workflow.defn(name="SnapshotSupervisor")
@@ -123,7 +111,7 @@ class SnapshotSupervisor:
             outcome = await workflow.execute_child_workflow(
                 RolloutSnapshot.run,
                 SnapshotInput(spec=spec, options=config.options, participants=config.participants),
-                id=snapshot_id(config.run_id, seq),
+                id=snapshot_workflow_id(config.run_id, seq),
             )
         except ChildWorkflowError as exc:
             error_type, transient = failure_type(exc)
@@ -191,7 +179,7 @@ class SnapshotSupervisor:
         self._state.last_committed_step = step
         if self._running is not None and self._config is not None:
             child = workflow.get_external_workflow_handle(
-                snapshot_id(self._config.run_id, self._running)
+                snapshot_workflow_id(self._config.run_id, self._running)
             )
             try:
                 await child.signal(TRAINER_STATE_CHANGED, step)
@@ -219,6 +207,8 @@ class SnapshotSupervisor:
             run_id=self._config.run_id,
             state=self._state,
             running_seq=running,
-            running_workflow_id=snapshot_id(self._config.run_id, running) if running else None,
+            running_workflow_id=snapshot_workflow_id(self._config.run_id, running)
+            if running
+            else None,
             queued_requests=len(self._requests),
         )

@@ -34,9 +34,9 @@ def main() -> int:
     from rollsafe.checkpoint.actor import NAMESPACE, start_controller_actor
     from rollsafe.client import Checkpointer
     from rollsafe.core.config import RunConfig
+    from rollsafe.core.ids import task_queue_for
     from rollsafe.evidence.scenario import row_content
     from rollsafe.snapshot import SnapshotStore
-    from rollsafe.workflows.supervisor import task_queue_for
 
     run_id = os.environ.get("ROLLSAFE_SMOKE_RUN_ID") or f"smoke-{uuid.uuid4().hex[:8]}"
     queue = task_queue_for(os.environ.get("ROLLSAFE_RUN_ID") or run_id)

@@ -1,1 +1,1 @@
-"""The reference async RL run (issue 7)."""
+"""The reference async RL run: what `rollsafe demo` runs (docs/demo.md)."""

@@ -190,7 +190,9 @@ class _Dispatcher:
         the reply is marked done after the seal, so a drain never loses it."""
         run = self.run
         owner = await asyncio.to_thread(run.owner, idx, i)
-        while (episode := await asyncio.to_thread(run.dispatch, idx, i, owner)) is None:
+        # dispatch answers None while a snapshot holds admission closed; the gate lives in the
+        # controller (maybe another process, the run's actor): no event here to wait on.
+        while (episode := await asyncio.to_thread(run.dispatch, idx, i, owner)) is None:  # noqa: ASYNC110
             await asyncio.sleep(0.02)
         await self._run_episode(idx, i, episode, owner)
 

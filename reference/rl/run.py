@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rollsafe.checkpoint.loop import LoopThread
 from rollsafe.core.config import RestoreLevelName, RunConfig, SamplerName
+from rollsafe.core.ids import GroupId
 from rollsafe.core.phases import (
     PHASES,
     Phase,
@@ -267,7 +268,7 @@ class ReferenceRun:
         lines = [
             HandedOut(
                 group_idx=idx,
-                group_id=f"{self.settings.run_id}-{idx}",
+                group_id=GroupId(self.settings.run_id, idx).key,
                 status="trained" if idx in trained else "evicted" if idx in evicted else "owed",
             )
             for idx in range(self.controller.loader_position())

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from rollsafe.engine.loop import HOLD_ENV, HoldRule
 from rollsafe.engine.model import ModelConfig
 from rollsafe.http.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
 from rollsafe.reference.rl.controller import Endpoints
@@ -35,12 +36,15 @@ class RunServers:
         self.current: list[ServedProcess] = []
         self.generation = 0
 
-    def start(self) -> Endpoints:
+    def start(self, hold: HoldRule | None = None) -> Endpoints:
+        """Fresh servers; ``hold``: the engine holds the calls it names (a test instrument,
+        ``ROLLSAFE_ENGINE_HOLD``)."""
         self.generation += 1
         self.current = []
         args = ["engine", "serve", "--port", "0", "--token", self.engine_token]
         args += self._engine_args()
-        engine = self._start(args, ENGINE_BANNER.format(kind=r"\S+"), "engine")
+        env = {HOLD_ENV: hold.model_dump_json()} if hold is not None else None
+        engine = self._start(args, ENGINE_BANNER.format(kind=r"\S+"), "engine", env)
         envs = {}
         for name in self.instances:
             args = ["env", "serve", "workplace", "--port", "0", "--token", self.env_token]
@@ -63,8 +67,10 @@ class RunServers:
             return ["--backend", "vllm", "--model", str(self.model.path)]
         return ["--seed", str(self.seed), "--model", self.model.kind]
 
-    def _start(self, args: list[str], banner: str, name: str) -> ServedProcess:
-        server = start_served(args, banner, self.logs / f"{name}-{self.generation}")
+    def _start(
+        self, args: list[str], banner: str, name: str, env: Mapping[str, str] | None = None
+    ) -> ServedProcess:
+        server = start_served(args, banner, self.logs / f"{name}-{self.generation}", env=env)
         self.started.append(server)
         self.current.append(server)
         return server

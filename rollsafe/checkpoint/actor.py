@@ -1,4 +1,4 @@
-"""The controller as a Ray actor, named per run (DESIGN.md section 4): the checkpoint phases of
+"""The controller as a Ray actor, named per run (docs/design.md section 4): the checkpoint phases of
 :class:`~rollsafe.checkpoint.controller.Controller` plus the run's own operations, each of which
 takes the capture barrier.
 
@@ -74,7 +74,7 @@ def start_controller_actor(
         "get_if_exists": True,
         "max_concurrency": MAX_CONCURRENCY,
         # Bookkeeping, not compute: it must schedule even when data-plane actors hold
-        # every logical CPU (PLATFORM.md).
+        # every logical CPU (docs/platform.md).
         "num_cpus": 0,
     }
     if runtime_env is not None:

@@ -1,4 +1,4 @@
-"""The controller's side of a rollout snapshot: the ten phases of DESIGN.md section 5, each
+"""The controller's side of a rollout snapshot: the ten phases of docs/design.md section 5, each
 idempotent per ``(checkpoint_id, phase)``, behind one entry point.
 
 Temporal runs an activity at least once, and a timed-out attempt can still be running beside
@@ -15,7 +15,7 @@ this host's cache holds): an earlier attempt may have published it.
 Two fences keep a snapshot from doing harm when its surroundings died:
 
 - a controller started for a run that already has published snapshots is *awaiting restore*
-  (DESIGN.md invariant 8): it refuses work and snapshots (``AwaitingRestore``) until it has
+  (docs/design.md invariant 8): it refuses work and snapshots (``AwaitingRestore``) until it has
   restored, or the caller said the run starts over (``start_over=True``);
 - ``close_admission`` takes a lease on the gate (:mod:`rollsafe.core.gate`), renewed by every
   phase that runs while the gate is closed and by their activities' heartbeats. If it runs

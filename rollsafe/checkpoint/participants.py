@@ -1,11 +1,11 @@
-"""A run's environments and engines in a snapshot's phases and in a restore (DESIGN.md sections
-5 and 6): the work of phases 3-7 and 9 that the coordinator (``Controller``) hands over when
+"""A run's environments and engines in a snapshot's phases and in a restore (docs/design.md sections
+5 and 6): the work of phases 3-7 and 9 that the controller hands over when
 the run has participants.
 
 The run's dispatcher sends ``/episodes/run`` calls on :attr:`Participants.loop` and records
 each in :attr:`Participants.pending` until its reply arrives; this object uses the same loop,
 so the drain waits on the dispatcher's own record. What one checkpoint's phases hand each other
-(the inventory, the cut, the commit) is kept here per checkpoint id; the coordinator makes each
+(the inventory, the cut, the commit) is kept here per checkpoint id; the controller makes each
 phase run once per checkpoint id, and the environment protocol replays each operation too.
 
 The snapshot gets ``envs/<instance>/...`` (what each instance exported, each file hashed into
@@ -84,7 +84,7 @@ class _Checkpoint:
     committed: FleetCommitted | None = None
 
 
-# The restore level of a parked episode's group (the ledger's, looked up by the coordinator):
+# The restore level of a parked episode's group (the ledger's, looked up by the controller):
 # what its snapshot must hold. ``prefix``: the episode and its cut call's prefix; ``turn``: the
 # episode only (its call regenerates from the turn's start); ``sibling`` / ``prompt_group``:
 # nothing (the rollout is generated again from scratch).
@@ -291,7 +291,7 @@ class Participants:
         :meth:`resume_restored` / :meth:`abandon_restore`). A snapshot taken without
         participants restores none. If the environments fail, the fleet has already retired
         every n + 1 attempt and resumed: those rollouts fall back to a restart from scratch
-        (as n + 2) rather than failing the restore (DESIGN.md section 6)."""
+        (as n + 2) rather than failing the restore (docs/design.md section 6)."""
         outcomes: list[FleetRestored] = []
 
         def restore(reader: SnapshotReader, dataplane: DataPlane) -> EnvironmentsRestored:
@@ -370,7 +370,7 @@ class ParticipantPhases:
         state: Callable[[], RunState],
     ) -> None:
         self.participants = participants
-        self.barrier = barrier  # the coordinator's: held for every read of the controller
+        self.barrier = barrier  # the controller's: held for every read of the run state
         self.state = state  # the current one (a restore replaces it)
 
     def run(self, spec: SnapshotSpec, phase: Phase) -> Outcome:

@@ -24,6 +24,27 @@ if TYPE_CHECKING:
 ENVIRONMENTS = ("workplace",)
 
 
+def _serve_args_problem(
+    name: str | None,
+    hooks: str | None,
+    token: str,
+    engine_url: str | None,
+    engine_token: str | None,
+) -> str | None:
+    """What is wrong with ``env serve``'s arguments, if anything (the first problem)."""
+    if (name is None) == (hooks is None):
+        return "give an environment NAME or --hooks module:factory, not both"
+    if name is not None and name not in ENVIRONMENTS:
+        return f"no environment {name!r}; known: {', '.join(ENVIRONMENTS)}"
+    if not token.strip():
+        return "--token (or ROLLSAFE_ENV_TOKEN) must not be empty"
+    if (engine_url is None) != (engine_token is None):
+        return "--engine-url and --engine-token go together"
+    if name is not None and engine_url is None:
+        return f"{name} needs --engine-url and --engine-token"
+    return None
+
+
 def register_env_commands(app: typer.Typer, fail: Callable[[Exception, int], NoReturn]) -> None:
     """Add ``env serve`` and ``env-check`` to the ``rollsafe`` command."""
     env_cli = typer.Typer(
@@ -83,16 +104,9 @@ def register_env_commands(app: typer.Typer, fail: Callable[[Exception, int], NoR
         <instance> on http://host:port`, once listening."""
         import asyncio
 
-        if (name is None) == (hooks is None):
-            fail(InvalidInput("give an environment NAME or --hooks module:factory, not both"), 2)
-        if name is not None and name not in ENVIRONMENTS:
-            fail(InvalidInput(f"no environment {name!r}; known: {', '.join(ENVIRONMENTS)}"), 2)
-        if not token.strip():
-            fail(InvalidInput("--token (or ROLLSAFE_ENV_TOKEN) must not be empty"), 2)
-        if (engine_url is None) != (engine_token is None):
-            fail(InvalidInput("--engine-url and --engine-token go together"), 2)
-        if name is not None and engine_url is None:
-            fail(InvalidInput(f"{name} needs --engine-url and --engine-token"), 2)
+        problem = _serve_args_problem(name, hooks, token, engine_url, engine_token)
+        if problem is not None:
+            fail(InvalidInput(problem), 2)
         from rollsafe.reference.envs.workplace.faults import parse_faults
 
         try:

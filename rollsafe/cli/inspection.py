@@ -17,11 +17,12 @@ from temporalio.client import (
 )
 from temporalio.service import RPCError
 
+from rollsafe.core.ids import supervisor_id, task_queue_for
 from rollsafe.temporal.failures import describe_failure
 from rollsafe.temporal.pollers import WorkerPresence, worker_presence
 from rollsafe.temporal.search_attributes import KIND, PHASE
 from rollsafe.workflows.models import SupervisorStatus
-from rollsafe.workflows.supervisor import SnapshotSupervisor, supervisor_id, task_queue_for
+from rollsafe.workflows.supervisor import SnapshotSupervisor
 
 QUERY_TIMEOUT_S = 2.0
 _STATE_PREFIX = "PENDING_ACTIVITY_STATE_"

@@ -1,4 +1,4 @@
-"""The admission gate: the switch that lets new episodes be dispatched (DESIGN.md section 5).
+"""The admission gate: the switch that lets new episodes be dispatched (docs/design.md section 5).
 
 A checkpoint closes it (phase ``close_admission``) and reopens it (phase ``resume``, which
 runs on every exit path). At most one checkpoint holds it closed at a time, and only the
@@ -10,7 +10,7 @@ A dispatch passes the gate inside :meth:`AdmissionGate.admission`, which holds t
 lock while the caller marks the attempt DISPATCHED: once ``close`` returns, every attempt
 that got through is already recorded, and none is left "waiting at the gate" half-counted.
 
-Closing takes a **lease** (DESIGN.md invariant 6: never left parked): the holder must renew
+Closing takes a **lease** (docs/design.md invariant 6: never left parked): the holder must renew
 it (:meth:`AdmissionGate.renew`, which the phases holding the gate do while they run) or the
 gate reopens by itself once the lease runs out, and the holder's checkpoint is then
 *expired*: :meth:`AdmissionGate.expired` tells its later phases that they may not go on, so

@@ -1,4 +1,4 @@
-"""Identities of a run and their wire keys (DESIGN.md section 2).
+"""Identities of a run and their wire keys (docs/design.md section 2).
 
 - run id: ``[A-Za-z0-9._-]{1,64}``
 - group id: ``f"{run_id}-{idx}"`` for the group handed out at dataset index ``idx``
@@ -109,3 +109,37 @@ class EpisodeId:
 
     def __str__(self) -> str:
         return self.key
+
+
+# ---- a run's checkpoints: every name of one, minted here and nowhere else -----------------
+
+
+def task_queue_for(run_id: str) -> str:
+    """The default task queue of a run's checkpoint workers."""
+    return f"rollsafe.{run_id}"
+
+
+def supervisor_id(run_id: str) -> str:
+    """The workflow id of the run's snapshot supervisor (one per run)."""
+    return f"rollsafe/{run_id}"
+
+
+def snapshot_workflow_id(run_id: str, seq: int) -> str:
+    """The workflow id of the run's snapshot ``seq`` (a child of its supervisor)."""
+    return f"rollsafe/{run_id}/snapshot/{seq}"
+
+
+def restore_workflow_id(run_id: str, restore_id: str) -> str:
+    """The workflow id of one restore of the run."""
+    return f"rollsafe/{run_id}/restore/{restore_id}"
+
+
+def checkpoint_id_for(run_id: str, seq: int, kind: str) -> str:
+    """The checkpoint id of snapshot ``seq``: minted from the workflow's input, never at
+    random, so a retried activity or a replayed workflow names the same checkpoint."""
+    return f"{run_id}.{kind}.{seq:08d}"
+
+
+def snapshot_dir_name(seq: int, kind: str) -> str:
+    """The directory (or object prefix) a published snapshot ``seq`` lives under."""
+    return f"{seq:08d}-{kind}"

@@ -5,7 +5,7 @@ current attempt number, its state, the environment instance that owns it (turn/p
 and the digest of its sealed rows. The group's restore level is stored with it, so a later
 config change never reinterprets an old group.
 
-Rules (DESIGN.md section 2; tables in :mod:`rollsafe.core.states`):
+Rules (docs/design.md section 2; tables in :mod:`rollsafe.core.states`):
 
 - ``dispatch`` RESERVED -> DISPATCHED; ``refuse`` goes back to RESERVED with the same attempt.
 - ``seal`` DISPATCHED -> SEALED; sealing again with the same attempt and digest is a no-op,

@@ -1,5 +1,5 @@
 """What the checkpoint workflows and the controller say to each other: the ten phases of a
-rollout snapshot (DESIGN.md section 5) and one typed model in, one out.
+rollout snapshot (docs/design.md section 5) and one typed model in, one out.
 
 Workflow code imports this module (pydantic only, no numpy/torch/ray), so it must stay free
 of heavy imports and side effects.
@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 from rollsafe.core.gate import ADMISSION_LEASE_S
+from rollsafe.core.ids import checkpoint_id_for
 
 
 class Phase(StrEnum):
@@ -50,12 +51,6 @@ def holds_admission(phase: Phase) -> bool:
     ``close_admission``, before ``resume``): such a phase renews the gate's lease while it
     runs."""
     return PHASES.index(Phase.CLOSE_ADMISSION) < PHASES.index(phase) < PHASES.index(Phase.RESUME)
-
-
-def checkpoint_id_for(run_id: str, seq: int, kind: str) -> str:
-    """Minted from the workflow's input, never at random: a retried activity or a replayed
-    workflow names the same checkpoint."""
-    return f"{run_id}.{kind}.{seq:08d}"
 
 
 class SnapshotSpec(BaseModel):

@@ -1,11 +1,12 @@
-"""The controller: loader position, ledger, replay index, sampler and data plane as one run.
+"""The run state: loader position, ledger, replay index, sampler and data plane as one run.
 
-A plain class with no I/O beyond the snapshot directory and the data plane. The Ray actor of
-later issues is a one-line wrapper around it; the scenario runner drives it directly.
+A plain class with no I/O beyond the snapshot directory and the data plane. The controller
+(:class:`rollsafe.checkpoint.controller.Controller`) owns one and runs the checkpoint phases
+around it; the scenario runner drives it directly.
 
 ``checkpoint`` captures everything needed to restore (after cross-checking that the ledger,
 the index and the data plane agree) and publishes a snapshot. ``RunState.restore`` builds a
-new controller from the newest snapshot that verifies, checks every restored row against the
+new run state from the newest snapshot that verifies, checks every restored row against the
 digest it was sealed with, releases claims of steps that never committed, applies each
 group's restart rule and returns a :class:`RestorePlan` saying what is owed and how.
 """
@@ -190,7 +191,7 @@ class RunState:
 
     def write_snapshot(self, draft: SnapshotDraft) -> Captured:
         """Write the state and the data plane's rows into ``draft`` after checking that they
-        agree. The caller keeps writers out meanwhile (the coordinator's barrier)."""
+        agree. The caller keeps writers out meanwhile (the controller's barrier)."""
         state = self.capture()
         sealed = check_agreement(state, self.dataplane.count(ROLLOUT_PARTITION))
         state.write(draft)

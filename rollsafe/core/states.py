@@ -1,4 +1,5 @@
-"""The state machines of DESIGN.md section 2, as data: states, legal transitions, restore levels.
+"""The state machines of docs/design.md section 2, as data: states, legal transitions, restore
+levels.
 
 The attempt machine is driven by the ledger, the group machine by the replay index; both
 modules check every move against the tables here, so the rules live in one place.

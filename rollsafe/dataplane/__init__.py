@@ -1,4 +1,4 @@
-"""Data plane: where rollout rows live (DESIGN.md section 9)."""
+"""Data plane: where rollout rows live (docs/design.md section 9)."""
 
 from __future__ import annotations
 

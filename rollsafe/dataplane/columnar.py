@@ -1,4 +1,4 @@
-"""The data plane's export format, one for every backend (DESIGN.md section 9).
+"""The data plane's export format, one for every backend (docs/design.md section 9).
 
 An export is columnar, so its cost follows the bytes, not the row count::
 

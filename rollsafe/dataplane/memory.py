@@ -1,4 +1,5 @@
-"""The in-process data plane (DESIGN.md section 9): the embedded default, and the one tests use.
+"""The in-process data plane (docs/design.md section 9): the embedded default, and the one tests
+use.
 
 Every stored array is a private C-contiguous copy marked read-only, and ``get`` hands out
 read-only views of it: callers cannot change what the plane holds, reads copy nothing, and

@@ -1,4 +1,4 @@
-"""The data-plane protocol every backend implements (DESIGN.md section 9).
+"""The data-plane protocol every backend implements (docs/design.md section 9).
 
 A row is a mapping of field name to a numpy array. Rows are keyed by string (a rollout's wire
 key for rollout rows, a staging key for generation prefixes) inside named partitions.

@@ -1,4 +1,4 @@
-"""Start, find and stop TransferQueue 0.1.11 on Ray, with the settings PLATFORM.md measured.
+"""Start, find and stop TransferQueue 0.1.11 on Ray, with the settings docs/platform.md measured.
 
 TransferQueue is one system per Ray cluster: a named controller actor plus storage-unit actors,
 and one client per process (module globals inside ``transfer_queue``). Whoever starts it owns
@@ -26,7 +26,7 @@ CONTROLLER_NAMESPACE = "transfer_queue"
 TQ_ENV = {"TQ_NUM_THREADS": "2"}
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 # Logical CPUs are scheduling tokens: 4 leaves room beside TransferQueue's actors, which would
-# take every token of a 2-CPU ray.init and starve any further default actor (PLATFORM.md).
+# take every token of a 2-CPU ray.init and starve any further default actor (docs/platform.md).
 LOCAL_RAY_CPUS = 4
 LOCAL_OBJECT_STORE_BYTES = 128 << 20
 
@@ -35,7 +35,7 @@ _lock = threading.Lock()
 
 def tq_config(storage_units: int = 1, storage_resource: str | None = None) -> dict[str, Any]:
     """The default config hangs tq.init under a small ray.init; polling mode and one storage
-    unit do not (PLATFORM.md). ``storage_resource``: a Ray custom resource; the storage units
+    unit do not (docs/platform.md). ``storage_resource``: a Ray custom resource; the storage units
     (where the rows live) are then pinned, round robin, to the alive nodes that have it."""
     if storage_units < 1:
         raise ValueError(f"storage_units must be at least 1, got {storage_units}")

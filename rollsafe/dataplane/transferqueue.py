@@ -1,4 +1,4 @@
-"""The data plane on TransferQueue 0.1.11 (DESIGN.md section 9; facts in PLATFORM.md).
+"""The data plane on TransferQueue 0.1.11 (docs/design.md section 9; facts in docs/platform.md).
 
 TransferQueue holds the rows; rollsafe keeps everything it needs to trust them in each row's
 tag (TransferQueue's per-key custom metadata): the key itself, every field's dtype and shape,
@@ -64,7 +64,7 @@ _Schema = tuple[tuple[str, str], ...]  # (field, dtype.str), sorted by field
 
 def clone_each_row(columns: dict[str, Any]) -> dict[str, Any]:
     """TransferQueue ``data_parser``, run inside the storage unit: one private tensor per row,
-    so a stored row does not keep the whole put batch alive (PLATFORM.md)."""
+    so a stored row does not keep the whole put batch alive (docs/platform.md)."""
     return {
         name: [row.clone() for row in (value if isinstance(value, list) else value.unbind(0))]
         for name, value in columns.items()

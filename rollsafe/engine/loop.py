@@ -14,6 +14,12 @@ reports each token it makes with :meth:`EngineLoop._made`.
 
 Events go back to each caller's event loop in bunches (:meth:`EngineLoop._flush`); a caller
 that walks away from a stream frees its call.
+
+Tests and drills can have the reference engine *hold* calls (:class:`HoldRule`, from
+``ROLLSAFE_ENGINE_HOLD``): a held call stops after its first tokens and waits, generating
+nothing, until a cut freezes it; released, it goes on as usual. A snapshot then always finds
+the calls it is meant to catch, however loaded the machine is, where a test would otherwise
+race the decode.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import queue
+import re
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +37,7 @@ from functools import partial
 from typing import Any, Generic, Literal, TypeVar
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rollsafe.engine.protocol import (
     CUT_BATCH,
@@ -59,6 +68,39 @@ REFUSALS: dict[RefusalReason | None, str] = {
 }
 
 
+HOLD_ENV = "ROLLSAFE_ENGINE_HOLD"
+
+
+class HoldRule(BaseModel):
+    """Which calls the engine holds (a test instrument; ``ROLLSAFE_ENGINE_HOLD`` holds it as
+    JSON): those whose id ``calls`` matches (``re.search``) stop once they have made
+    ``after_tokens`` tokens, until a cut freezes them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    calls: str = ".*"
+    after_tokens: int = Field(default=1, ge=1)
+
+    def holds(self, call: CallState) -> bool:
+        return (
+            len(call.tokens) >= self.after_tokens
+            and re.search(self.calls, call.call_id) is not None
+        )
+
+
+def hold_rule_from_env() -> HoldRule | None:
+    """The :class:`HoldRule` in ``ROLLSAFE_ENGINE_HOLD``, or None when it is unset."""
+    raw = os.environ.get(HOLD_ENV, "")
+    if not raw:
+        return None
+    try:
+        rule = HoldRule.model_validate_json(raw)
+        re.compile(rule.calls)
+    except (ValidationError, re.error) as exc:
+        raise InvalidInput(f"{HOLD_ENV}={raw!r}: {exc}") from None
+    return rule
+
+
 class Sink:
     """Where one call's events go: an asyncio queue on the caller's event loop."""
 
@@ -78,10 +120,17 @@ class CallState:
     versions: list[int] = field(default_factory=list)
     routes: list[Route] | None = None  # MoE models: one per token
     frozen: bool = False
+    held: bool = False  # stopped by the engine's HoldRule until a cut
+    hold_spent: bool = False  # cut once: never held again
 
     @property
     def call_id(self) -> str:
         return self.request.call_id
+
+    @property
+    def runnable(self) -> bool:
+        """Whether a round advances it."""
+        return not (self.frozen or self.held)
 
 
 @dataclass(frozen=True)
@@ -115,6 +164,7 @@ class EngineLoop(Generic[CallT]):
         self._closing = False
         self._closing_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._hold = hold_rule_from_env()
 
     # -- the protocol -------------------------------------------------------------------------
 
@@ -252,6 +302,7 @@ class EngineLoop(Generic[CallT]):
         elif len(call.tokens) >= params.max_tokens:
             self._finish(call, "length")
         else:
+            call.held = self._hold is not None and not call.hold_spent and self._hold.holds(call)
             return False
         return True
 
@@ -310,6 +361,7 @@ class EngineLoop(Generic[CallT]):
                 continue
             if not call.frozen:
                 self._freeze(call)
+            call.held, call.hold_spent = False, call.hold_spent or call.held
             routes = tuple(call.routes) if call.routes is not None else None
             state = (tuple(call.tokens), tuple(call.logprobs), tuple(call.versions), routes)
             frozen.append(Frozen(call.request, *state))
@@ -332,6 +384,7 @@ class EngineLoop(Generic[CallT]):
             weight_version=self.weight_version,
             active=len(self._calls) - frozen,
             frozen=frozen,
+            held=sum(1 for c in self._calls.values() if c.held),
             handoffs=self.handoffs,
         )
 
@@ -390,7 +443,7 @@ class EngineLoop(Generic[CallT]):
     def _loop(self) -> None:
         with self._owning():
             while not self._closing:
-                if all(call.frozen for call in self._calls.values()):
+                if not any(call.runnable for call in self._calls.values()):
                     self._run_command(self._commands.get())
                     continue
                 self._round()

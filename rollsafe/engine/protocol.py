@@ -1,4 +1,4 @@
-"""The generation-engine protocol (DESIGN.md section 8): what every engine speaks.
+"""The generation-engine protocol (docs/design.md section 8): what every engine speaks.
 
 An engine serves calls ``(call_id, prompt_tokens, sampling)``, streams each call's tokens, and
 supports *cuts*: ``cut(call_ids)`` freezes each call at its current token count and returns a
@@ -177,7 +177,10 @@ class EngineInfo(_Model):
     kind: Literal["dense", "moe"]
     weight_version: int
     active: int = Field(ge=0, description="calls generating")
-    frozen: int = Field(ge=0, description="calls held by a cut")
+    frozen: int = Field(ge=0, description="calls frozen by a cut")
+    held: int = Field(
+        default=0, ge=0, description="generating calls stopped by a test's hold rule, until a cut"
+    )
     handoffs: int = Field(ge=0, description="hand-offs to the engine loop since start")
 
 

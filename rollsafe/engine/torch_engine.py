@@ -79,11 +79,11 @@ class TorchEngine(EngineLoop[Call]):
 
     def _round(self) -> None:
         """Every runnable call advances one token; commands run between any two calls."""
-        for call in [c for c in self._calls.values() if not c.frozen]:
+        for call in [c for c in self._calls.values() if c.runnable]:
             if self._closing:
                 break
             self._run_pending_commands()
-            if self._calls.get(call.call_id) is call and not call.frozen:
+            if self._calls.get(call.call_id) is call and call.runnable:
                 self._advance(call)
             if len(self._outbox) >= _FLUSH_EVERY:
                 self._flush()

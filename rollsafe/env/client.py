@@ -1,4 +1,4 @@
-"""One environment instance over the checkpoint protocol (DESIGN.md section 7), as typed calls.
+"""One environment instance over the checkpoint protocol (docs/design.md section 7), as typed calls.
 
 :class:`EnvClient` speaks :mod:`rollsafe.env.protocol` to one instance and turns every failure
 into a rollsafe error that says which instance and which operation:

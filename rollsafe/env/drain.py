@@ -1,4 +1,4 @@
-"""The ``drain`` phase's bookkeeping (DESIGN.md section 5): replies still on the wire.
+"""The ``drain`` phase's bookkeeping (docs/design.md section 5): replies still on the wire.
 
 :class:`PendingReplies` is the dispatcher's record of ``/episodes/run`` calls sent and not yet
 answered, keyed by episode key (:attr:`EpisodeRef.key`) with the instance each went to. A drain

@@ -1,4 +1,4 @@
-"""The coordinator's rules across environment instances (DESIGN.md sections 5-7).
+"""The controller's rules across environment instances (docs/design.md sections 5-7).
 
 :class:`EnvFleet` drives every instance of a run at once (``asyncio.gather``) and attributes
 each result and each failure to its instance name. Its rules:
@@ -138,7 +138,7 @@ class EnvFleet:
         prepared = await self.prepare_all(checkpoint_id, deadline_ts)
         every = renew_every_s if renew_every_s is not None else renewal_interval(prepared)
         # Each renewal holds the fleet as long as the first prepare did (and never less than
-        # three renewals), so a lost coordinator's checkpoint still ends by itself.
+        # three renewals), so a lost controller's checkpoint still ends by itself.
         window = max(deadline_ts - opened, 3 * every)
         renewer = LeaseRenewer(self._instances, checkpoint_id, window, every)
         task = asyncio.create_task(renewer.run(), name=f"renew {checkpoint_id}")

@@ -1,4 +1,4 @@
-"""The coordinator's results and rules across environment instances, without I/O.
+"""The controller's results and rules across environment instances, without I/O.
 
 :mod:`rollsafe.env.fleet` calls the instances; this module holds what it returns and the pure
 checks it applies to their replies (ownership, scope, restore completeness, error summaries).

@@ -1,4 +1,4 @@
-"""One environment instance's side of the checkpoint protocol (DESIGN.md section 7).
+"""One environment instance's side of the checkpoint protocol (docs/design.md section 7).
 
 :class:`Participant` owns everything but the environment's own state: the phase machine, the
 lease, idempotent replay, retire marks, parking episodes at turn boundaries, and records on disk

@@ -1,4 +1,4 @@
-"""The environment checkpoint protocol, version 1 (DESIGN.md section 7): every message.
+"""The environment checkpoint protocol, version 1 (docs/design.md section 7): every message.
 
 HTTP + JSON under ``/checkpoint/v1``, bearer token minted per run. One environment *instance*
 (a server process) speaks it for all the episodes it runs:

@@ -1,5 +1,5 @@
 """The evidence a run leaves in its ``--out`` directory, read by ``rollsafe verify`` and by
-external checkers (issue 7 fixes the formats; changing one breaks them).
+external checkers (the formats are fixed: changing one breaks them).
 
 One JSON object per line, fields exactly as below (unknown fields are refused)::
 

@@ -1,4 +1,4 @@
-"""``rollsafe verify``: check a run's evidence files alone (issue 7), with nothing from the run
+"""``rollsafe verify``: check a run's evidence files alone, with nothing from the run
 itself, so an external checker and this one read the same facts.
 
 Each check returns every violation it finds (the first few named in its detail), never stops

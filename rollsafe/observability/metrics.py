@@ -9,7 +9,7 @@ default 60 s) and flushed when the process exits.
 
 Every instrument is recorded where :class:`~rollsafe.checkpoint.controller.Controller` runs (the
 controller's process: the Ray actor, or a worker's local controller), which is why the
-coordinator configures metrics when it is built. Every measurement carries ``rollsafe.run_id``.
+controller configures metrics when it is built. Every measurement carries ``rollsafe.run_id``.
 
 Cut outcomes (``rollsafe.snapshot.cuts``, attribute ``outcome``), from the engines' refusal
 reasons (:data:`rollsafe.engine.protocol.RefusalReason`):
@@ -139,7 +139,7 @@ def configure_metrics(reader: MetricReader | None = None) -> bool:
         return True
 
 
-# ---- recording (called by the coordinator) -----------------------------------------------
+# ---- recording (called by the controller) -----------------------------------------------
 
 
 def admission_closed(run_id: str, checkpoint_id: str, change: GateChange) -> None:

@@ -1,6 +1,6 @@
 """The on-disk snapshot format (schema version 1): drafts, atomic publish, select, retention.
 
-See DESIGN.md sections 3 (invariant 7), 5 ("publish"), 6 ("select") and 10.
+See docs/design.md sections 3 (invariant 7), 5 ("publish"), 6 ("select") and 10.
 """
 
 from rollsafe.snapshot.draft import SnapshotDraft

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 
+from rollsafe.core.ids import snapshot_dir_name
 from rollsafe.snapshot.manifest import FileEntry, SnapshotKind
 
 SNAPSHOTS_DIR = "snapshots"
@@ -31,10 +32,6 @@ LATEST_TMP_PREFIX = ".LATEST.tmp-"
 _DIR_NAME = re.compile(r"(?P<seq>[0-9]{8,})-(?P<kind>[a-z]+)")
 _CHUNK = 1 << 20
 _ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
-
-
-def snapshot_dir_name(seq: int, kind: SnapshotKind) -> str:
-    return f"{seq:08d}-{kind.value}"
 
 
 def parse_dir_name(name: str) -> tuple[int, SnapshotKind] | None:

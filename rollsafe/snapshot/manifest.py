@@ -1,4 +1,4 @@
-"""The snapshot manifest and the ``LATEST`` pointer, schema version 1 (DESIGN.md section 10).
+"""The snapshot manifest and the ``LATEST`` pointer, schema version 1 (docs/design.md section 10).
 
 A manifest is the last file written into a snapshot and the only one trusted without a digest:
 it lists every other file with its sha256 and size. Parsing is strict so that a snapshot

@@ -31,6 +31,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+from rollsafe.core.ids import snapshot_dir_name
 from rollsafe.errors import InvalidInput, NoValidSnapshot, SchemaMismatch, SnapshotCorrupt
 from rollsafe.snapshot import _fs
 from rollsafe.snapshot import _objects as objects
@@ -191,7 +192,7 @@ class RemoteSnapshotStore(SnapshotStore):
             manifest = parse_manifest(data, MANIFEST_NAME, self.run_id)
         except _Refused as exc:
             raise type(exc)(f"{self._where(name)}: {exc}") from None
-        if _fs.snapshot_dir_name(manifest.seq, manifest.kind) != name:
+        if snapshot_dir_name(manifest.seq, manifest.kind) != name:
             raise SnapshotCorrupt(f"{self._where(name)}: manifest says seq {manifest.seq}")
         return manifest
 
@@ -241,7 +242,7 @@ class RemoteSnapshotStore(SnapshotStore):
         point), create this seq's LATEST pointer, apply retention (keeping the newest
         snapshot at each of ``anchors``). A seq already published by this checkpoint is
         reused (activities run at least once); by another, refused."""
-        name = _fs.snapshot_dir_name(manifest.seq, manifest.kind)
+        name = snapshot_dir_name(manifest.seq, manifest.kind)
         published = self._candidates()[0]
         if existing := [n for seq, n in published if seq == manifest.seq]:
             return self._reuse_remote(existing[0], draft, manifest, anchors)

@@ -1,4 +1,4 @@
-"""Verify snapshots and pick the newest one that verifies (DESIGN.md section 6, "select").
+"""Verify snapshots and pick the newest one that verifies (docs/design.md section 6, "select").
 
 Everything here only reads: a damaged snapshot is reported and skipped, never repaired,
 moved or deleted, so an operator can still inspect what went wrong. Restore fails closed:

@@ -1,6 +1,6 @@
 """The snapshot store of one run: drafts, atomic publish, the ``LATEST`` pointer, retention.
 
-Layout (DESIGN.md section 10)::
+Layout (docs/design.md section 10)::
 
     <root>/<run_id>/snapshots/<seq:08d>-<kind>/   published, immutable, manifest.json last
     <root>/<run_id>/snapshots/.tmp-*              drafts (never candidates)
@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollsafe.core.ids import validate_run_id
+from rollsafe.core.ids import snapshot_dir_name, validate_run_id
 from rollsafe.errors import InvalidInput, RollsafeError, SchemaMismatch, SnapshotCorrupt
 from rollsafe.snapshot import _fs
 from rollsafe.snapshot.draft import SnapshotDraft
@@ -40,7 +40,7 @@ from rollsafe.snapshot.select import (
 )
 
 FaultHook = Callable[[str], None]
-# Named points inside publish where a test can crash the process (DESIGN.md section 12).
+# Named points inside publish where a test can crash the process (docs/design.md section 12).
 FAULT_POINTS = ("before_manifest", "before_rename", "before_latest", "before_retention")
 _MAX_CHECKPOINT_ID = 512
 
@@ -129,7 +129,7 @@ class SnapshotStore:
         self.sweep()
         if seq is None:
             seq = max(self._published_seqs(), default=0) + 1
-        path, fd = self._make_draft_dir(_fs.snapshot_dir_name(seq, kind))
+        path, fd = self._make_draft_dir(snapshot_dir_name(seq, kind))
         return SnapshotDraft(self, path, fd, kind, checkpoint_id, seq)
 
     def sweep(self) -> builtins.list[str]:
@@ -192,7 +192,7 @@ class SnapshotStore:
                 raise InvalidInput(
                     f"seq {manifest.seq} is older than the newest published seq {newest}"
                 )
-            final = self.snapshots_dir / _fs.snapshot_dir_name(manifest.seq, manifest.kind)
+            final = self.snapshots_dir / snapshot_dir_name(manifest.seq, manifest.kind)
             digest = self._commit(draft, manifest, final)
             self._hit("before_latest")
             self._point_latest(final.name, manifest, digest)
@@ -270,7 +270,7 @@ class SnapshotStore:
             manifest, _digest = load_manifest(self.snapshots_dir / name, self.run_id)
         except (SnapshotCorrupt, SchemaMismatch, OSError):
             return None
-        if _fs.snapshot_dir_name(manifest.seq, manifest.kind) != name:
+        if snapshot_dir_name(manifest.seq, manifest.kind) != name:
             return None
         return manifest.weight_version
 

@@ -34,7 +34,7 @@ from rollsafe.errors import InvalidInput, RollsafeError, TemporalUnavailable
 from rollsafe.temporal.connect import ConnectionSettings, connect
 from rollsafe.temporal.search_attributes import ALL, SEARCH_ATTRIBUTE_CLI_ARGS
 
-# Measured (PLATFORM.md): the defaults pace each workflow task at ~50 ms and round timers up
+# Measured (docs/platform.md): the defaults pace each workflow task at ~50 ms and round timers up
 # to ~1 s; these make tests fast and sub-second retries real. The last one makes the built-in
 # TemporalReportedProblems attribute flag workflows whose tasks keep failing.
 TUNING: Final[Mapping[str, str]] = {
@@ -218,7 +218,9 @@ class DevServer:
             self._log.write(f"\n--- {time.strftime('%Y-%m-%dT%H:%M:%S')} start\n".encode())
             self._log.flush()
             assert self._lock_fd is not None
-            self._proc = subprocess.Popen(
+            # Popen returns once the child is forked; asyncio's subprocess transport would tie
+            # the server's life to this event loop, and the server must outlive it.
+            self._proc = subprocess.Popen(  # noqa: ASYNC220
                 command,
                 stdin=subprocess.DEVNULL,
                 stdout=self._log,

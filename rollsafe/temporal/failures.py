@@ -10,7 +10,7 @@ from temporalio.exceptions import ApplicationError
 
 def root_application_error(error: BaseException | None) -> ApplicationError | None:
     """The ApplicationError a failure chain ends in (its ``type`` is the rollsafe error class
-    name, DESIGN.md section 11), or None for timeouts, cancellations and the like."""
+    name, docs/design.md section 11), or None for timeouts, cancellations and the like."""
     while error is not None:
         if isinstance(error, ApplicationError):
             return error

@@ -1,4 +1,4 @@
-"""The custom search attributes rollsafe workflows publish (DESIGN.md section 5).
+"""The custom search attributes rollsafe workflows publish (docs/design.md section 5).
 
 Operators find stuck checkpoints with stock tools, e.g.
 ``temporal workflow list --query "RollsafePhase='drain'"``. A server must have the attributes

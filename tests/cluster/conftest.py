@@ -2,13 +2,3 @@
 (rollsafe.testing.raycluster), its own Temporal dev server, workers as processes and as
 actors. Each test starts and stops everything itself, so it can check that every process it
 started is gone."""
-
-from __future__ import annotations
-
-import pytest
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "cluster: starts a multi-node Ray cluster on this machine (make test-cluster)"
-    )

@@ -1,4 +1,4 @@
-"""Multi-node on one machine (issue 8): a Ray cluster of four nodes, each a `ray start`
+"""Multi-node on one machine: a Ray cluster of four nodes, each a `ray start`
 process of its own with its own custom resource: the controller on the head, the reference
 engine on a second node, the data plane (TransferQueue: its controller and its storage unit,
 where the rows live) on a third, and on a fourth a `rollsafe worker` process started there by
@@ -29,6 +29,7 @@ from temporalio.service import RPCError
 from rollsafe.checkpoint.actor import NAMESPACE, start_controller_actor
 from rollsafe.client import Checkpointer
 from rollsafe.core.config import RunConfig
+from rollsafe.core.ids import snapshot_workflow_id
 from rollsafe.core.phases import Phase
 from rollsafe.core.run_state import ROLLOUT_PARTITION, RunState
 from rollsafe.dataplane import make_dataplane
@@ -58,6 +59,7 @@ from rollsafe.testing.raycluster import (
     owned_groups,
     where,
 )
+from rollsafe.testing.waiting import eventually_async
 from rollsafe.testing.workers import (
     WorkerLauncher,
     stop_process,
@@ -77,7 +79,7 @@ HEAD = NodeSpec("head", {"head_node": 1}, num_cpus=0)  # GCS and the run's contr
 ENGINE = NodeSpec("engine", {"engine_node": 1}, num_cpus=0)  # the reference engine
 DATA = NodeSpec("data", {"data_node": 1}, num_cpus=2)  # TransferQueue: the rows
 WORKERS = NodeSpec("workers", {"worker_node": 1}, num_cpus=0)  # a checkpoint worker; killed
-# A dead worker's phase is retried once its heartbeat times out (PLATFORM.md).
+# A dead worker's phase is retried once its heartbeat times out (docs/platform.md).
 OPTIONS = PhaseOptions(heartbeat_timeout_s=2, retry_initial_s=0.1, retry_maximum_s=0.5)
 # Capture sleeps this long in the controller the first time: the hosted worker is inside it
 # while the process worker starts and the node dies.
@@ -204,14 +206,7 @@ async def drill(
     )
     first: asyncio.Task[SnapshotOutcome] | None = None
     try:
-        # ---- placement: each part on its node -------------------------------------------
-        assert (await controller.__ray_call__.remote(where))[0] == ids["head_node"]
-        assert (await engine.__ray_call__.remote(where))[0] == ids["engine_node"]
-        assert set(storage_unit_nodes().values()) == {ids["data_node"]}
-        assert controller_node() == ids["data_node"]
-        assert (await launcher.__ray_call__.remote(where))[0] == ids["worker_node"]
-        doomed_pid = await launcher.ready.remote(WAIT_S)
-        assert doomed_pid in cluster.node(WORKERS.name).pids()  # a process of that node
+        doomed_pid = await check_placement(cluster, ids, controller, engine, launcher)
         mark("controller, engine, data plane and a worker placed, each on its node")
 
         # ---- work in flight: group 0 sealed whole, group 1 half, group 2 handed out -------
@@ -221,76 +216,24 @@ async def drill(
             await run.seal(idx, i)
 
         # ---- snapshot 1, its capture held by the worker on the doomed node -------------
-        hold = f"sleep:{HOLD_S}"
-        await controller.__ray_call__.remote(arm_fault, "phase.capture.before", hold, 1)
-        client: Client = await connect(dev.settings())
-        checkpointer = Checkpointer(run_id, client=client, options=OPTIONS, participants=False)
-        ckpt = await checkpointer.start()
+        client, ckpt = await start_checkpointer(run_id, dev, controller)
         first = asyncio.create_task(ckpt.snapshot_now(timeout=WAIT_S * 2))
-        snapshot_1 = client.get_workflow_handle(f"rollsafe/{run_id}/snapshot/1")
+        snapshot_1 = client.get_workflow_handle(snapshot_workflow_id(run_id, 1))
         assert await capture_holder(snapshot_1) == doomed_pid  # the only worker so far
         mark("snapshot 1: the worker on the doomed node is inside capture")
 
-        log = tmp_path / "survivor.log"
-        procs.append(worker_process(run_id, dev.settings(), cluster.address, log, cwd=REPO))
-        await asyncio.to_thread(wait_worker_ready, procs[0], log, WAIT_S)
-        survivor_pid = procs[0].pid
-        assert not first.done()
-        killed = cluster.node(WORKERS.name).kill()
-        assert doomed_pid in killed
-        mark(f"second worker polling; workers node killed ({len(killed)} processes)")
-
+        survivor_pid = await kill_the_workers_node(
+            cluster, dev, tmp_path, procs, run_id, first, doomed_pid
+        )
         outcome: SnapshotOutcome = await asyncio.wait_for(first, WAIT_S * 2)
-        assert outcome.status == "published", outcome
-        assert outcome.published is not None
-        [capture] = [r for r in outcome.phases if r.phase == Phase.CAPTURE]
-        assert capture.replayed  # the dead worker's call did the capture; the retry got it
-        attempts = await completed_attempts(snapshot_1)
-        assert attempts[Phase.CAPTURE.value][0] >= 2, attempts
-        for phase in (Phase.CAPTURE, Phase.RESUME, Phase.PUBLISH):
-            assert attempts[phase.value][1] == survivor_pid, attempts
-        manifest, _ = verify_snapshot(Path(outcome.published.path), run_id)
-        assert manifest.checkpoint_id == outcome.checkpoint_id
+        await check_published_by_the_survivor(outcome, snapshot_1, survivor_pid, run_id)
         mark("snapshot 1 published by the surviving worker")
 
-        # ---- the run goes on: admission open, rollouts generated and sealed, a step ------
-        status = await controller.status.remote()
-        assert status.gate_open and status.open_checkpoint is None, status
-        await run.seal(1, 1)
-        await controller.handout.remote([3])
-        await run.seal(3, 0)
-        await controller.claim.remote([0, 1], 0)
-        await controller.commit_step.remote([0, 1])
-        await ckpt.train_step_committed(0)
-
-        second = await ckpt.snapshot_now(timeout=WAIT_S)
-        assert second.status == "published", second
-        assert second.published is not None and second.seq > outcome.seq
+        second = await the_run_goes_on(controller, run, ckpt, outcome)
         mark("the run went on; snapshot 2 published")
 
-        # ---- nothing lost: the live rows, across nodes, and the newest snapshot ------------
-        owned = await controller.__ray_call__.remote(owned_groups)
-        assert owned == [2, 3]
-        untrained = [pair for pair in run.sealed if pair[0] in owned]
-        live = await controller.__ray_call__.remote(live_tokens, untrained)
-        assert untrained and all(np.array_equal(live[p], run.sealed[p]) for p in untrained)
-        names = [entry.name for entry in store.list()]
-        assert outcome.published.name in names and second.published.name in names
-        restored, plan = RunState.restore(config, store, make_dataplane("memory"))
-        assert plan.snapshot == second.published.name
-        assert sorted([*plan.ready, *plan.partial]) == owned
-        assert plan.partial[2].regenerate == [0, 1]
-        assert (plan.partial[3].restored, plan.partial[3].regenerate) == ([0], [1])
-        key = restored.row_key(3, 0)
-        rows = restored.dataplane.get(ROLLOUT_PARTITION, [key])
-        assert np.array_equal(rows[key]["tokens"], run.sealed[(3, 0)])
-
-        # ---- Ray saw the node die; the head and the engine's node are alive ------------
-        deadline = time.monotonic() + WAIT_S
-        while node_alive(ids["worker_node"]) and time.monotonic() < deadline:
-            await asyncio.sleep(0.5)
-        assert not node_alive(ids["worker_node"])
-        assert all(node_alive(ids[node]) for node in ("head_node", "engine_node", "data_node"))
+        await check_nothing_lost(controller, run, config, store, outcome, second)
+        await check_ray_saw_the_node_die(ids)
         mark("restore checked; Ray marked the workers node dead")
         await ckpt.stop()
     finally:
@@ -300,6 +243,130 @@ async def drill(
                 await first
         for actor in (engine, controller):
             ray.kill(actor)
+
+
+async def check_placement(
+    cluster: RayCluster, ids: dict[str, str], controller: Any, engine: Any, launcher: Any
+) -> int:
+    """Each part on its node; the pid of the worker the launcher started on the doomed node."""
+    assert (await controller.__ray_call__.remote(where))[0] == ids["head_node"]
+    assert (await engine.__ray_call__.remote(where))[0] == ids["engine_node"]
+    assert set(storage_unit_nodes().values()) == {ids["data_node"]}
+    assert controller_node() == ids["data_node"]
+    assert (await launcher.__ray_call__.remote(where))[0] == ids["worker_node"]
+    doomed_pid: int = await launcher.ready.remote(WAIT_S)
+    assert doomed_pid in cluster.node(WORKERS.name).pids()  # a process of that node
+    return doomed_pid
+
+
+async def start_checkpointer(
+    run_id: str, dev: DevServer, controller: Any
+) -> tuple[Client, Checkpointer]:
+    """Arm the controller's capture to take HOLD_S seconds (once), then start the run's
+    checkpointer: the Temporal client and the started checkpointer."""
+    hold = f"sleep:{HOLD_S}"
+    await controller.__ray_call__.remote(arm_fault, "phase.capture.before", hold, 1)
+    client: Client = await connect(dev.settings())
+    checkpointer = Checkpointer(run_id, client=client, options=OPTIONS, participants=False)
+    return client, await checkpointer.start()
+
+
+async def kill_the_workers_node(
+    cluster: RayCluster,
+    dev: DevServer,
+    tmp_path: Path,
+    procs: list[subprocess.Popen[bytes]],
+    run_id: str,
+    first: asyncio.Task[SnapshotOutcome],
+    doomed_pid: int,
+) -> int:
+    """A second worker, a process of the test, polls; then the workers node is killed while
+    its worker is inside capture. The pid of the surviving worker."""
+    log = tmp_path / "survivor.log"
+    procs.append(worker_process(run_id, dev.settings(), cluster.address, log, cwd=REPO))
+    await asyncio.to_thread(wait_worker_ready, procs[0], log, WAIT_S)
+    survivor_pid = procs[0].pid
+    assert not first.done()
+    killed = cluster.node(WORKERS.name).kill()
+    assert doomed_pid in killed
+    mark(f"second worker polling; workers node killed ({len(killed)} processes)")
+    return survivor_pid
+
+
+async def check_published_by_the_survivor(
+    outcome: SnapshotOutcome,
+    snapshot_1: WorkflowHandle[Any, Any],
+    survivor_pid: int,
+    run_id: str,
+) -> None:
+    """Snapshot 1 published: its capture replayed from history after the dead worker's call,
+    and the phases from capture on completed by the surviving worker."""
+    assert outcome.status == "published", outcome
+    assert outcome.published is not None
+    [capture] = [r for r in outcome.phases if r.phase == Phase.CAPTURE]
+    assert capture.replayed  # the dead worker's call did the capture; the retry got it
+    attempts = await completed_attempts(snapshot_1)
+    assert attempts[Phase.CAPTURE.value][0] >= 2, attempts
+    for phase in (Phase.CAPTURE, Phase.RESUME, Phase.PUBLISH):
+        assert attempts[phase.value][1] == survivor_pid, attempts
+    manifest, _ = verify_snapshot(Path(outcome.published.path), run_id)
+    assert manifest.checkpoint_id == outcome.checkpoint_id
+
+
+async def the_run_goes_on(
+    controller: Any, run: Rollouts, ckpt: Checkpointer, outcome: SnapshotOutcome
+) -> SnapshotOutcome:
+    """Admission open, rollouts generated and sealed, a step trained, and a second snapshot
+    published after the first: its outcome."""
+    status = await controller.status.remote()
+    assert status.gate_open and status.open_checkpoint is None, status
+    await run.seal(1, 1)
+    await controller.handout.remote([3])
+    await run.seal(3, 0)
+    await controller.claim.remote([0, 1], 0)
+    await controller.commit_step.remote([0, 1])
+    await ckpt.train_step_committed(0)
+
+    second: SnapshotOutcome = await ckpt.snapshot_now(timeout=WAIT_S)
+    assert second.status == "published", second
+    assert second.published is not None and second.seq > outcome.seq
+    return second
+
+
+async def check_nothing_lost(
+    controller: Any,
+    run: Rollouts,
+    config: RunConfig,
+    store: SnapshotStore,
+    outcome: SnapshotOutcome,
+    second: SnapshotOutcome,
+) -> None:
+    """The live rows, read across nodes, are the ones sealed; a restore from the newest
+    snapshot owns the groups the live controller owns, with their rows."""
+    assert outcome.published is not None and second.published is not None
+    owned = await controller.__ray_call__.remote(owned_groups)
+    assert owned == [2, 3]
+    untrained = [pair for pair in run.sealed if pair[0] in owned]
+    live = await controller.__ray_call__.remote(live_tokens, untrained)
+    assert untrained and all(np.array_equal(live[p], run.sealed[p]) for p in untrained)
+    names = [entry.name for entry in store.list()]
+    assert outcome.published.name in names and second.published.name in names
+    restored, plan = RunState.restore(config, store, make_dataplane("memory"))
+    assert plan.snapshot == second.published.name
+    assert sorted([*plan.ready, *plan.partial]) == owned
+    assert plan.partial[2].regenerate == [0, 1]
+    assert (plan.partial[3].restored, plan.partial[3].regenerate) == ([0], [1])
+    key = restored.row_key(3, 0)
+    rows = restored.dataplane.get(ROLLOUT_PARTITION, [key])
+    assert np.array_equal(rows[key]["tokens"], run.sealed[(3, 0)])
+
+
+async def check_ray_saw_the_node_die(ids: dict[str, str]) -> None:
+    """Ray marks the workers node dead; the head, the engine's and the data node are alive."""
+    await eventually_async(
+        lambda: not node_alive(ids["worker_node"]), WAIT_S, "Ray marks the node dead"
+    )
+    assert all(node_alive(ids[node]) for node in ("head_node", "engine_node", "data_node"))
 
 
 def test_ray_options_place_the_controller_but_cannot_rename_it(tmp_path: Path) -> None:

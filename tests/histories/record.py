@@ -25,10 +25,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 
 from rollsafe.activities.controllers import LocalControllerClient
 from rollsafe.checkpoint.controller import Controller
+from rollsafe.core.ids import snapshot_workflow_id, supervisor_id
 from rollsafe.core.phases import Phase, SnapshotSpec
 from rollsafe.dataplane import make_dataplane
 from rollsafe.evidence.scenario import busy_run
@@ -36,10 +38,11 @@ from rollsafe.faults import arm, disarm_all
 from rollsafe.snapshot import SnapshotStore
 from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
+from rollsafe.testing.waiting import eventually_async
 from rollsafe.workers.checkpoint import build_worker
 from rollsafe.workflows.models import PhaseOptions, SnapshotInput, SupervisorConfig, SupervisorInput
 from rollsafe.workflows.snapshot import RolloutSnapshot
-from rollsafe.workflows.supervisor import SnapshotSupervisor, snapshot_id, supervisor_id
+from rollsafe.workflows.supervisor import SnapshotSupervisor
 
 HERE = Path(__file__).resolve().parent
 IDENTITY = "rollsafe-history-recorder"
@@ -70,7 +73,7 @@ class Case:
         return await self.client.start_workflow(
             RolloutSnapshot.run,
             SnapshotInput(spec=spec, options=FAST, participants=participants),
-            id=snapshot_id(self.run_id, seq),
+            id=snapshot_workflow_id(self.run_id, seq),
             task_queue=self.task_queue,
         )
 
@@ -95,13 +98,18 @@ async def snapshot_published_without_participants(case: Case) -> WorkflowHandle[
     return handle
 
 
+async def in_phase(handle: WorkflowHandle[Any, Any], phase: Phase) -> bool:
+    return bool((await handle.query(RolloutSnapshot.status)).phase == phase)
+
+
 async def snapshot_skipped_before_capture(case: Case) -> WorkflowHandle[Any, Any]:
     """Aborted (update) while drain runs: drain's activity is cancelled, resume and
     abort_snapshot run, the outcome is skipped."""
     arm("phase.drain.before", "sleep:1.5")
     handle = await case.start_snapshot()
-    while (await handle.query(RolloutSnapshot.status)).phase != Phase.DRAIN:
-        await asyncio.sleep(0.05)
+    await eventually_async(
+        lambda: in_phase(handle, Phase.DRAIN), what="the snapshot in drain"
+    )  # the recorded history has drain's activity cancelled: it must still be running
     await handle.execute_update(RolloutSnapshot.abort, "trainer step 7 committed")
     outcome = await handle.result()
     assert outcome.status == "skipped", outcome
@@ -142,12 +150,9 @@ async def supervisor_too_many_failures(case: Case) -> WorkflowHandle[Any, Any]:
     for _ in range(2):
         outcome = await handle.execute_update(SnapshotSupervisor.snapshot_now)
         assert outcome.status == "failed", outcome
-    try:
+    with pytest.raises(WorkflowFailureError) as failed:
         await handle.result()
-    except WorkflowFailureError as exc:
-        assert "TooManyConsecutiveSnapshotFailures" in repr(exc.cause), exc.cause
-    else:
-        raise AssertionError("the supervisor did not fail")
+    assert "TooManyConsecutiveSnapshotFailures" in repr(failed.value.cause), failed.value.cause
     return handle
 
 

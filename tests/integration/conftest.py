@@ -36,10 +36,10 @@ class WorkflowHarness:
     def __init__(self, client: Any, tmp_path: Path) -> None:
         from rollsafe.activities.controllers import LocalControllerClient
         from rollsafe.checkpoint.controller import Controller
+        from rollsafe.core.ids import task_queue_for
         from rollsafe.dataplane import make_dataplane
         from rollsafe.evidence.scenario import busy_run
         from rollsafe.snapshot import SnapshotStore
-        from rollsafe.workflows.supervisor import task_queue_for
 
         self.client = client
         self.run_id = f"wf-{uuid.uuid4().hex[:8]}"
@@ -55,7 +55,7 @@ class WorkflowHarness:
 
         return build_worker(self.client, self.task_queue, lambda run_id: self.local)
 
-    def snapshot_id(self, seq: int) -> str:
+    def snapshot_workflow_id(self, seq: int) -> str:
         return f"rollsafe/{self.run_id}/snapshot/{seq}"
 
     async def start_snapshot(self, seq: int = 1, **fields: Any) -> Any:
@@ -68,7 +68,7 @@ class WorkflowHarness:
         return await self.client.start_workflow(
             RolloutSnapshot.run,
             SnapshotInput(spec=SnapshotSpec(run_id=self.run_id, seq=seq), **fields),
-            id=self.snapshot_id(seq),
+            id=self.snapshot_workflow_id(seq),
             task_queue=self.task_queue,
         )
 
@@ -77,8 +77,9 @@ class WorkflowHarness:
 
     async def start_supervisor(self, **config: Any) -> Any:
         """Start the run's SnapshotSupervisor (fast retries unless ``options`` given)."""
+        from rollsafe.core.ids import supervisor_id
         from rollsafe.workflows.models import PhaseOptions, SupervisorConfig, SupervisorInput
-        from rollsafe.workflows.supervisor import SnapshotSupervisor, supervisor_id
+        from rollsafe.workflows.supervisor import SnapshotSupervisor
 
         config.setdefault("options", PhaseOptions(**FAST_RETRY))
         return await self.client.start_workflow(
@@ -91,7 +92,7 @@ class WorkflowHarness:
     async def snapshot_phase(self, seq: int) -> Any:
         from rollsafe.workflows.snapshot import RolloutSnapshot
 
-        handle = self.client.get_workflow_handle(self.snapshot_id(seq))
+        handle = self.client.get_workflow_handle(self.snapshot_workflow_id(seq))
         return (await handle.query(RolloutSnapshot.status)).phase
 
 

@@ -1,4 +1,4 @@
-"""Killed checkpoint workers (issue 3): a real Temporal dev server, a real Ray, the controller as
+"""Killed checkpoint workers: a real Temporal dev server, a real Ray, the controller as
 the run's named actor, workers as ``rollsafe worker`` subprocesses.
 
 The crash matrix: a worker dies inside a phase (ROLLSAFE_FAULT ``worker.phase.<phase>.after``:
@@ -34,6 +34,7 @@ from temporalio.client import Client, WorkflowHandle
 from rollsafe.checkpoint.actor import start_controller_actor
 from rollsafe.checkpoint.controller import ControllerStatus
 from rollsafe.core.config import RunConfig
+from rollsafe.core.ids import snapshot_workflow_id, task_queue_for
 from rollsafe.core.phases import PHASES, Phase, SnapshotSpec
 from rollsafe.core.run_state import RunState
 from rollsafe.dataplane import make_dataplane
@@ -47,13 +48,12 @@ from rollsafe.testing.history import completed_attempts
 from rollsafe.testing.workers import stop_process, wait_worker_ready, worker_process
 from rollsafe.workflows.models import PhaseOptions, SnapshotInput, SnapshotOutcome
 from rollsafe.workflows.snapshot import RolloutSnapshot
-from rollsafe.workflows.supervisor import task_queue_for
 
 ray = pytest.importorskip("ray")
 
 REPO = Path(__file__).resolve().parents[2]
 # A dead worker's attempt is retried once its heartbeat times out: 2 s keeps each case short
-# (PLATFORM.md: the retry starts ~1.3-1.8 s after the kill).
+# (docs/platform.md: the retry starts ~1.3-1.8 s after the kill).
 OPTIONS = PhaseOptions(heartbeat_timeout_s=2, retry_initial_s=0.1, retry_maximum_s=0.5)
 WAIT_S = 60.0  # any one wait: generous on a loaded 2-core machine, still fails a hang
 # Phases with a side effect the controller counts; the others have nothing to do in a run
@@ -171,7 +171,7 @@ async def start_snapshot(
     return await client.start_workflow(
         RolloutSnapshot.run,
         SnapshotInput(spec=spec, options=options),
-        id=f"rollsafe/{run.run_id}/snapshot/1",
+        id=snapshot_workflow_id(run.run_id, 1),
         task_queue=task_queue_for(run.run_id),
     )
 

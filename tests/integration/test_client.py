@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -24,6 +22,7 @@ from rollsafe.errors import (
     SupervisorNotRunning,
 )
 from rollsafe.faults import arm, disarm_all
+from rollsafe.testing.waiting import eventually_async
 from rollsafe.workflows.models import PhaseOptions
 
 FAST = PhaseOptions(retry_initial_s=0.05, retry_maximum_s=0.2, retry_attempts=3)
@@ -64,13 +63,6 @@ def counted(client: Client) -> tuple[Client, CountingCalls]:
     return Client(**{**client.config(), "interceptors": [counter]}), counter
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], within_s: float = 10.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not await check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
-
-
 async def test_start_twice_attaches_and_snapshot_now_publishes(harness) -> None:
     async with harness.worker():
         ckpt = await checkpointer(harness).start()
@@ -82,7 +74,7 @@ async def test_start_twice_attaches_and_snapshot_now_publishes(harness) -> None:
         # The controller is at weight version 0: a checkpoint of it anchors a snapshot.
         await restarted.trainer_checkpoint_saved(0, "/ckpt/v0")
         assert restarted.saved_checkpoints == {0: "/ckpt/v0"}
-        await eventually(lambda: _published(ckpt, 1))  # the anchored snapshot
+        await eventually_async(lambda: _published(ckpt, 1), what="the anchored snapshot published")
         outcome = await ckpt.snapshot_now()
         assert outcome.status == "published" and outcome.seq == 2, outcome.reason
         status = await supervisor_status(ckpt)
@@ -100,7 +92,7 @@ async def test_start_twice_attaches_and_snapshot_now_publishes(harness) -> None:
 async def supervisor_status(ckpt: Checkpointer) -> Any:
     # status() asks the supervisor only once the server lists a worker's poll, which it does
     # a moment after the worker starts (CI once asked before).
-    await eventually(lambda: _present(ckpt))
+    await eventually_async(lambda: _present(ckpt), what="the supervisor present")
     status = await ckpt.status()
     assert status.supervisor is not None, status.warnings
     return status.supervisor
@@ -117,7 +109,9 @@ async def test_train_step_committed_aborts_before_capture_and_is_too_late_after(
     async with harness.worker():
         ckpt = await checkpointer(harness).start()
         pending = asyncio.create_task(ckpt.snapshot_now())
-        await eventually(lambda: _in_phase(harness, 1, Phase.DRAIN))
+        await eventually_async(
+            lambda: _in_phase(harness, 1, Phase.DRAIN), what="snapshot 1 in its drain"
+        )
         await ckpt.train_step_committed(7)
         outcome = await pending
         assert outcome.status == "skipped" and "step 7 committed" in outcome.reason
@@ -126,7 +120,9 @@ async def test_train_step_committed_aborts_before_capture_and_is_too_late_after(
         disarm_all()
         arm("phase.publish.before", "sleep:2")
         pending = asyncio.create_task(ckpt.snapshot_now())
-        await eventually(lambda: _in_phase(harness, 2, Phase.PUBLISH))
+        await eventually_async(
+            lambda: _in_phase(harness, 2, Phase.PUBLISH), what="snapshot 2 in its publish"
+        )
         await ckpt.train_step_committed(8)  # captured already: it publishes
         assert (await pending).status == "published"
         status = await supervisor_status(ckpt)
@@ -186,7 +182,7 @@ async def test_snapshot_now_timeout_raises_and_the_snapshot_goes_on(harness) -> 
         arm("phase.drain.before", "sleep:1")
         with pytest.raises(CheckpointTimeout):  # accepted, then timed out while draining
             await ckpt.snapshot_now(timeout=0.3)
-        await eventually(lambda: _published(ckpt, 1))
+        await eventually_async(lambda: _published(ckpt, 1), what="snapshot 1 published")
         await ckpt.stop()
 
 
@@ -229,7 +225,7 @@ async def test_a_run_no_worker_serves_is_reported_once_and_in_status(harness, ca
     assert status.supervisor is None and "no worker has ever polled" in status.warnings[0]
 
     async with harness.worker():
-        await eventually(lambda: _present(ckpt))
+        await eventually_async(lambda: _present(ckpt), what="the supervisor present")
         caplog.clear()
         await ckpt.train_step_committed(3)
         assert (await supervisor_status(ckpt)).state.last_committed_step == 3

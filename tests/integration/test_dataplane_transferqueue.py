@@ -74,7 +74,7 @@ def test_rows_come_back_exactly_and_read_only(planes: Any) -> None:
     got = plane.get("rollouts", asked)
     assert list(got) == list(dict.fromkeys(asked))
     assert digests(got) == digests({key: rows[key] for key in got})
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="assignment destination is read-only"):
         got["a"]["tokens"][0] = 9
     assert plane.list("rollouts") == sorted(rows)
     assert plane.count("rollouts") == len(rows) and plane.partitions() == ["rollouts"]

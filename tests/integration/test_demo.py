@@ -15,6 +15,8 @@ from rollsafe.evidence.files import Evidence
 from rollsafe.http.served import rollsafe_command
 
 STEPS = "4"
+# Whole demos as subprocesses, each bounded by its own 600 s: the test's limit covers two.
+pytestmark = pytest.mark.timeout(1500)
 
 
 def demo(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:

@@ -24,6 +24,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ import pytest
 
 from rollsafe.dataplane.memory import MemoryDataPlane
 from rollsafe.engine.http import EngineClient
+from rollsafe.engine.protocol import PrefixRecord
 from rollsafe.engine.staging import StagedCut, cut_and_stage, load_prefixes
 from rollsafe.env.client import EnvClient
 from rollsafe.env.fleet import EnvFleet
@@ -42,6 +44,7 @@ from rollsafe.env.protocol import (
     CommitRequest,
     EpisodeRef,
     EpisodeResult,
+    ParkedEpisode,
     PrepareRequest,
     RenewRequest,
     RestoreRequest,
@@ -292,28 +295,46 @@ async def live(fleet: EnvFleet, name: str) -> int:
 # -- 1. crash and restore -----------------------------------------------------------------------
 
 
-async def test_exactly_once_across_a_killed_and_restored_fleet(
-    trio: Trio, fleet: EnvFleet, engine: EngineClient, tmp_path: Path
-) -> None:
-    # Nine rollouts, three per instance, 6-8 turns each.
-    placed = {
-        ref(f"eo-{n}_g{n % 2}"): (INSTANCES[n % 3], {"seed": 11 + n, "turns": 6 + n % 3})
-        for n in range(9)
-    }
-    tasks = {ep.rollout_id: task for ep, (_, task) in placed.items()}
-    home = {ep.rollout_id: name for ep, (name, _) in placed.items()}
+@dataclass
+class Checkpointed:
+    """A checkpoint taken mid-run and committed: what the crash and the restore start from."""
 
-    # The uninterrupted run first, with the SAME rollout ids (a call's seed comes from the
-    # rollout id and the turn): the reference the restored episodes must match bit for bit,
-    # and a measure of how long the episodes take on this machine.
+    checkpoint: str
+    prepared: FleetPrepared
+    dataplane: MemoryDataPlane
+    staged: StagedCut
+    scope: dict[str, list[EpisodeRef]]
+    root: Path  # where the commit went
+    parked: dict[str, ParkedEpisode]  # by rollout id
+    in_scope: set[str]  # rollout ids
+
+
+async def run_uninterrupted(
+    fleet: EnvFleet,
+    placed: Mapping[EpisodeRef, tuple[str, dict[str, Any]]],
+    tasks: Mapping[str, dict[str, Any]],
+) -> tuple[dict[str, EpisodeResult], float]:
+    """Every episode run uninterrupted, each replayed exactly (by rollout id); how long the
+    episodes took on this machine."""
     began = time.monotonic()
     whole = {ep.rollout_id: r for ep, r in (await run_all(fleet, placed)).items()}
     took = time.monotonic() - began
     for rollout_id, result in whole.items():
         assert not result.restored and result.turns == tasks[rollout_id]["turns"]
         replayed(result, tasks[rollout_id])
+    return whole, took
 
-    # The same episodes again (attempt 0), checkpointed mid-run.
+
+async def checkpoint_and_commit(
+    fleet: EnvFleet,
+    engine: EngineClient,
+    placed: Mapping[EpisodeRef, tuple[str, dict[str, Any]]],
+    tasks: Mapping[str, dict[str, Any]],
+    took: float,
+    root: Path,
+) -> tuple[dict[str, asyncio.Task[EpisodeResult]], Checkpointed]:
+    """Start the episodes again (attempt 0), checkpoint them mid-run, each parked on its home
+    instance, and commit the checkpoint into ``root``: the running episodes, the checkpoint."""
     running = {
         ep.rollout_id: asyncio.create_task(
             fleet.run_episode(name, RunEpisode(episode=ep, task=task), max_wait_s=30)
@@ -327,38 +348,51 @@ async def test_exactly_once_across_a_killed_and_restored_fleet(
     parked = {p.episode.rollout_id: p for inv in prepared.instances.values() for p in inv.parked}
     in_scope = {ep.rollout_id for eps in scope.values() for ep in eps}
     assert any(0 < parked[r].turn < tasks[r]["turns"] for r in in_scope), "none mid-run"
+    home = {ep.rollout_id: name for ep, (name, _) in placed.items()}
     for rollout_id in in_scope:
         assert prepared.owners()[rollout_id] == home[rollout_id]
 
-    commit_root = tmp_path / "commit"
-    committed = await fleet.commit_all(checkpoint, scope, commit_root)
+    committed = await fleet.commit_all(checkpoint, scope, root)
     for name in INSTANCES:
         assert committed.instances[name].committed == tuple(scope[name])
         assert committed.instances[name].missing == ()
+    return running, Checkpointed(
+        checkpoint, prepared, dataplane, staged, scope, root, parked, in_scope
+    )
 
-    # The crash: every instance dies at once, parked, with its episodes in memory. The engine
-    # stays up (see the module docstring): it still holds the frozen calls.
+
+async def crash_the_parked_fleet(
+    trio: Trio, running: dict[str, asyncio.Task[EpisodeResult]], ck: Checkpointed
+) -> None:
+    """Every instance dies at once, parked, with its episodes in memory: the episodes the
+    checkpoint holds die with it, those that ended before it did not."""
     await asyncio.to_thread(trio.crash_all)
     outcomes = await bounded(asyncio.gather(*running.values(), return_exceptions=True))
     for rollout_id, outcome in zip(running, outcomes, strict=True):
-        if rollout_id in prepared.owners():  # held by the instance: died with it
+        if rollout_id in ck.prepared.owners():  # held by the instance: died with it
             assert isinstance(outcome, EnvUnavailable), (rollout_id, outcome)
         else:  # ended before prepare: nothing to restore
             assert isinstance(outcome, EpisodeResult), (rollout_id, outcome)
 
-    # Fresh processes, same instance ids; only the commit and the data plane survive.
+
+async def restore_and_finish(
+    trio: Trio, ck: Checkpointed, tasks: Mapping[str, dict[str, Any]]
+) -> tuple[dict[EpisodeRef, EpisodeResult], dict[str, PrefixRecord]]:
+    """Fresh processes, same instance ids; only the commit and the data plane survive. Restore
+    the checkpoint's scope as attempt 1 and run it to its end: the results, and the prefixes
+    the restore handed over (by call id)."""
     await asyncio.to_thread(trio.start, INSTANCES)
     async with trio.fleet() as restarted:
-        loaded = load_prefixes(dataplane, staged.staged)
+        loaded = load_prefixes(ck.dataplane, ck.staged.staged)
         prefixes = {call: record.model_dump(mode="json") for call, record in loaded.items()}
         restore_id = unique("eo-rs")
         restored = await restarted.restore_all(
-            restore_id, checkpoint, commit_root, scope, prefixes, time.time() + 20
+            restore_id, ck.checkpoint, ck.root, ck.scope, prefixes, time.time() + 20
         )
         assert restored.ok, restored.errors
         assert restored.restarts == ()
         for name in INSTANCES:
-            assert restored.restored[name] == tuple(ep.next_attempt() for ep in scope[name])
+            assert restored.restored[name] == tuple(ep.next_attempt() for ep in ck.scope[name])
         await restarted.resume_all(restore_id)
 
         again = {
@@ -366,10 +400,22 @@ async def test_exactly_once_across_a_killed_and_restored_fleet(
             for name, eps in restored.restored.items()
             for ep in eps
         }
-        results = await run_all(restarted, again)
+        return await run_all(restarted, again), loaded
 
+
+def check_the_restored_episodes(
+    results: dict[EpisodeRef, EpisodeResult],
+    ck: Checkpointed,
+    tasks: Mapping[str, dict[str, Any]],
+    whole: dict[str, EpisodeResult],
+    loaded: dict[str, PrefixRecord],
+) -> None:
+    """Each restored episode is attempt 1 of one in scope, played each turn exactly once and
+    exactly as uninterrupted; turns before the checkpoint kept attempt 0's calls, a cut call
+    resumed from its prefix."""
+    staged = ck.staged
     for ep, result in results.items():
-        rollout_id, park = ep.rollout_id, parked[ep.rollout_id]
+        rollout_id, park = ep.rollout_id, ck.parked[ep.rollout_id]
         assert result.episode == ep and ep.attempt == 1 and result.restored
         replayed(result, tasks[rollout_id])  # every turn exactly once, no gap
         same_play(result, whole[rollout_id])  # and exactly the uninterrupted episode
@@ -390,7 +436,32 @@ async def test_exactly_once_across_a_killed_and_restored_fleet(
                 assert tuple(log["tokens"][: len(prefix.tokens)]) == prefix.tokens
             else:
                 assert log["resumed_from"] == 0
-    assert {ep.rollout_id for ep in results} == in_scope
+    assert {ep.rollout_id for ep in results} == ck.in_scope
+
+
+async def test_exactly_once_across_a_killed_and_restored_fleet(
+    trio: Trio, fleet: EnvFleet, engine: EngineClient, tmp_path: Path
+) -> None:
+    # Nine rollouts, three per instance, 6-8 turns each.
+    placed = {
+        ref(f"eo-{n}_g{n % 2}"): (INSTANCES[n % 3], {"seed": 11 + n, "turns": 6 + n % 3})
+        for n in range(9)
+    }
+    tasks = {ep.rollout_id: task for ep, (_, task) in placed.items()}
+
+    # The uninterrupted run first, with the SAME rollout ids (a call's seed comes from the
+    # rollout id and the turn): the reference the restored episodes must match bit for bit,
+    # and a measure of how long the episodes take on this machine.
+    whole, took = await run_uninterrupted(fleet, placed, tasks)
+    # The same episodes again (attempt 0), checkpointed mid-run and committed.
+    running, ck = await checkpoint_and_commit(
+        fleet, engine, placed, tasks, took, tmp_path / "commit"
+    )
+    # The crash. The engine stays up (see the module docstring): it still holds the frozen
+    # calls.
+    await crash_the_parked_fleet(trio, running, ck)
+    results, loaded = await restore_and_finish(trio, ck, tasks)
+    check_the_restored_episodes(results, ck, tasks, whole, loaded)
     info = await engine.info()
     assert (info.active, info.frozen) == (0, 0)  # every frozen call was superseded and ended
 

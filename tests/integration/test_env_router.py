@@ -21,6 +21,7 @@ from rollsafe.env.hooks import EnvironmentHooks, EpisodeSession
 from rollsafe.env.participant import Participant
 from rollsafe.env.protocol import EpisodeRef, EpisodeResult, RunEpisode
 from rollsafe.env.router import participant_app
+from rollsafe.testing.waiting import eventually_async
 
 TOKEN = "participant-test-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -79,9 +80,8 @@ async def serving(participant: Participant) -> AsyncIterator[httpx.AsyncClient]:
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     try:
-        while not server.started:
-            assert not task.done(), "uvicorn did not start"
-            await asyncio.sleep(0.01)
+        await eventually_async(lambda: server.started or task.done(), what="uvicorn started")
+        assert not task.done(), "uvicorn did not start"
         port = server.servers[0].sockets[0].getsockname()[1]
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
             yield client
@@ -96,6 +96,10 @@ async def status(client: httpx.AsyncClient) -> dict[str, Any]:
     return dict(response.json())
 
 
+async def _phase_is(client: httpx.AsyncClient, phase: str) -> bool:
+    return (await status(client))["phase"] == phase
+
+
 def body(model: BaseModel) -> str:
     return model.model_dump_json()
 
@@ -107,11 +111,13 @@ async def test_full_checkpoint_over_http(tmp_path: Path) -> None:
         run = asyncio.ensure_future(
             http.post(wire.EPISODES_RUN, content=body(RunEpisode(episode=A)), headers=AUTH)
         )
-        while env.turns.get(A.key) != 1:
-            await asyncio.sleep(0.005)
+        await eventually_async(lambda: env.turns.get(A.key) == 1, what="A done its first turn")
         ck = wire.PrepareRequest(checkpoint_id="ck1", deadline_ts=2e9)
         prepare = asyncio.ensure_future(http.post(f"{P}/prepare", content=body(ck), headers=AUTH))
-        await asyncio.sleep(0.02)
+        # Admission closes with ck1 open: only then may A go on (or it would run to its end).
+        await eventually_async(
+            lambda: _phase_is(http, "prepared"), what="prepare opened ck1 (admission closed)"
+        )
         env.gates[A.key].set()  # A goes on to its next boundary and parks there
         reply = wire.PrepareReply.model_validate_json((await prepare).content)
         assert reply.ready and [(p.episode, p.turn) for p in reply.parked] == [(A, 1)]

@@ -16,6 +16,7 @@ import asyncio
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,20 +34,29 @@ from rollsafe.checkpoint.participants import (
     to_ref,
 )
 from rollsafe.core.config import RunConfig
-from rollsafe.core.phases import PHASES, Phase, PhaseRequest, RestoreRequest, SnapshotSpec
+from rollsafe.core.phases import (
+    PHASES,
+    Phase,
+    PhaseRequest,
+    PhaseResult,
+    RestoreRequest,
+    SnapshotSpec,
+)
 from rollsafe.core.states import AttemptState
 from rollsafe.dataplane.protocol import DataPlaneManifest
 from rollsafe.engine.http import EngineClient
 from rollsafe.engine.staging import PREFIX_PARTITION
 from rollsafe.env.client import EnvClient
 from rollsafe.env.fleet import EnvFleet
-from rollsafe.env.protocol import EpisodeResult, RunEpisode
+from rollsafe.env.protocol import EpisodeRef, EpisodeResult, RunEpisode
 from rollsafe.http.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
+from rollsafe.testing.waiting import eventually_async
 
 RUN = "with-envs"
 ENGINE_TOKEN, ENV_TOKEN = "pt-engine", "pt-env"
 INSTANCES = ("w0", "w1")
 GROUPS, GROUP_SIZE, TURNS = 4, 2, 16
+DRIVE_TIMEOUT_S = 120.0  # how long the test waits for an episode's run (admission included)
 
 
 class Servers:
@@ -114,8 +124,13 @@ class Run:
         """Dispatch through the gate (waiting while it is closed), run, seal, then mark the
         reply done: sealed before done, so a drain never ends with a reply unaccounted for."""
         instance = self.instance(idx, i)
-        while (episode := await asyncio.to_thread(self.service.dispatch, idx, i, instance)) is None:
-            await asyncio.sleep(0.02)
+        # dispatch returns None while admission is closed (a snapshot is open): retried until
+        # the gate admits it, as a trainer's dispatcher does, for as long as the test waits.
+        episode = await eventually_async(
+            lambda: asyncio.to_thread(self.service.dispatch, idx, i, instance),
+            timeout_s=DRIVE_TIMEOUT_S,
+            what=f"admission of rollout {i} of group {idx}",
+        )
         return await self._run(idx, i, episode, instance)
 
     async def _run(self, idx: int, i: int, episode: Any, instance: str) -> EpisodeResult:
@@ -147,10 +162,21 @@ class Run:
         self.loop.close()
 
 
-def test_phases_park_cut_commit_and_a_restore_brings_the_episodes_back(
-    servers: Servers, tmp_path: Path
-) -> None:
-    first = Run(servers, tmp_path / "snapshots")
+@dataclass
+class FirstLife:
+    """The first run: the snapshot that caught a call mid-generation, and how it ended."""
+
+    service: Controller
+    results: dict[Phase, PhaseResult]  # the snapshot's phases
+    snapshot: Path
+    record: ParticipantsRecord
+    finished: list[EpisodeResult]
+
+
+def snapshot_mid_run(servers: Servers, root: Path) -> FirstLife:
+    """Run every episode; snapshot while they run (until one snapshot cut a call); let them
+    all finish after the snapshot resumed them."""
+    first = Run(servers, root)
     try:
         first.service.handout(list(range(GROUPS)))
         running = [first.drive(idx, i) for idx in range(GROUPS) for i in range(GROUP_SIZE)]
@@ -166,14 +192,20 @@ def test_phases_park_cut_commit_and_a_restore_brings_the_episodes_back(
             record = ParticipantsRecord.model_validate_json((snapshot / RECORD_FILE).read_bytes())
             if record.staged:
                 break
-        finished = [future.result(timeout=120) for future in running]
+        finished = [future.result(timeout=DRIVE_TIMEOUT_S) for future in running]
     finally:
         first.close()
+    return FirstLife(first.service, results, snapshot, record, finished)
 
+
+def check_the_snapshot_and_the_first_life(life: FirstLife) -> set[EpisodeRef]:
+    """What the snapshot holds, and that every episode of the first life sealed; the refs of
+    the episodes it committed."""
+    record, results, snapshot = life.record, life.results, life.snapshot
     assert record.staged, "no snapshot caught a call mid-generation"
     parked = results[Phase.PREPARE_ENVS].counts["parked"]
     assert parked > 0, results[Phase.PREPARE_ENVS].summary
-    manifest_files = set(first.service.store.select().manifest.files)
+    manifest_files = set(life.service.store.select().manifest.files)
     assert RECORD_FILE in manifest_files
     assert {f.split("/")[1] for f in manifest_files if f.startswith("envs/")} == set(INSTANCES)
     committed = {ref for c in record.committed.instances.values() for ref in c.committed}
@@ -182,16 +214,22 @@ def test_phases_park_cut_commit_and_a_restore_brings_the_episodes_back(
     # The staged prefixes are in the snapshot only: the live data plane let them go at resume.
     exported = DataPlaneManifest.model_validate_json((snapshot / "dataplane.json").read_bytes())
     assert exported.partitions[PREFIX_PARTITION] == len(record.staged)
-    assert first.service.state.dataplane.count(PREFIX_PARTITION) == 0
+    assert life.service.state.dataplane.count(PREFIX_PARTITION) == 0
     # After resume, every episode of the first life finished and sealed.
-    assert len(finished) == GROUPS * GROUP_SIZE
-    ledger = first.service.state.ledger
+    assert len(life.finished) == GROUPS * GROUP_SIZE
+    ledger = life.service.state.ledger
     assert all(ledger.states(idx) == [AttemptState.SEALED] * GROUP_SIZE for idx in range(GROUPS))
+    return committed
 
-    # Crash every environment server; restore from the snapshot onto fresh ones.
+
+def restore_onto_fresh_envs(
+    servers: Servers, root: Path, committed: set[EpisodeRef]
+) -> dict[tuple[int, int], EpisodeResult]:
+    """Crash every environment server; restore from the snapshot onto fresh ones; run the
+    resumed rollouts to their end. Their results, by (group, rollout)."""
     servers.crash_envs()
     servers.start_envs()
-    second = Run(servers, tmp_path / "snapshots")
+    second = Run(servers, root)
     try:
         plan = second.service.restore(RestoreRequest(run_id=RUN, restore_id="restore-1"))
         # Handed to the environments, then dropped from the live data plane too.
@@ -201,9 +239,16 @@ def test_phases_park_cut_commit_and_a_restore_brings_the_episodes_back(
         assert resumed == expected
         # Redispatched through the gate as attempt 1, on the instance that restored it.
         again = {(idx, i): second.drive(idx, i) for idx, i in sorted(resumed)}
-        outcomes = {key: future.result(timeout=120) for key, future in again.items()}
+        return {key: future.result(timeout=DRIVE_TIMEOUT_S) for key, future in again.items()}
     finally:
         second.close()
+
+
+def check_the_restored_episodes(
+    outcomes: dict[tuple[int, int], EpisodeResult], record: ParticipantsRecord
+) -> None:
+    """Every restored episode ran as attempt 1, each turn once; each cut call continued from
+    its staged prefix."""
     for (idx, i), result in outcomes.items():
         assert result.restored and result.episode.attempt == 1, (idx, i)
         assert result.turns == TURNS
@@ -217,3 +262,12 @@ def test_phases_park_cut_commit_and_a_restore_brings_the_episodes_back(
     }
     # Each cut call continued from its staged prefix (its tokens were not generated again).
     assert all(resumed_from.get(call, 0) == record.staged[call] for call in staged_calls)
+
+
+def test_phases_park_cut_commit_and_a_restore_brings_the_episodes_back(
+    servers: Servers, tmp_path: Path
+) -> None:
+    life = snapshot_mid_run(servers, tmp_path / "snapshots")
+    committed = check_the_snapshot_and_the_first_life(life)
+    outcomes = restore_onto_fresh_envs(servers, tmp_path / "snapshots", committed)
+    check_the_restored_episodes(outcomes, life.record)

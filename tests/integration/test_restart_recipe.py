@@ -23,12 +23,12 @@ from rollsafe.activities.controllers import RayControllerClient
 from rollsafe.checkpoint.actor import start_controller_actor
 from rollsafe.client import Checkpointer
 from rollsafe.core.config import RunConfig
+from rollsafe.core.ids import task_queue_for
 from rollsafe.evidence.scenario import row_content
 from rollsafe.snapshot import EntryState, SnapshotStore
 from rollsafe.temporal.connect import connect
 from rollsafe.workers.checkpoint import build_worker
 from rollsafe.workflows.models import PhaseOptions
-from rollsafe.workflows.supervisor import task_queue_for
 
 ray = pytest.importorskip("ray")
 

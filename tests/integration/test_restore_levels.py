@@ -10,6 +10,10 @@ resumed exactly as finely as it promises:
 - ``sibling``: the siblings sealed at the snapshot are kept as they were; only the others run
   again, from scratch;
 - ``prompt_group``: a group caught half sealed is generated again whole.
+
+Nothing is left to timing: the first run's engine holds the calls each level needs caught
+(``ROLLSAFE_ENGINE_HOLD``: after their first token, until a cut), so the one snapshot taken
+once the run is ready always finds what the level is about, on an idle or a loaded machine.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ import pytest
 
 from rollsafe.checkpoint.participants import RECORD_FILE, ParticipantsRecord
 from rollsafe.core.capture import CapturedState
+from rollsafe.core.ids import checkpoint_id_for
 from rollsafe.core.ledger import Ledger
-from rollsafe.core.phases import Phase, PhaseResult, RestorePlan, checkpoint_id_for
+from rollsafe.core.phases import Phase, PhaseResult, RestorePlan
 from rollsafe.core.states import AttemptState
+from rollsafe.engine.loop import HoldRule
 from rollsafe.engine.staging import PREFIX_PARTITION
 from rollsafe.env.client import EnvClient
 from rollsafe.env.protocol import PrepareRequest, ResumeRequest
@@ -36,11 +42,16 @@ from rollsafe.reference.rl.controller import Endpoints
 from rollsafe.reference.rl.run import SNAPSHOTS_DIR, ReferenceRun, RunSettings
 from rollsafe.reference.rl.servers import RunServers
 from rollsafe.snapshot import SnapshotStore
+from rollsafe.testing.waiting import eventually
 
 INSTANCES = ("w0", "w1", "w2")
 BASE = RunSettings(run_id="lv", seed=11, steps=2, group_size=4, groups_per_step=2, turns=4)
-CRASH_STEP = 1
-TRIES = 20  # snapshots during CRASH_STEP until one catches what the level needs
+CRASH_STEP = 0  # the first run's engine holds calls from the start: its first step is caught
+# Calls the first run's engine holds after their first token until a cut (attempt 0 only: an
+# attempt's key has no -a<n> suffix, so restored attempts run free).
+EVERY_CALL = HoldRule(calls=r"_g\d+/t\d+")
+AFTER_A_TURN = HoldRule(calls=r"_g\d+/t[1-9]\d*")  # turn 0 runs to its end
+FIRST_SIBLING = HoldRule(calls=r"_g0/t\d+")  # the other siblings seal meanwhile
 
 
 class Crash(Exception):
@@ -60,10 +71,7 @@ def servers(logs: Path, request: pytest.FixtureRequest) -> Iterator[RunServers]:
         seed=BASE.seed,
         engine_token="lv-engine",
         env_token="lv-env",
-        max_tokens=48,  # calls long enough to be caught mid-generation
-        # Before the crash, w2's episodes start late: while they run, their groups' other
-        # siblings are already sealed (the state the sibling levels are about).
-        env_faults={"w2": "slow_run:1.5"},
+        max_tokens=48,
     )
     try:
         yield running
@@ -111,8 +119,8 @@ Ready = Callable[[ReferenceRun], bool]
 Caught = Callable[[dict[Phase, PhaseResult], Path], bool]
 
 
-def calls_generating(run: ReferenceRun) -> bool:
-    return run.loop.run(run.engine.info()).active > 0
+def calls_held(run: ReferenceRun) -> bool:
+    return run.loop.run(run.engine.info()).held > 0
 
 
 def some_sibling_sealed(run: ReferenceRun) -> bool:
@@ -125,33 +133,28 @@ def crashed_and_restored(
     level: str,
     servers: RunServers,
     root: Path,
+    hold: HoldRule,
     ready: Ready,
     caught: Caught,
     busy_during_restore: str | None = None,
 ) -> tuple[RestorePlan, Ledger, Evidence]:
-    """Snapshots during step CRASH_STEP until one ``caught`` what the level needs (taken once
-    ``ready``), then everything killed; restored on fresh servers and run to the end. With
+    """One snapshot during step CRASH_STEP, taken once ``ready`` (the first run's engine
+    ``hold``s calls, so the state it waits for stays put), must have ``caught`` what the level
+    needs; then everything is killed, restored on fresh servers and run to the end. With
     ``busy_during_restore``, that instance is parked by another checkpoint while the restore
     runs (so it refuses to restore)."""
     settings = BASE.model_copy(update={"restore_level": level})
     out = root / "out"
-    first = ReferenceRun(settings, servers.start(), root, out)
+    first = ReferenceRun(settings, servers.start(hold=hold), root, out)
 
     def during(step: int) -> None:
         if step != CRASH_STEP:
             return
-        # A try catches nothing when every call it parked ends before the cut: on a loaded
-        # machine the phases before the cut outlast a 48-token call (4 misses in a row seen
-        # with one core busy). The step's episodes run 4 turns each, so later tries still
-        # find calls to catch; what each level must then show is asserted unchanged.
-        for _ in range(TRIES):
-            deadline = time.monotonic() + 20
-            while not ready(first) and time.monotonic() < deadline:
-                time.sleep(0.005)
-            if caught(first.snapshot(), root):
-                servers.crash()
-                raise Crash
-        pytest.fail(f"no snapshot caught what level {level} needs in {TRIES} tries")
+        eventually(lambda: ready(first), what=f"the first run ready for the {level} snapshot")
+        results = first.snapshot()
+        assert caught(results, root), {phase: r.summary for phase, r in results.items()}
+        servers.crash()
+        raise Crash
 
     try:
         with pytest.raises(Crash):
@@ -218,7 +221,8 @@ def test_prefix_level_resumes_the_cut_call_mid_way(
         "prefix",
         servers,
         tmp_path,
-        calls_generating,
+        EVERY_CALL,
+        calls_held,
         lambda results, _: results[Phase.CUT_GENERATION].counts["cut"] > 0,
     )
     assert_same_tokens_once(evidence, reference)
@@ -251,7 +255,8 @@ def test_turn_level_regenerates_only_the_interrupted_turn(
         "turn",
         servers,
         tmp_path,
-        calls_generating,
+        AFTER_A_TURN,
+        calls_held,
         mid_call_after_a_turn,
     )
     assert_same_tokens_once(evidence, reference)
@@ -281,7 +286,12 @@ def test_sibling_level_keeps_the_sealed_siblings(
     servers: RunServers, tmp_path: Path, reference: Evidence
 ) -> None:
     plan, ledger, evidence = crashed_and_restored(
-        "sibling", servers, tmp_path, some_sibling_sealed, sibling_sealed_at_snapshot
+        "sibling",
+        servers,
+        tmp_path,
+        FIRST_SIBLING,
+        some_sibling_sealed,
+        sibling_sealed_at_snapshot,
     )
     assert_same_tokens_once(evidence, reference)
     assert not resumed_rollouts(plan, ledger)  # no episode comes back from an environment
@@ -303,7 +313,12 @@ def test_prompt_group_level_regenerates_the_whole_group(
     servers: RunServers, tmp_path: Path, reference: Evidence
 ) -> None:
     plan, ledger, evidence = crashed_and_restored(
-        "prompt_group", servers, tmp_path, some_sibling_sealed, sibling_sealed_at_snapshot
+        "prompt_group",
+        servers,
+        tmp_path,
+        FIRST_SIBLING,
+        some_sibling_sealed,
+        sibling_sealed_at_snapshot,
     )
     assert_same_tokens_once(evidence, reference)
     assert not resumed_rollouts(plan, ledger)
@@ -325,7 +340,8 @@ def test_a_failed_environment_restore_restarts_those_rollouts_from_scratch(
         "prefix",
         servers,
         tmp_path,
-        calls_generating,
+        EVERY_CALL,
+        calls_held,
         lambda results, _: results[Phase.COMMIT_ENVS].counts["committed_episodes"] > 0,
         busy_during_restore="w0",
     )

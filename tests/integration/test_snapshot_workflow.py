@@ -3,20 +3,21 @@ this process (the Ray actor and killed-worker tests live in test_checkpoint_cras
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 
+from rollsafe.core.ids import restore_workflow_id, supervisor_id
 from rollsafe.core.phases import PHASES, Phase, RestoreRequest
 from rollsafe.core.run_state import RunState
 from rollsafe.dataplane import make_dataplane
 from rollsafe.evidence.scenario import row_content
-from rollsafe.faults import arm, disarm_all
-from rollsafe.workflows.restore import RestoreRun, restore_workflow_id
+from rollsafe.faults import arm
+from rollsafe.testing.waiting import eventually_async, holding
+from rollsafe.workflows.models import SupervisorStatus
+from rollsafe.workflows.restore import RestoreRun
 from rollsafe.workflows.snapshot import RolloutSnapshot
-from rollsafe.workflows.supervisor import SnapshotSupervisor, supervisor_id
+from rollsafe.workflows.supervisor import SnapshotSupervisor
 
 
 async def test_a_snapshot_runs_the_ten_phases_once_and_publishes(harness) -> None:
@@ -54,25 +55,24 @@ async def test_a_persistent_failure_fails_the_snapshot_and_reopens_admission(
 
 
 async def test_abort_before_capture_skips_and_after_is_too_late(harness) -> None:
-    arm("phase.drain.before", "sleep:2")
     async with harness.worker():
-        handle = await harness.start_snapshot(1)
-        while (await handle.query(RolloutSnapshot.status)).phase != Phase.DRAIN:
-            await asyncio.sleep(0.05)
-        answer = await handle.execute_update(RolloutSnapshot.abort, "trainer step 7")
-        assert "drain" in answer
+        with holding("phase.drain.before") as drain:
+            handle = await harness.start_snapshot(1)
+            await drain.reached_async()  # the snapshot stands in drain until released
+            assert (await handle.query(RolloutSnapshot.status)).phase == Phase.DRAIN
+            answer = await handle.execute_update(RolloutSnapshot.abort, "trainer step 7")
+            assert "drain" in answer
         outcome = await handle.result()
         assert outcome.status == "skipped" and "trainer step 7" in outcome.reason
         assert harness.store.list() == [] and harness.ops.status().gate_open
 
-        disarm_all()
-        arm("phase.publish.before", "sleep:2")
-        handle = await harness.start_snapshot(2)
-        while (await handle.query(RolloutSnapshot.status)).phase != Phase.PUBLISH:
-            await asyncio.sleep(0.05)
-        with pytest.raises(WorkflowUpdateFailedError) as late:
-            await handle.execute_update(RolloutSnapshot.abort, "trainer step 8")
-        assert "too late" in str(late.value.cause)
+        with holding("phase.publish.before") as publish:
+            handle = await harness.start_snapshot(2)
+            await publish.reached_async()
+            assert (await handle.query(RolloutSnapshot.status)).phase == Phase.PUBLISH
+            with pytest.raises(WorkflowUpdateFailedError) as late:
+                await handle.execute_update(RolloutSnapshot.abort, "trainer step 8")
+            assert "too late" in str(late.value.cause)
         assert (await handle.result()).status == "published"
 
 
@@ -154,13 +154,12 @@ async def test_periodic_snapshots_continue_as_new_carrying_their_state(harness) 
     async with harness.worker():
         handle = await harness.start_supervisor(interval_s=0.2, snapshots_per_run=2)
         first_run = handle.first_execution_run_id or handle.result_run_id
-        deadline = asyncio.get_running_loop().time() + 30
-        while True:  # periodic snapshots, no requests
+
+        async def three_published() -> SupervisorStatus | None:  # periodic, no requests
             status = await handle.query(SnapshotSupervisor.status)
-            if status.state.published >= 3:
-                break
-            assert asyncio.get_running_loop().time() < deadline, status
-            await asyncio.sleep(0.1)
+            return status if status.state.published >= 3 else None
+
+        status = await eventually_async(three_published, what="three periodic snapshots")
         latest = await harness.client.get_workflow_handle(supervisor_id(harness.run_id)).describe()
         await handle.signal(SnapshotSupervisor.stop)
     assert latest.run_id != first_run  # continued as new after 2 snapshots
@@ -204,13 +203,13 @@ async def test_without_participants_the_bookkeeping_phases_run_as_local_activiti
 
 
 async def test_a_cancelled_snapshot_still_resumes_and_discards_its_draft(harness) -> None:
-    arm("phase.drain.before", "sleep:2")
     async with harness.worker():
-        handle = await harness.start_snapshot(1)
-        while await harness.snapshot_phase(1) != Phase.DRAIN:
-            await asyncio.sleep(0.05)
-        assert not harness.ops.status().gate_open  # parked: admission closed
-        await handle.cancel()
+        with holding("phase.drain.before") as drain:
+            handle = await harness.start_snapshot(1)
+            await drain.reached_async()
+            assert await harness.snapshot_phase(1) == Phase.DRAIN
+            assert not harness.ops.status().gate_open  # parked: admission closed
+            await handle.cancel()
         with pytest.raises(WorkflowFailureError) as cancelled:
             await handle.result()
     assert "cancel" in repr(cancelled.value.cause).lower()

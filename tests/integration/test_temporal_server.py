@@ -123,7 +123,7 @@ def _pid_gone(pid: int) -> bool:
 
 async def _shutdown_pause() -> None:
     # sdk-python #300: a process that ran a Worker can abort at interpreter exit unless the
-    # worker's threads get a moment after shutdown (PLATFORM.md).
+    # worker's threads get a moment after shutdown (docs/platform.md).
     await asyncio.sleep(0.1)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from rollsafe.core.ids import restore_workflow_id
 from rollsafe.core.phases import RestoreRequest
 from rollsafe.faults import arm, disarm_all
 from rollsafe.observability.timeline import (
@@ -15,7 +16,7 @@ from rollsafe.observability.timeline import (
     restore_spans,
     snapshot_spans,
 )
-from rollsafe.workflows.restore import RestoreRun, restore_workflow_id
+from rollsafe.workflows.restore import RestoreRun
 
 
 async def _listed(read, count: int, timeout_s: float = 10.0) -> list[Span]:

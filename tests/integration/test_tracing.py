@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from rollsafe.core.ids import checkpoint_id_for
+
 SCRIPT = textwrap.dedent(
     """
     import asyncio, json, sys
@@ -48,7 +50,7 @@ SCRIPT = textwrap.dedent(
                 outcome = await client.execute_workflow(
                     RolloutSnapshot.run,
                     SnapshotInput(spec=SnapshotSpec(run_id="traced", seq=1)),
-                    id="rollsafe/traced/snapshot/1",
+                    id=snapshot_workflow_id("traced", 1),
                     task_queue=task_queue_for("traced"),
                 )
             await asyncio.sleep(0.2)
@@ -99,7 +101,7 @@ def test_a_snapshot_is_traced_per_workflow_activity_and_phase(tmp_path: Path) ->
     }
     assert phase_spans["rollsafe.phase.capture"] == {
         "rollsafe.run_id": "traced",
-        "rollsafe.checkpoint_id": "traced.rollout.00000001",
+        "rollsafe.checkpoint_id": checkpoint_id_for("traced", 1, "rollout"),
         "rollsafe.seq": 1,
         "rollsafe.phase": "capture",
     }

@@ -1,4 +1,4 @@
-"""The checkpoint worker's health endpoint (issue 8): a real ``rollsafe worker`` process against
+"""The checkpoint worker's health endpoint: a real ``rollsafe worker`` process against
 the session's Temporal dev server and Ray, the run's controller as its named actor.
 
 ``/healthz`` answers 200 while the worker polls; on SIGTERM it answers 503 while the worker
@@ -27,13 +27,13 @@ from temporalio.common import WorkflowIDConflictPolicy
 
 from rollsafe.checkpoint.actor import start_controller_actor
 from rollsafe.core.config import RunConfig
+from rollsafe.core.ids import snapshot_workflow_id, task_queue_for
 from rollsafe.core.phases import PHASES, Phase, SnapshotSpec
 from rollsafe.faults import ENV_VAR
 from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
 from rollsafe.workflows.models import PhaseOptions, SnapshotInput, SnapshotOutcome
 from rollsafe.workflows.snapshot import RolloutSnapshot
-from rollsafe.workflows.supervisor import task_queue_for
 
 ray = pytest.importorskip("ray")
 
@@ -122,8 +122,8 @@ class WorkerProcess:
 
 
 @pytest.fixture
-def run_id() -> Iterator[str]:
-    yield f"health-{uuid.uuid4().hex[:8]}"
+def run_id() -> str:
+    return f"health-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture
@@ -237,7 +237,7 @@ async def test_healthz_serves_while_polling_and_turns_503_while_a_sigterm_drains
         handle = await client.start_workflow(
             RolloutSnapshot.run,
             SnapshotInput(spec=SnapshotSpec(run_id=run_id, seq=1), options=OPTIONS),
-            id=f"rollsafe/{run_id}/snapshot/1",
+            id=snapshot_workflow_id(run_id, 1),
             task_queue=task_queue_for(run_id),
             id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
         )

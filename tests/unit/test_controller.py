@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from rollsafe.core.config import RunConfig
+from rollsafe.core.ids import snapshot_dir_name
 from rollsafe.core.run_state import ROLLOUT_PARTITION, RunState
 from rollsafe.core.states import AttemptState, GroupState
 from rollsafe.dataplane import make_dataplane
@@ -80,7 +81,9 @@ def test_restore_falls_back_to_the_newest_snapshot_that_verifies(tmp_path):
     run.checkpoint(store, "ck-1")
     commit(run, 2, 1)
     newest = run.checkpoint(store, "ck-2")
-    shard = next((store.snapshots_dir / f"{newest.seq:08d}-rollout").rglob("*.safetensors"))
+    shard = next(
+        (store.snapshots_dir / snapshot_dir_name(newest.seq, "rollout")).rglob("*.safetensors")
+    )
     shard.write_bytes(shard.read_bytes()[:-1])  # truncated
     _, plan = restore(store)
     assert plan.checkpoint_id == "ck-1"
@@ -104,7 +107,7 @@ def test_restore_refuses_a_different_topology(tmp_path, field, value):
 def test_a_row_that_verifies_but_differs_is_named(tmp_path, resign, flip_a_token, snapshot_tree):
     store = SnapshotStore(tmp_path, RUN)
     manifest = busy_run().checkpoint(store, "ck-1")
-    snapshot = store.snapshots_dir / f"{manifest.seq:08d}-rollout"
+    snapshot = store.snapshots_dir / snapshot_dir_name(manifest.seq, "rollout")
     shard = next(p for p in snapshot.rglob("*.safetensors") if "dataplane" in str(p))
     relpath = str(shard.relative_to(snapshot))
 

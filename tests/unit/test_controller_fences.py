@@ -1,5 +1,5 @@
 """The controller's two fences (rollsafe.checkpoint.controller): a fresh controller of a run
-that has published snapshots awaits its restore (DESIGN.md invariant 8), and admission closed
+that has published snapshots awaits its restore (docs/design.md invariant 8), and admission closed
 past its lease reopens by itself and abandons its snapshot (invariant 6). A fake clock moves
 the lease; nothing sleeps."""
 

@@ -1,12 +1,14 @@
 """Controller: the ten phases, idempotent per (checkpoint, phase), on a real controller,
 memory data plane and snapshot store."""
 
+import re
 import threading
 
 import pytest
 
 from rollsafe.checkpoint.controller import ABORT, Controller
 from rollsafe.core.config import RunConfig
+from rollsafe.core.ids import checkpoint_id_for
 from rollsafe.core.phases import PHASES, Phase, PhaseRequest, SnapshotSpec
 from rollsafe.core.run_state import ROLLOUT_PARTITION, RunState
 from rollsafe.core.states import AttemptState
@@ -86,7 +88,9 @@ def test_ten_phases_publish_a_snapshot_the_controller_restores(ops):
     capture, publish = results[PHASES.index(Phase.CAPTURE)], results[-1]
     assert capture.counts == EXPECTED_COUNTS
     info = publish.published
-    assert info is not None and info.checkpoint_id == SPEC.checkpoint_id == "ops.rollout.00000001"
+    assert info is not None and info.checkpoint_id == SPEC.checkpoint_id == checkpoint_id_for(
+        "ops", 1, "rollout"
+    )
     assert (info.name, info.weight_version, info.loader_position) == ("00000001-rollout", 1, 5)
     assert info.counts == EXPECTED_COUNTS
     status = ops.status()
@@ -252,7 +256,12 @@ def test_publish_retried_after_the_rename(ops):
 
 def test_a_second_checkpoint_cannot_open_while_one_is_open(ops):
     run(ops, Phase.OPEN)
-    with pytest.raises(CheckpointRefused, match=r"ops.rollout.00000002.*ops.rollout.00000001"):
+    with pytest.raises(
+        CheckpointRefused,
+        match=re.escape(checkpoint_id_for("ops", 2, "rollout"))
+        + ".*"
+        + re.escape(SPEC.checkpoint_id),
+    ):
         run(ops, Phase.OPEN, SnapshotSpec(run_id=RUN, seq=2))
     assert ops.status().open_checkpoint == SPEC.checkpoint_id
 

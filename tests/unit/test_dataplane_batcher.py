@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from rollsafe.dataplane.batcher import BatcherStats, ReadBatcher
 from rollsafe.dataplane.memory import MemoryDataPlane
 from rollsafe.errors import DataPlaneKeyMissing, DataPlaneUnavailable, InvalidInput
+from rollsafe.testing.waiting import eventually_async
 
 PART = "prefixes"
 WINDOW = 0.005  # short, so every test runs in milliseconds
@@ -134,7 +135,8 @@ async def test_reads_further_apart_than_the_window_are_separate_batches() -> Non
     plane = CountingPlane(3)
     batcher = ReadBatcher(plane, PART, window_s=WINDOW)
     first = asyncio.create_task(batcher.read(key(0)))
-    await asyncio.sleep(4 * WINDOW)
+    # The first window closed (its batch went to the plane) before the next reads are made.
+    await eventually_async(lambda: plane.calls, what="the first window's read")
     rest = await read_all(batcher, [key(1), key(2)])
     assert_row(await first, 0)
     assert_row(rest[0], 1)

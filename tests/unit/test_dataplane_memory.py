@@ -111,9 +111,9 @@ def test_put_copies_and_get_returns_read_only_views():
     row = plane.get("p", ["k"])["k"]
     assert row["tokens"].tolist() == [0, 1, 2, 3, 4, 5]
     assert row["strided"].tolist() == [[0, 2], [4, 6], [8, 10]]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="assignment destination is read-only"):
         row["tokens"][0] = 99
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="cannot set WRITEABLE flag to True"):
         row["tokens"].setflags(write=True)
     row["extra"] = np.zeros(1)  # the returned dict is the caller's own
     assert sorted(plane.get("p", ["k"])["k"]) == ["strided", "tokens"]
@@ -250,7 +250,7 @@ def test_round_trip_is_exact(tmp_path: Path):
     assert_same_rows(other.get("rollouts", other.list("rollouts")), rows)
     assert_same_rows(other.get("prefixes", other.list("prefixes")), prefixes)
     # imported rows follow the same copy rule as put ones
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="assignment destination is read-only"):
         other.get("rollouts", ["plain"])["plain"]["tokens"][0] = 1
 
 

@@ -100,6 +100,12 @@ async def collect(stream: AsyncIterator[StreamEvent]) -> list[StreamEvent]:
     return [event async for event in stream]
 
 
+async def collect_into(stream: AsyncIterator[StreamEvent], got: list[StreamEvent]) -> None:
+    """Append each event to ``got`` as it comes, so a caller sees what arrived before a raise."""
+    async for event in stream:
+        got.append(event)
+
+
 FINISH = FinishEvent(call_id="c1", reason="length", n_tokens=2)
 
 
@@ -159,8 +165,7 @@ async def test_an_error_after_the_stream_started_is_a_final_line() -> None:
     got: list[StreamEvent] = []
     async with client_for(engine) as client:
         with pytest.raises(EngineUnavailable, match="gone"):
-            async for event in client.generate(REQUEST):
-                got.append(event)
+            await collect_into(client.generate(REQUEST), got)
     assert got == [token(0), token(1)]
 
 

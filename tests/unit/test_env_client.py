@@ -44,6 +44,7 @@ from rollsafe.errors import (
     OwnershipMismatch,
     SchemaMismatch,
 )
+from rollsafe.testing.waiting import eventually_async
 
 TOKEN = "run-token"
 Fault = Callable[[httpx.Request], Awaitable[httpx.Response | None]]
@@ -459,10 +460,13 @@ async def test_open_renews_in_the_background_and_resumes_on_exit() -> None:
     async with fleet_of(a, b) as fleet:
         async with fleet.open("ck-1", deadline, renew_every_s=0.02) as prepared:
             assert prepared.checkpoint_id == "ck-1"
-            await asyncio.sleep(0.2)
+            await eventually_async(
+                lambda: len(a.bodies("renew")) >= 3 and len(b.bodies("renew")) >= 3,
+                what="three renewals on each instance while the block runs",
+            )
             assert not a.bodies("resume")
         renewed = len(a.bodies("renew"))
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # not a wait for something: a window in which none may come
     assert renewed >= 3 and len(b.bodies("renew")) >= 3
     assert len(a.bodies("renew")) == renewed  # the renewals stopped with the block
     assert all(body["deadline_ts"] > deadline - 0.5 for body in a.bodies("renew"))
@@ -474,13 +478,20 @@ async def test_open_resumes_all_when_the_body_raises_and_keeps_its_error() -> No
     a.faults["resume"] = refuse(503, "EnvUnavailable", "down")
     b.faults["renew"] = refuse(409, "wrong_phase", "lease ran out")
     boom = RuntimeError("capture failed")
+
+    async def capture_fails(fleet: EnvFleet) -> None:
+        async with fleet.open("ck-1", soon(), renew_every_s=0.02):
+            # A second renewal on env-a means the first round ended, env-b's refusal noted.
+            await eventually_async(
+                lambda: len(a.bodies("renew")) >= 2, what="a second round of renewals"
+            )
+            raise boom
+
     async with fleet_of(a, b) as fleet:
         with pytest.raises(RuntimeError) as info:
-            async with fleet.open("ck-1", soon(), renew_every_s=0.02):
-                await asyncio.sleep(0.07)
-                raise boom
+            await capture_fails(fleet)
         renewed = len(a.bodies("renew"))
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # not a wait for something: a window in which none may come
     assert info.value is boom
     assert any("resume on env-a failed" in note for note in boom.__notes__)
     assert any("renewal on env-b failed" in note for note in boom.__notes__)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from rollsafe.env.protocol import (
     RunEpisode,
 )
 from rollsafe.errors import EngineUnavailable, InvalidInput, ParticipantRefused, SnapshotCorrupt
+from rollsafe.testing.waiting import eventually_async
 
 A, B, C = (EpisodeRef(rollout_id=f"run-{i}_g0", attempt=0) for i in range(3))
 TURNS = 3
@@ -45,6 +45,7 @@ class Toy(EnvironmentHooks):
         self.drops: list[str] = []
         self.sessions: dict[str, EpisodeSession] = {}
         self.fail_first: set[str] = set()  # these episodes' next run fails (engine down)
+        self.went_on: list[tuple[str, str]] = []  # (episode key, where): held, then released
 
     def hold(self, ep: EpisodeRef, where: str) -> None:
         """The episode's next pass through ``where`` waits for :meth:`release`."""
@@ -58,6 +59,7 @@ class Toy(EnvironmentHooks):
         held = self.holds.get(key)
         if held is not None and held[0] == where:
             await held[1].wait()
+            self.went_on.append((key, where))
 
     async def run_episode(self, run: RunEpisode, session: EpisodeSession) -> EpisodeResult:
         key = run.episode.key
@@ -95,13 +97,6 @@ class Toy(EnvironmentHooks):
         self.state.pop(episode.key, None)
 
 
-async def until(predicate: Callable[[], bool], timeout: float = 2.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.002)
-
-
 def soon(seconds: float = 2.0) -> float:
     return time.time() + seconds
 
@@ -135,7 +130,9 @@ async def park(part: Participant, toy: Toy, ep: EpisodeRef) -> asyncio.Task[Epis
     """Run ``ep`` until it is held between turns, one turn done; its run (the endpoint's)."""
     toy.hold(ep, "running")
     run = start(part, ep)
-    await until(lambda: toy.state.get(ep.key, {}).get("turn") == 1)
+    await eventually_async(
+        lambda: toy.state.get(ep.key, {}).get("turn") == 1, what=f"{ep.key} done its first turn"
+    )
     return run
 
 
@@ -240,7 +237,8 @@ async def test_prepare_parks_and_reports(toy: Toy) -> None:
     start(part, B)
     await park(part, toy, C)
     prepare = asyncio.ensure_future(part.prepare(prep("ck1")))
-    await asyncio.sleep(0.01)
+    # Once ck1 is open, prepare is waiting for the episodes (it never gives way before).
+    await eventually_async(lambda: part.status().phase == "prepared", what="prepare opened ck1")
     assert not prepare.done()  # C is between turns: neither parked nor in a tool
     toy.release(C)
     reply = await prepare
@@ -264,6 +262,7 @@ async def test_parked_episode_waits_for_resume(part: Participant, toy: Toy) -> N
     prepare = asyncio.ensure_future(part.prepare(prep("ck1")))
     toy.release(A)
     assert (await prepare).ready
+    # Nothing to wait for: a window in which A, held by the park alone, must not move on.
     await asyncio.sleep(0.02)
     assert toy.state[A.key]["turn"] == 1 and not run.done()
     await part.resume(ResumeRequest(checkpoint_id="ck1"))
@@ -303,7 +302,7 @@ async def test_commit_refuses_scope_not_parked(toy: Toy, tmp_path: Path) -> None
     part = Participant("toy-0", toy, tool_wait_s=0.05)
     toy.hold(B, "tool")
     start(part, B)
-    await until(lambda: B.key in toy.sessions)
+    await eventually_async(lambda: B.key in toy.sessions, what="B started")
     reply = await part.prepare(prep("ck1"))
     assert reply.restarts == (B,)
     for scope in ((B,), (C,)):
@@ -320,11 +319,14 @@ async def test_a_model_response_arriving_while_parked_is_held_until_resume(
     the commit still exports the state prepare reported."""
     toy.hold(A, "generating")
     run = start(part, A)
-    await until(lambda: A.key in toy.sessions)
+    await eventually_async(lambda: A.key in toy.sessions, what="A started")
     reply = await part.prepare(prep("ck1"))
     assert reply.parked[0].activity == "generating"
     toy.release(A)  # the model call returned after all
-    await asyncio.sleep(0.01)
+    # The response reached the episode; unparked, the same step would run on into turn 1.
+    await eventually_async(
+        lambda: (A.key, "generating") in toy.went_on, what="A's model response came back"
+    )
     assert toy.state[A.key]["turn"] == 0, "the episode went on into its tool call while parked"
     commit = CommitRequest(checkpoint_id="ck1", scope=(A,), dest=str(tmp_path))
     assert (await part.commit(commit)).committed == (A,)
@@ -515,7 +517,7 @@ async def _committed_generating(tmp_path: Path) -> tuple[Path, str]:
     part = Participant("toy-old", toy, tool_wait_s=0.05)
     toy.hold(A, "generating")
     start(part, A)
-    await until(lambda: A.key in toy.sessions)
+    await eventually_async(lambda: A.key in toy.sessions, what="A started")
     (parked,) = (await part.prepare(prep("ck1"))).parked
     assert parked.activity == "generating" and parked.model_call_id is not None
     dest = tmp_path / "ck1"

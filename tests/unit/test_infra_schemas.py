@@ -1,4 +1,4 @@
-"""The deployment files under infra/ checked offline against their schemas (issue 8).
+"""The deployment files under infra/ checked offline against their schemas.
 
 - Kubernetes manifests: the Kubernetes JSON schemas bundled in ``kubernetes-validate``, in
   strict mode (unknown fields refused), for the oldest and newest Kubernetes version we claim.

@@ -38,6 +38,7 @@ from hypothesis.stateful import (
 )
 
 from rollsafe.core.config import RunConfig
+from rollsafe.core.ids import snapshot_dir_name
 from rollsafe.core.phases import RestorePlan
 from rollsafe.core.run_state import RunState
 from rollsafe.core.states import AttemptState, GroupState
@@ -70,7 +71,7 @@ _ATTEMPT_STATES = {
 
 
 def row_key(idx: int, i: int) -> str:
-    # DESIGN.md section 2: rollout_id = f"{group_id}_g{i}", group_id = f"{run_id}-{idx}".
+    # docs/design.md section 2: rollout_id = f"{group_id}_g{i}", group_id = f"{run_id}-{idx}".
     return f"{RUN_ID}-{idx}_g{i}"
 
 
@@ -150,7 +151,7 @@ class ExpectedRestore:
 
 
 def expected_restore(at_snapshot: RunModel) -> ExpectedRestore:
-    """The ledger's restart rules (DESIGN.md sections 2 and 6), written from the design."""
+    """The ledger's restart rules (docs/design.md sections 2 and 6), written from the design."""
     model = copy.deepcopy(at_snapshot)
     released = model.in_states(GroupState.CLAIMED)
     for idx in released:
@@ -419,7 +420,7 @@ class RunMachine(RuleBasedStateMachine):
             self.model.loader_position,
             self.model.weight_version,
         )
-        name = f"{manifest.seq:08d}-{manifest.kind.value}"
+        name = snapshot_dir_name(manifest.seq, manifest.kind)
         self.snapshots.append(ModelSnapshot(name, checkpoint_id, copy.deepcopy(self.model)))
         # Retention keeps the newest KEEP_LATEST published snapshots (damaged ones count,
         # since their manifests still read back).

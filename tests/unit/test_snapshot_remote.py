@@ -23,6 +23,7 @@ fsspec = pytest.importorskip("fsspec")
 
 from rollsafe.checkpoint.controller import Controller  # noqa: E402
 from rollsafe.core.config import RunConfig  # noqa: E402
+from rollsafe.core.ids import checkpoint_id_for  # noqa: E402
 from rollsafe.core.phases import PHASES, Phase, PhaseRequest, RestoreRequest, SnapshotSpec  # noqa: E402
 from rollsafe.core.run_state import RunState  # noqa: E402
 from rollsafe.core.states import AttemptState  # noqa: E402
@@ -499,7 +500,11 @@ def test_a_retried_publish_finding_only_an_unfinished_upload_is_lost_not_corrupt
             raise Crash(at)
 
     with pytest.raises(Crash):
-        publish(store_at(url, tmp_path / "w1", fault_hook=crash), f"{RUN}.rollout.00000002", 2)
+        publish(
+            store_at(url, tmp_path / "w1", fault_hook=crash),
+            checkpoint_id_for(RUN, 2, "rollout"),
+            2,
+        )
     config = RunConfig(run_id=RUN, group_size=2, groups_per_step=2)
     fresh = Controller(config, url, snapshot_cache=tmp_path / "host-b")
     spec = SnapshotSpec(run_id=RUN, seq=2)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rollsafe.core.ids import checkpoint_id_for, snapshot_dir_name
 from rollsafe.errors import NoValidSnapshot
 from rollsafe.snapshot import EntryState, SnapshotKind, SnapshotStore, accept_weight_versions
 from rollsafe.snapshot.retention import plan_retention
@@ -19,7 +20,7 @@ RUN = "retained"
 
 
 def names(*seqs: int) -> list[tuple[int, str]]:
-    return [(seq, f"{seq:08d}-rollout") for seq in seqs]
+    return [(seq, snapshot_dir_name(seq, "rollout")) for seq in seqs]
 
 
 def test_without_anchors_the_newest_k_are_kept():
@@ -35,8 +36,8 @@ def test_the_newest_snapshot_at_each_anchor_is_kept_however_old():
     version = {1: 3, 2: 3, 3: 4, 4: 5, 5: 6, 6: 7, 7: 8}
     read = {name: version[seq] for seq, name in names(*version)}.get
     plan = plan_retention(names(*version), read, keep_latest_k=2, anchors=[3, 6, 99])
-    assert sorted(plan.keep) == [f"{seq:08d}-rollout" for seq in (2, 5, 6, 7)]
-    assert set(plan.delete) == {f"{seq:08d}-rollout" for seq in (1, 3, 4)}
+    assert sorted(plan.keep) == [snapshot_dir_name(seq, "rollout") for seq in (2, 5, 6, 7)]
+    assert set(plan.delete) == {snapshot_dir_name(seq, "rollout") for seq in (1, 3, 4)}
     assert plan.cut == 6  # anchor 99 has no snapshot: nothing is kept for it
 
 
@@ -63,7 +64,7 @@ def test_manifests_are_read_only_while_they_can_change_the_answer():
     assert reads == ["00000010-rollout", "00000009-rollout"]
     reads.clear()
     plan_retention(names(*range(1, 11)), read, keep_latest_k=2, anchors=[7])
-    assert reads == [f"{seq:08d}-rollout" for seq in (10, 9, 8, 7)]
+    assert reads == [snapshot_dir_name(seq, "rollout") for seq in (10, 9, 8, 7)]
 
 
 # ---- on the stores: anchors every 3 steps, a snapshot every step -----------------------------
@@ -92,7 +93,7 @@ def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[objec
 
 
 def publish_at(store: SnapshotStore, seq: int, weight_version: int, anchors: set[int]) -> None:
-    draft = store.begin(SnapshotKind.ROLLOUT, f"{RUN}.rollout.{seq:08d}", seq)
+    draft = store.begin(SnapshotKind.ROLLOUT, checkpoint_id_for(RUN, seq, "rollout"), seq)
     draft.write_bytes("state.bin", f"{seq}".encode())
     draft.publish(weight_version=weight_version, loader_position=seq, anchors=anchors)
 
@@ -119,7 +120,7 @@ def test_an_anchored_restore_always_finds_its_snapshot(make_store):
     assert held == {9, 12}
     kept = sorted(entry.name for entry in store.list() if entry.state == EntryState.VALID)
     # the newest two, and the newest at each held anchor; the released anchors' are gone
-    assert kept == [f"{seq:08d}-rollout" for seq in (9, 12, 13, 14)]
+    assert kept == [snapshot_dir_name(seq, "rollout") for seq in (9, 12, 13, 14)]
 
 
 def test_without_anchors_periodic_snapshots_push_the_anchored_one_out(make_store):

@@ -14,12 +14,14 @@ import pytest
 
 import rollsafe.snapshot
 import rollsafe.snapshot.draft as draft_module
+from rollsafe.core.ids import snapshot_dir_name
 from rollsafe.errors import InvalidInput, NoValidSnapshot, SnapshotCorrupt
 from rollsafe.snapshot import (
     FAULT_POINTS,
     MANIFEST_NAME,
     FileEntry,
     PublishedSnapshot,
+    SnapshotDraft,
     SnapshotKind,
     SnapshotManifest,
     SnapshotStore,
@@ -111,12 +113,18 @@ def test_open_streams_through_a_hashing_writer(tmp_path: Path) -> None:
     np.testing.assert_array_equal(loaded["tokens"], arrays["tokens"])
 
 
+def write_half_then_die(draft: SnapshotDraft) -> None:
+    """A writer that dies after writing part of ``half.bin``."""
+    with draft.open("half.bin") as out:
+        out.write(b"partial")
+        raise RuntimeError("writer died")
+
+
 def test_a_failed_write_leaves_no_partial_file(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path, RUN)
     draft = store.begin("rollout", "ck-1")
-    with pytest.raises(RuntimeError), draft.open("half.bin") as out:
-        out.write(b"partial")
-        raise RuntimeError("writer died")
+    with pytest.raises(RuntimeError, match="writer died"):
+        write_half_then_die(draft)
     assert not (draft.path / "half.bin").exists()
     assert "half.bin" not in draft.files
     draft.write_bytes("half.bin", b"whole")  # the path is free again
@@ -307,12 +315,14 @@ def test_retention_keeps_the_newest_k(tmp_path: Path, keep: int) -> None:
     store = SnapshotStore(tmp_path, RUN, keep_latest_k=keep)
     for n in range(1, 6):
         publish(store, f"ck-{n}")
-    kept = [f"{n:08d}-rollout" for n in range(6 - keep, 6)]
+    kept = [snapshot_dir_name(n, "rollout") for n in range(6 - keep, 6)]
     assert entries(store) == kept
     assert store.select().name == "00000005-rollout"
     # Only the snapshot retired by the last publish waits in trash; the next begin sweeps it.
     trash = [p.name for p in store.snapshots_dir.iterdir() if is_retired(p.name)]
-    assert [name.rsplit("-", 1)[0] for name in trash] == [f".trash-{5 - keep:08d}-rollout"]
+    assert [name.rsplit("-", 1)[0] for name in trash] == [
+        ".trash-" + snapshot_dir_name(5 - keep, "rollout")
+    ]
     store.begin(SnapshotKind.ROLLOUT, "ck-6").discard()
     assert sorted(p.name for p in store.snapshots_dir.iterdir()) == kept
 
@@ -377,11 +387,17 @@ def test_discard_removes_the_draft_and_later_calls_are_refused(tmp_path: Path) -
         draft.publish(weight_version=0, loader_position=0)
 
 
-def test_context_manager_discards_on_error_and_keeps_published(tmp_path: Path) -> None:
-    store = SnapshotStore(tmp_path, RUN)
-    with pytest.raises(RuntimeError), store.begin("rollout", "ck-1") as draft:
+def capture_then_fail(store: SnapshotStore) -> None:
+    """A capture that writes a file into its draft, then fails inside the draft's block."""
+    with store.begin("rollout", "ck-1") as draft:
         draft.write_bytes("a.bin", b"a")
         raise RuntimeError("capture failed")
+
+
+def test_context_manager_discards_on_error_and_keeps_published(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path, RUN)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        capture_then_fail(store)
     assert entries(store) == []
     with store.begin("rollout", "ck-2") as draft:
         draft.write_bytes("a.bin", b"a")

@@ -1,4 +1,4 @@
-"""Workflow code imports only the stdlib, temporalio and models (PLATFORM.md, Temporal).
+"""Workflow code imports only the stdlib, temporalio and models (docs/platform.md, Temporal).
 
 The workflow sandbox re-imports a workflow's module, and every module it imports that is not
 passed through, for every run and every replay; torch, numpy and ray fail its validation

@@ -39,12 +39,12 @@ from typing import Any, Literal
 
 import torch
 
-from rollsafe.engine.loop import CallState, EngineLoop, Sink
+from rollsafe.engine.loop import HOLD_ENV, CallState, EngineLoop, Sink
 from rollsafe.engine.protocol import GenerateRequest, PrefixRecord, Route
 from rollsafe.errors import EngineUnavailable, InvalidInput
 
 Dtype = Literal["float32", "bfloat16"]
-# vLLM's defaults for a machine like this one (../shared/PLATFORM.md): in-process engine (a
+# vLLM's defaults for a machine like this one (docs/platform.md): in-process engine (a
 # third of the start-up time, identical outputs) and 1 GiB of CPU KV cache (without it vLLM
 # reserves 10 GiB and starts three times slower). An environment that sets them wins.
 VLLM_ENV = {
@@ -91,6 +91,8 @@ class VllmEngine(EngineLoop[VllmCall]):
         engine_args: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__("rollsafe-vllm")
+        if self._hold is not None:  # vLLM's scheduler steps every call it holds
+            raise InvalidInput(f"{HOLD_ENV} holds calls of the reference engine only")
         self.model_dir = Path(model)
         config_file = self.model_dir / "config.json"
         if not config_file.is_file():

@@ -4,7 +4,7 @@ uninterrupted call drew.
 
 vLLM's own sampler cannot do this: ``SamplingParams.seed`` seeds one generator per request
 that advances a step at a time, and nothing can advance a fresh one to token ``n``
-(``../shared/PLATFORM.md``). So each rollsafe call reaches vLLM as a *greedy* request with
+(``docs/platform.md``). So each rollsafe call reaches vLLM as a *greedy* request with
 this processor attached (``extra_args["rollsafe"]``). The processor samples the row itself
 with :func:`rollsafe.engine.sampling.sample_rows` (temperature, top-p, the allowed set: the
 reference engine's definition, bit for bit) and leaves one finite logit, the sampled token's
