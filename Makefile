@@ -28,14 +28,15 @@ $(STAMP): pyproject.toml Makefile
 
 # Two stages, both in CI (.ci/run): the unit stage (no servers, ~2 minutes, with coverage of
 # rollsafe reported) fails fast on a broken core; the integration stage runs the real Temporal
-# server, Ray, TransferQueue, vLLM, the multi-node cluster and the demo.
+# server, Ray, TransferQueue, vLLM, the multi-node cluster and the demo. The cluster drill goes
+# first: it starts its own Ray cluster, which it cannot once this process joined another.
 test: test-unit test-integration
 
 test-unit: setup
 	$(BIN)/python -m pytest -q --cov=rollsafe --cov-report=term:skip-covered tests/unit
 
 test-integration: setup
-	$(BIN)/python -m pytest -q tests/integration tests/cluster
+	$(BIN)/python -m pytest -q tests/cluster tests/integration
 
 # A Ray cluster of four `ray start` nodes on this machine (the data plane on a node of its own):
 # the node holding a checkpoint worker is killed mid-snapshot, the snapshot publishes, the run

@@ -1,6 +1,5 @@
-"""The controller as a Ray actor, named per run (docs/design.md section 4): the checkpoint phases of
-:class:`~rollsafe.checkpoint.controller.Controller` plus the run's own operations, each of which
-takes the capture barrier.
+"""The controller actor: :class:`~rollsafe.checkpoint.controller.Controller` as a Ray actor
+named per run (docs/design.md section 4), started or found by the run's id.
 
 Ray is imported only when an actor is started or looked up, so the run's pure code and the
 unit tests never pay for it.

@@ -1,5 +1,7 @@
-"""The controller's side of a rollout snapshot: the ten phases of docs/design.md section 5, each
-idempotent per ``(checkpoint_id, phase)``, behind one entry point.
+"""The controller (docs/design.md section 4): one run's state, snapshot store, admission gate
+and participants; the ten phases of a rollout snapshot (section 5), each idempotent per
+``(checkpoint_id, phase)`` behind one entry point; the restore; and the run's own operations
+(hand out, dispatch, seal, claim, commit, evict), each behind the same barrier.
 
 Temporal runs an activity at least once, and a timed-out attempt can still be running beside
 its retry. So every phase stores its first result and a repeated call returns it with
@@ -22,7 +24,8 @@ Two fences keep a snapshot from doing harm when its surroundings died:
   out, admission has reopened by itself and the checkpoint is abandoned: its draft is
   discarded and every later phase but ``resume`` refuses with ``AdmissionLeaseExpired``.
 
-Plain Python, no Ray: :mod:`rollsafe.checkpoint.actor` wraps this class in a one-line actor.
+Plain Python, no Ray: :mod:`rollsafe.checkpoint.actor` runs this class as the run's named
+Ray actor.
 """
 
 from __future__ import annotations

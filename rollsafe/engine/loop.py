@@ -17,9 +17,9 @@ that walks away from a stream frees its call.
 
 Tests and drills can have the reference engine *hold* calls (:class:`HoldRule`, from
 ``ROLLSAFE_ENGINE_HOLD``): a held call stops after its first tokens and waits, generating
-nothing, until a cut freezes it; released, it goes on as usual. A snapshot then always finds
-the calls it is meant to catch, however loaded the machine is, where a test would otherwise
-race the decode.
+nothing. The engine's first cut ends the hold: every held call goes on (a cut one once it is
+released) and no call is held again. A snapshot then always finds the calls it is meant to
+catch, however loaded the machine is, where a test would otherwise race the decode.
 """
 
 from __future__ import annotations
@@ -72,18 +72,21 @@ HOLD_ENV = "ROLLSAFE_ENGINE_HOLD"
 
 
 class HoldRule(BaseModel):
-    """Which calls the engine holds (a test instrument; ``ROLLSAFE_ENGINE_HOLD`` holds it as
-    JSON): those whose id ``calls`` matches (``re.search``) stop once they have made
-    ``after_tokens`` tokens, until a cut freezes them."""
+    """Which calls the engine holds until its first cut (a test instrument;
+    ``ROLLSAFE_ENGINE_HOLD`` carries it as JSON): those whose id ``calls`` matches
+    (``re.search``), once they have made ``after_tokens`` tokens while the engine serves weight
+    version ``from_weight_version`` or later (so a test can let the first steps run free)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     calls: str = ".*"
     after_tokens: int = Field(default=1, ge=1)
+    from_weight_version: int = Field(default=0, ge=0)
 
-    def holds(self, call: CallState) -> bool:
+    def holds(self, call: CallState, weight_version: int) -> bool:
         return (
-            len(call.tokens) >= self.after_tokens
+            weight_version >= self.from_weight_version
+            and len(call.tokens) >= self.after_tokens
             and re.search(self.calls, call.call_id) is not None
         )
 
@@ -120,8 +123,7 @@ class CallState:
     versions: list[int] = field(default_factory=list)
     routes: list[Route] | None = None  # MoE models: one per token
     frozen: bool = False
-    held: bool = False  # stopped by the engine's HoldRule until a cut
-    hold_spent: bool = False  # cut once: never held again
+    held: bool = False  # stopped by the engine's HoldRule until its first cut
 
     @property
     def call_id(self) -> str:
@@ -302,7 +304,7 @@ class EngineLoop(Generic[CallT]):
         elif len(call.tokens) >= params.max_tokens:
             self._finish(call, "length")
         else:
-            call.held = self._hold is not None and not call.hold_spent and self._hold.holds(call)
+            call.held = self._hold is not None and self._hold.holds(call, self.weight_version)
             return False
         return True
 
@@ -361,10 +363,13 @@ class EngineLoop(Generic[CallT]):
                 continue
             if not call.frozen:
                 self._freeze(call)
-            call.held, call.hold_spent = False, call.hold_spent or call.held
             routes = tuple(call.routes) if call.routes is not None else None
             state = (tuple(call.tokens), tuple(call.logprobs), tuple(call.versions), routes)
             frozen.append(Frozen(call.request, *state))
+        if frozen and self._hold is not None:  # the first cut ends the hold, for every call
+            self._hold = None
+            for call in self._calls.values():
+                call.held = False
         return frozen, refused
 
     def _release(self, call_ids: set[str]) -> int:

@@ -18,7 +18,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -45,6 +44,7 @@ from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
 from rollsafe.temporal.search_attributes import PHASE
 from rollsafe.testing.history import completed_attempts
+from rollsafe.testing.waiting import eventually_async
 from rollsafe.testing.workers import stop_process, wait_worker_ready, worker_process
 from rollsafe.workflows.models import PhaseOptions, SnapshotInput, SnapshotOutcome
 from rollsafe.workflows.snapshot import RolloutSnapshot
@@ -252,9 +252,11 @@ async def test_a_worker_killed_in_a_phase_is_replaced_and_the_snapshot_publishes
 async def capture_holder(handle: WorkflowHandle[Any, Any]) -> int:
     """The pid of the worker running ``capture``, once it is mid-call: a recorded heartbeat
     means the activity has been waiting on the controller for a while."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
+    seen: list[Any] = []
+
+    async def holder() -> int | None:
         description = await handle.describe()
+        seen[:] = [description.raw_description]
         for pending in description.raw_description.pending_activities:
             if pending.activity_type.name == Phase.CAPTURE.value and pending.HasField(
                 "last_heartbeat_time"
@@ -262,8 +264,13 @@ async def capture_holder(handle: WorkflowHandle[Any, Any]) -> int:
                 # What an operator sees: `temporal workflow list --query "RollsafePhase=..."`.
                 assert description.typed_search_attributes.get(PHASE) == Phase.CAPTURE.value
                 return int(pending.last_worker_identity.split("@")[0])
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"capture never started: {description.raw_description}")
+        return None
+
+    try:
+        return await eventually_async(holder, WAIT_S, what="capture mid-call on a worker")
+    except AssertionError as exc:
+        exc.add_note(f"last description: {seen}")
+        raise
 
 
 async def test_two_workers_on_one_queue_the_survivor_finishes_a_killed_capture(
@@ -304,11 +311,11 @@ LEASED = OPTIONS.model_copy(update={"admission_lease_s": 4.0})
 
 
 async def gate_reopened(run: Run) -> ControllerStatus:
-    deadline = time.monotonic() + WAIT_S
-    while not (status := run.status()).gate_open:
-        assert time.monotonic() < deadline, f"admission still closed: {status}"
-        await asyncio.sleep(0.1)
-    return status
+    def reopened() -> ControllerStatus | None:
+        status = run.status()
+        return status if status.gate_open else None
+
+    return await eventually_async(reopened, WAIT_S, what="admission reopened by the lease")
 
 
 async def test_the_only_worker_dying_after_close_admission_reopens_it_by_the_lease(

@@ -22,8 +22,9 @@ from rollsafe.errors import (
     SupervisorNotRunning,
 )
 from rollsafe.faults import arm, disarm_all
-from rollsafe.testing.waiting import eventually_async
+from rollsafe.testing.waiting import eventually_async, holding
 from rollsafe.workflows.models import PhaseOptions
+from rollsafe.workflows.snapshot import TRAINER_STATE_CHANGED, RolloutSnapshot
 
 FAST = PhaseOptions(retry_initial_s=0.05, retry_maximum_s=0.2, retry_attempts=3)
 
@@ -105,25 +106,29 @@ async def _published(ckpt: Checkpointer, count: int) -> bool:
 async def test_train_step_committed_aborts_before_capture_and_is_too_late_after(
     harness,
 ) -> None:
-    arm("phase.drain.before", "sleep:2")
     async with harness.worker():
         ckpt = await checkpointer(harness).start()
-        pending = asyncio.create_task(ckpt.snapshot_now())
-        await eventually_async(
-            lambda: _in_phase(harness, 1, Phase.DRAIN), what="snapshot 1 in its drain"
-        )
-        await ckpt.train_step_committed(7)
+        with holding("phase.drain.before") as drain:
+            pending = asyncio.create_task(ckpt.snapshot_now())
+            await drain.reached_async()  # snapshot 1 stands in its drain until released
+            assert await harness.snapshot_phase(1) == Phase.DRAIN
+            await ckpt.train_step_committed(7)
+            await eventually_async(
+                lambda: _abort_reason(harness, 1), what="snapshot 1 told to abort in its drain"
+            )
         outcome = await pending
         assert outcome.status == "skipped" and "step 7 committed" in outcome.reason
         assert harness.store.list() == [] and harness.ops.status().gate_open
 
-        disarm_all()
-        arm("phase.publish.before", "sleep:2")
-        pending = asyncio.create_task(ckpt.snapshot_now())
-        await eventually_async(
-            lambda: _in_phase(harness, 2, Phase.PUBLISH), what="snapshot 2 in its publish"
-        )
-        await ckpt.train_step_committed(8)  # captured already: it publishes
+        with holding("phase.publish.before") as publish:
+            pending = asyncio.create_task(ckpt.snapshot_now())
+            await publish.reached_async()
+            assert await harness.snapshot_phase(2) == Phase.PUBLISH
+            await ckpt.train_step_committed(8)  # captured already: it publishes
+            await eventually_async(
+                lambda: _signalled(harness, 2, TRAINER_STATE_CHANGED),
+                what="snapshot 2 told of step 8 in its publish",
+            )
         assert (await pending).status == "published"
         status = await supervisor_status(ckpt)
         assert (status.state.skipped, status.state.published) == (1, 1)
@@ -145,11 +150,20 @@ async def test_a_trainer_snapshot_past_its_anchor_is_skipped_not_published(harne
     assert names == ["00000002-rollout"]  # nothing of the trainer snapshot, seq 1
 
 
-async def _in_phase(harness, seq: int, phase: Phase) -> bool:
-    try:
-        return await harness.snapshot_phase(seq) == phase
-    except Exception:  # not started yet
-        return False
+async def _abort_reason(harness, seq: int) -> str | None:
+    handle = harness.client.get_workflow_handle(harness.snapshot_workflow_id(seq))
+    return (await handle.query(RolloutSnapshot.status)).abort_reason
+
+
+async def _signalled(harness, seq: int, signal: str) -> bool:
+    """Whether snapshot ``seq``'s history holds ``signal``: it is then handled before anything
+    that comes after it (an activity completing once released)."""
+    handle = harness.client.get_workflow_handle(harness.snapshot_workflow_id(seq))
+    async for event in handle.fetch_history_events():
+        # Empty (no signal name) on any other kind of event.
+        if event.workflow_execution_signaled_event_attributes.signal_name == signal:
+            return True
+    return False
 
 
 async def test_persistent_failures_surface_as_snapshots_failed(harness) -> None:
@@ -179,9 +193,11 @@ async def test_snapshot_now_timeout_raises_and_the_snapshot_goes_on(harness) -> 
         ckpt = await checkpointer(harness).start()
         with pytest.raises(CheckpointTimeout, match=r"within 0\.001 s"):
             await ckpt.snapshot_now(timeout=0.001)
-        arm("phase.drain.before", "sleep:1")
-        with pytest.raises(CheckpointTimeout):  # accepted, then timed out while draining
-            await ckpt.snapshot_now(timeout=0.3)
+        with holding("phase.drain.before") as drain:
+            # Accepted, then timed out: held in its drain, the snapshot cannot finish in time.
+            with pytest.raises(CheckpointTimeout):
+                await ckpt.snapshot_now(timeout=0.3)
+            await drain.reached_async()  # it goes on: it got to its drain
         await eventually_async(lambda: _published(ckpt, 1), what="snapshot 1 published")
         await ckpt.stop()
 

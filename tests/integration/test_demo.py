@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -54,11 +55,15 @@ def test_deterministic_faulted_and_unfaulted_runs_train_the_same_tokens(
     tmp_path: Path, engine: str
 ) -> None:
     """``--engine vllm``: vLLM serves the policy (a tiny dense model the demo builds), and the
-    run killed mid-generation resumes from cut prefixes on a fresh vLLM server."""
-    faulted = demo(tmp_path / "faulted", "--deterministic", "--engine", engine)
+    run killed mid-generation resumes from cut prefixes on a fresh vLLM server. The two runs
+    go side by side (each its own Temporal server, Ray and servers on free ports): a
+    deterministic run's tokens do not depend on how fast it goes."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        running = pool.submit(demo, tmp_path / "faulted", "--deterministic", "--engine", engine)
+        clean = demo(tmp_path / "clean", "--deterministic", "--no-faults", "--engine", engine)
+        faulted = running.result()
     assert faulted.returncode == 0, faulted.stdout[-3000:] + faulted.stderr[-3000:]
     assert "[restore]" in faulted.stdout
-    clean = demo(tmp_path / "clean", "--deterministic", "--no-faults", "--engine", engine)
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
     assert (tmp_path / "clean" / "faults.jsonl").read_text() == ""
 

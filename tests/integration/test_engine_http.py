@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import signal
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from rollsafe.engine.torch_engine import TorchEngine
 from rollsafe.errors import EngineUnavailable, InvalidInput, PrefixMismatch
 from rollsafe.http.served import ENGINE_BANNER, ServedProcess, start_served
 from rollsafe.testing.parity import completed
+from rollsafe.testing.waiting import eventually, eventually_async
 
 TOKEN = "engine-test-token"
 SEED = 3
@@ -48,8 +48,10 @@ def _start_server(logs: Path) -> ServedProcess:
     # The env route: no token in argv.
     server = start_served(args, BANNER, logs, env={"ROLLSAFE_ENGINE_TOKEN": TOKEN})
     try:
-        while httpx.get(f"{server.url}/v1/health").json() != {"ok": True}:
-            time.sleep(0.05)
+        eventually(
+            lambda: httpx.get(f"{server.url}/v1/health").json() == {"ok": True},
+            what=f"{server.url}/v1/health answering ok",
+        )
     except BaseException:
         server.stop()
         raise
@@ -176,10 +178,12 @@ async def test_abandoned_stream_frees_its_call_for_resume_on_the_same_server(
 ) -> None:
     cut = await start_and_cut(client, 3)
     await close_all(cut.streams)  # the server sees the disconnect and drops the frozen calls
-    deadline = time.monotonic() + 10
-    while (info := await client.info()).frozen or info.active:
-        assert time.monotonic() < deadline, info
-        await asyncio.sleep(0.02)
+
+    async def dropped() -> bool:
+        info = await client.info()
+        return not (info.frozen or info.active)
+
+    await eventually_async(dropped, 10, what="the server dropped the abandoned calls")
     prefixes, reqs = cut.prefixes, cut.requests
     again = await asyncio.gather(*(completed(client, r, prefixes[r.call_id]) for r in reqs))
     assert again == await uninterrupted(reqs)

@@ -170,7 +170,11 @@ def env_check(
     return subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
 
 
-TASK_8 = {"map": "4x4", "turns": 8}
+# Long enough that env-check's restore and cut checks find an episode mid-way: a FrozenLake
+# turn takes a few ms here, and with 8 turns both episodes of a check sometimes ended before
+# its prepare parked one (seen twice in full runs). env-check itself paces its prepares by
+# the probe episode's turns; what it cannot do is slow an environment down.
+LAKE_TASK = {"map": "4x4", "turns": 32}
 
 
 def failed_checks(done: subprocess.CompletedProcess[str]) -> dict[str, str]:
@@ -181,7 +185,7 @@ def failed_checks(done: subprocess.CompletedProcess[str]) -> dict[str, str]:
 def test_the_docs_example_environment_passes_env_check(
     lakes: dict[str, ServedProcess], engine: ServedProcess
 ) -> None:
-    done = env_check(lakes["lake"].url, TASK_8, engine)
+    done = env_check(lakes["lake"].url, LAKE_TASK, engine)
     assert done.returncode == 0, done.stdout + done.stderr
     for fn in CHECKS:
         assert f"PASS {fn.__name__} (" in done.stdout, done.stdout
@@ -192,7 +196,7 @@ def test_the_docs_example_environment_passes_env_check(
 def test_a_lossy_environment_fails_env_check(
     lakes: dict[str, ServedProcess], engine: ServedProcess
 ) -> None:
-    done = env_check(lakes["lossy-lake"].url, TASK_8, engine)
+    done = env_check(lakes["lossy-lake"].url, LAKE_TASK, engine)
     assert done.returncode == 1, done.stdout + done.stderr
     failed = failed_checks(done)
     assert "restore" in failed and set(failed) <= {"restore", "cut_resume"}, done.stdout
@@ -202,7 +206,7 @@ def test_a_lossy_environment_fails_env_check(
 def test_an_environment_that_regenerates_a_cut_call_fails_env_check(
     lakes: dict[str, ServedProcess], engine: ServedProcess
 ) -> None:
-    done = env_check(lakes["regen-lake"].url, TASK_8, engine)
+    done = env_check(lakes["regen-lake"].url, LAKE_TASK, engine)
     assert done.returncode == 1, done.stdout + done.stderr
     failed = failed_checks(done)
     assert list(failed) == ["cut_resume"], done.stdout

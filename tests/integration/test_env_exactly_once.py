@@ -14,6 +14,11 @@ Every server is a subprocess stopped by pid (terminate, wait, kill) in a finaliz
 name. The engine stays up across the env crash on purpose: that is the harder case, because it
 still holds the calls the checkpoint froze, and the restored attempts' resumes must supersede
 them (the torch engine lets a resume with a prefix replace a frozen call of the same id).
+
+Nothing is left to timing: the checkpoints taken mid-run are taken once the engine holds the
+calls they must catch (``ROLLSAFE_ENGINE_HOLD``: two turns in, a token into the call, until the
+checkpoint's cut), so one checkpoint always finds every episode mid-call. The hold ends at an
+engine's first cut, so the restore-failure test, which cuts too, has an engine of its own.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import pytest
 
 from rollsafe.dataplane.memory import MemoryDataPlane
 from rollsafe.engine.http import EngineClient
+from rollsafe.engine.loop import HOLD_ENV, HoldRule
 from rollsafe.engine.protocol import PrefixRecord
 from rollsafe.engine.staging import StagedCut, cut_and_stage, load_prefixes
 from rollsafe.env.client import EnvClient
@@ -55,15 +61,24 @@ from rollsafe.errors import EnvRefused, EnvUnavailable
 from rollsafe.http.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, rollsafe_command
 from rollsafe.reference.envs.workplace.calendar import Task, action_from_tokens, apply, new_calendar
 from rollsafe.reference.envs.workplace.calendar import reward as score
+from rollsafe.testing.waiting import eventually_async
 
 ENGINE_TOKEN = "eo-engine-token"
 ENV_TOKEN = "eo-env-token"
 INSTANCES = ("w0", "w1", "w2")
 LEASE_GRACE_S = 1.0
 EPISODE_TIMEOUT_S = 60.0  # any one gather of episodes; far above what they take
-RECUT_FOR_S = 0.3
-CHECKPOINT_TRIES = 3
 FROZEN: set[str] = set()  # every call a test cut
+# The module's engine holds the calls of the checkpointed episodes of test 1 from their third
+# turn on, after a token, until the checkpoint cuts them: attempt 0 of eo-* only (a later
+# attempt's key ends in -a<n>), so neither test 1's uninterrupted run (another attempt) nor
+# its restored attempts nor any other test's episodes are held. Its cut ends the hold.
+EO_MID_RUN = HoldRule(calls=r"^eo-\d+_g\d+/t([2-9]|\d\d)$")
+# The attempt of test 1's uninterrupted run: the same rollout ids (so the same calls' seeds),
+# not the checkpointed attempt 0 (held) nor the restored attempt 1.
+REFERENCE_ATTEMPT = 9
+# Test 2's own engine holds its episodes the same way.
+RF_MID_RUN = HoldRule(calls=r"^rf-\d+_g0/t([2-9]|\d\d)$")
 
 
 # -- server processes ---------------------------------------------------------------------------
@@ -114,14 +129,21 @@ class Trio:
         return EnvClient(self.current[name].url, ENV_TOKEN, **client)
 
 
-@pytest.fixture(scope="module")
-def engine_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedProcess]:
+def start_engine(logs: Path, hold: HoldRule) -> ServedProcess:
+    """``rollsafe engine serve`` (MoE, seed 1) holding the calls ``hold`` names until its
+    first cut; stopped (by pid) if it does not start."""
     args = ["engine", "serve", "--port", "0", "--token", ENGINE_TOKEN, "--model", "moe"]
     server = ServedProcess(
-        rollsafe_command(*args, "--seed", "1"), tmp_path_factory.mktemp("eo-engine")
+        rollsafe_command(*args, "--seed", "1"), logs, env={HOLD_ENV: hold.model_dump_json()}
     )
+    return server.wait_listening(ENGINE_BANNER.format(kind="moe"))
+
+
+@pytest.fixture(scope="module")
+def engine_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedProcess]:
+    server = start_engine(tmp_path_factory.mktemp("eo-engine"), EO_MID_RUN)
     try:
-        yield server.wait_listening(ENGINE_BANNER.format(kind="moe"))
+        yield server
     finally:
         server.stop()
 
@@ -161,6 +183,30 @@ async def engine(engine_server: ServedProcess) -> AsyncIterator[EngineClient]:
         yield client
 
 
+@dataclass
+class Own:
+    """A test's own engine (holding what its HoldRule names) and instances, as clients."""
+
+    fleet: EnvFleet
+    engine: EngineClient
+
+
+@pytest.fixture
+async def rf_servers(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Own]:
+    """An engine holding test 2's episodes mid-run (the module engine's hold is spent by test
+    1's cut) and three instances on it, all stopped by pid at the end."""
+    engine_server = start_engine(tmp_path_factory.mktemp("rf-engine"), RF_MID_RUN)
+    servers = Trio(engine_server, tmp_path_factory.mktemp("rf-envs"))
+    try:
+        servers.start(INSTANCES)
+        async with servers.fleet() as envs, EngineClient(engine_server.url, ENGINE_TOKEN) as engine:
+            yield Own(envs, engine)
+    finally:
+        for server in [*servers.started, engine_server]:
+            server.stop()
+        FROZEN.clear()  # what this engine froze went with it
+
+
 # -- helpers ------------------------------------------------------------------------------------
 
 
@@ -197,10 +243,9 @@ async def cut_parked(
     """Cut every call of ``ours`` (rollout ids) still generating and stage its prefix; the
     commit scope per instance.
 
-    Every parked episode is in the scope: one whose call could not be cut (not started, still
-    reading its prompt, or finished) holds its response until resume, so it is exported as
-    parked, in flight, and its restored attempt makes that call again (turn level). Restarts
-    are never in the scope."""
+    Every parked episode is in the scope: one whose call could not be cut would hold its
+    response until resume, so it would be exported as parked, in flight, and its restored
+    attempt would make that call again (turn level). Restarts are never in the scope."""
     parked = {
         name: [p for p in inv.parked if p.episode.rollout_id in ours]
         for name, inv in prepared.instances.items()
@@ -213,24 +258,6 @@ async def cut_parked(
     ]
     FROZEN.update(generating)  # released by the fixture if the test fails before it does
     staged = await cut_and_stage(engine, generating, dataplane)
-    cuts, refused = dict(staged.staged), {r.call_id: r.reason for r in staged.refused}
-    # A cut right after prepare often finds a call not started yet (the episode says it is
-    # generating before its request reaches the engine: "unknown_call") or still reading its
-    # prompt ("no_tokens"). Such a call is not frozen and goes on; cut again a moment later it
-    # is caught with a token or two (a call needs a dozen tokens to finish). A call that did
-    # finish is never caught: its id is not used again.
-    give_up = time.monotonic() + RECUT_FOR_S
-    while refused and time.monotonic() < give_up:
-        await asyncio.sleep(0.01)
-        again = await cut_and_stage(engine, list(refused), dataplane)
-        cuts.update(again.staged)
-        for call in again.staged:
-            del refused[call]
-    staged = StagedCut(
-        staged=cuts,
-        refused=tuple(r for r in staged.refused if r.call_id in refused),
-        handoffs=staged.handoffs,
-    )
     scope = {name: [p.episode for p in held] for name, held in parked.items()}
     return staged, scope
 
@@ -238,23 +265,22 @@ async def cut_parked(
 async def checkpoint_mid_run(
     fleet: EnvFleet, engine: EngineClient, prefix: str, ours: set[str]
 ) -> tuple[str, FleetPrepared, MemoryDataPlane, StagedCut, dict[str, list[EpisodeRef]]]:
-    """Prepare all and cut until every instance has an episode to commit and at least one call
-    was cut mid-generation: the id, inventory, data plane, cut and scope. A try that falls
-    short (the calls of a whole instance ended between prepare and cut) is aborted, which the
-    episodes do not notice, and tried again a moment later under a new checkpoint id."""
-    tries = []
-    for _ in range(CHECKPOINT_TRIES):
-        checkpoint = unique(prefix)
-        prepared = await fleet.prepare_all(checkpoint, time.time() + 20)
-        dataplane = MemoryDataPlane()
-        staged, scope = await cut_parked(prepared, engine, dataplane, ours)
-        if all(scope[name] for name in fleet.names) and staged.staged:
-            return checkpoint, prepared, dataplane, staged, scope
-        tries.append(f"{checkpoint}: scope {scope}, cut {staged}")
-        await fleet.resume_all(checkpoint)
-        await engine.release(list(staged.staged))
-        await asyncio.sleep(0.05)
-    raise AssertionError("no checkpoint caught every instance mid-run:\n" + "\n".join(tries))
+    """Once the engine holds a call of every episode of ``ours`` (rollout ids; its HoldRule
+    names them), prepare all and cut: the id, inventory, data plane, cut and scope. Held, the
+    episodes stay mid-call until the cut: the one checkpoint finds every instance mid-run and
+    cuts every call (which ends the engine's hold: released, the calls go on)."""
+
+    async def all_held() -> bool:
+        return (await engine.info()).held == len(ours)
+
+    await eventually_async(all_held, what=f"the engine holding a call of each of {sorted(ours)}")
+    checkpoint = unique(prefix)
+    prepared = await fleet.prepare_all(checkpoint, time.time() + 20)
+    dataplane = MemoryDataPlane()
+    staged, scope = await cut_parked(prepared, engine, dataplane, ours)
+    assert all(scope[name] for name in fleet.names), f"an instance with nothing parked: {scope}"
+    assert len(staged.staged) == len(ours) and not staged.refused, staged
+    return checkpoint, prepared, dataplane, staged, scope
 
 
 def replayed(result: EpisodeResult, task: dict[str, Any]) -> None:
@@ -288,10 +314,6 @@ def same_play(a: EpisodeResult, b: EpisodeResult) -> None:
     assert (a.info["calendar"], a.reward, a.turns) == (b.info["calendar"], b.reward, b.turns)
 
 
-async def live(fleet: EnvFleet, name: str) -> int:
-    return (await fleet._client(name).status()).live_episodes
-
-
 # -- 1. crash and restore -----------------------------------------------------------------------
 
 
@@ -313,16 +335,15 @@ async def run_uninterrupted(
     fleet: EnvFleet,
     placed: Mapping[EpisodeRef, tuple[str, dict[str, Any]]],
     tasks: Mapping[str, dict[str, Any]],
-) -> tuple[dict[str, EpisodeResult], float]:
-    """Every episode run uninterrupted, each replayed exactly (by rollout id); how long the
-    episodes took on this machine."""
-    began = time.monotonic()
-    whole = {ep.rollout_id: r for ep, r in (await run_all(fleet, placed)).items()}
-    took = time.monotonic() - began
+) -> dict[str, EpisodeResult]:
+    """Every episode run uninterrupted as attempt REFERENCE_ATTEMPT (the engine's hold names
+    attempt 0 only), each replayed exactly (by rollout id)."""
+    reference = {ref(ep.rollout_id, REFERENCE_ATTEMPT): where for ep, where in placed.items()}
+    whole = {ep.rollout_id: r for ep, r in (await run_all(fleet, reference)).items()}
     for rollout_id, result in whole.items():
         assert not result.restored and result.turns == tasks[rollout_id]["turns"]
         replayed(result, tasks[rollout_id])
-    return whole, took
+    return whole
 
 
 async def checkpoint_and_commit(
@@ -330,18 +351,17 @@ async def checkpoint_and_commit(
     engine: EngineClient,
     placed: Mapping[EpisodeRef, tuple[str, dict[str, Any]]],
     tasks: Mapping[str, dict[str, Any]],
-    took: float,
     root: Path,
 ) -> tuple[dict[str, asyncio.Task[EpisodeResult]], Checkpointed]:
-    """Start the episodes again (attempt 0), checkpoint them mid-run, each parked on its home
-    instance, and commit the checkpoint into ``root``: the running episodes, the checkpoint."""
+    """Start the episodes again (attempt 0), checkpoint them mid-run (once the engine holds
+    each two turns in, none near its end), each parked on its home instance, and commit the
+    checkpoint into ``root``: the running episodes, the checkpoint."""
     running = {
         ep.rollout_id: asyncio.create_task(
             fleet.run_episode(name, RunEpisode(episode=ep, task=task), max_wait_s=30)
         )
         for ep, (name, task) in placed.items()
     }
-    await asyncio.sleep(0.4 * took)  # a few turns in, none near its end
     checkpoint, prepared, dataplane, staged, scope = await checkpoint_mid_run(
         fleet, engine, "eo-ck", set(tasks)
     )
@@ -450,13 +470,11 @@ async def test_exactly_once_across_a_killed_and_restored_fleet(
     tasks = {ep.rollout_id: task for ep, (_, task) in placed.items()}
 
     # The uninterrupted run first, with the SAME rollout ids (a call's seed comes from the
-    # rollout id and the turn): the reference the restored episodes must match bit for bit,
-    # and a measure of how long the episodes take on this machine.
-    whole, took = await run_uninterrupted(fleet, placed, tasks)
+    # rollout id and the turn, never the attempt) under another attempt, which the engine
+    # does not hold: the reference the restored episodes must match bit for bit.
+    whole = await run_uninterrupted(fleet, placed, tasks)
     # The same episodes again (attempt 0), checkpointed mid-run and committed.
-    running, ck = await checkpoint_and_commit(
-        fleet, engine, placed, tasks, took, tmp_path / "commit"
-    )
+    running, ck = await checkpoint_and_commit(fleet, engine, placed, tasks, tmp_path / "commit")
     # The crash. The engine stays up (see the module docstring): it still holds the frozen
     # calls.
     await crash_the_parked_fleet(trio, running, ck)
@@ -470,18 +488,14 @@ async def test_exactly_once_across_a_killed_and_restored_fleet(
 
 
 async def test_restore_failure_on_one_of_three_leaves_no_restored_state(
-    fleet: EnvFleet, engine: EngineClient, tmp_path: Path
+    rf_servers: Own, tmp_path: Path
 ) -> None:
+    fleet, engine = rf_servers.fleet, rf_servers.engine
     placed = {ref(f"rf-{n}_g0"): (INSTANCES[n % 3], {"seed": 40 + n, "turns": 8}) for n in range(6)}
     running = [
         asyncio.create_task(fleet.run_episode(name, RunEpisode(episode=ep, task=task)))
         for ep, (name, task) in placed.items()
     ]
-    deadline = time.monotonic() + 10
-    while sum([await live(fleet, name) for name in INSTANCES]) < len(placed):
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.3)
     checkpoint, _, dataplane, staged, scope = await checkpoint_mid_run(
         fleet, engine, "rf-ck", {ep.rollout_id for ep in placed}
     )
@@ -555,6 +569,10 @@ class Recording(httpx.AsyncBaseTransport):
     def runs(self) -> list[tuple[bytes, int, bytes]]:
         return [(b, s, r) for _, path, b, s, r in self.seen if path == EPISODES_RUN]
 
+    def polls(self) -> list[int]:
+        """The status code of every status poll."""
+        return [s for m, p, _, s, _ in self.seen if p == f"{PREFIX}/status" and m == "GET"]
+
 
 async def test_parked_episode_is_resent_after_resume_with_the_same_identity(
     trio: Trio, fleet: EnvFleet
@@ -572,7 +590,9 @@ async def test_parked_episode_is_resent_after_resume_with_the_same_identity(
         while not recording.runs():  # its first try is refused
             recording.changed.clear()
             await bounded(recording.changed.wait(), 10)
-        await asyncio.sleep(0.5)
+        # It waits on status (from parked_retry_s on, backing off) and re-sends nothing
+        # meanwhile: watched over two polls that found the instance still parked.
+        await eventually_async(lambda: len(recording.polls()) >= 2, what="two status polls")
         assert not started.done() and len(recording.runs()) == 1  # waits, re-sends nothing
         await control.resume(ResumeRequest(checkpoint_id=checkpoint))
         result = await bounded(started)
@@ -583,7 +603,7 @@ async def test_parked_episode_is_resent_after_resume_with_the_same_identity(
     assert (status1, status2) == (409, 200)
     assert b'"checkpoint_parked"' in reply1
     assert first == second == run.model_dump_json().encode()  # the identical body, re-sent
-    polls = [s for m, p, _, s, _ in recording.seen if p == f"{PREFIX}/status" and m == "GET"]
+    polls = recording.polls()
     assert polls and all(s == 200 for s in polls)  # it waited on status, not on blind retries
 
 
@@ -594,17 +614,20 @@ async def test_lease_reopens_a_parked_instance_nobody_resumes(trio: Trio, fleet:
     async with trio.client("w1") as client:
         run = RunEpisode(episode=ref("ls-0_g0"), task={"seed": 9, "turns": 16})
         episode = asyncio.create_task(client.run_episode(run))
-        deadline = time.monotonic() + 10
-        while (await client.status()).live_episodes < 1:
-            assert time.monotonic() < deadline and not episode.done()
-            await asyncio.sleep(0.02)
+
+        async def live() -> bool:
+            assert not episode.done(), "the episode ended before it was seen running"
+            return (await client.status()).live_episodes >= 1
+
+        await eventually_async(live, 10, what="the episode running on w1")
         checkpoint = unique("ls-ck")
         prepared = await client.prepare(
             PrepareRequest(checkpoint_id=checkpoint, deadline_ts=time.time() + 1.0)
         )
         assert prepared.ready and [p.episode for p in prepared.parked] == [run.episode]
         # Nobody resumes and nobody asks: the instance's own lease watcher lets the parked
-        # episode go at deadline + grace, and it finishes.
+        # episode go at deadline + grace, and it finishes. The lease running out by itself is
+        # what is under test: waited for through its effect (the episode's end), bounded.
         result = await bounded(episode, 10)
         ended = time.time()
         assert result.episode == run.episode and result.turns == 16

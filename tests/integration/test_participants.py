@@ -13,7 +13,6 @@ lists exactly those rollouts as resumed.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -45,18 +44,22 @@ from rollsafe.core.phases import (
 from rollsafe.core.states import AttemptState
 from rollsafe.dataplane.protocol import DataPlaneManifest
 from rollsafe.engine.http import EngineClient
+from rollsafe.engine.loop import HOLD_ENV, HoldRule
 from rollsafe.engine.staging import PREFIX_PARTITION
 from rollsafe.env.client import EnvClient
 from rollsafe.env.fleet import EnvFleet
 from rollsafe.env.protocol import EpisodeRef, EpisodeResult, RunEpisode
 from rollsafe.http.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
-from rollsafe.testing.waiting import eventually_async
+from rollsafe.testing.waiting import eventually, eventually_async
 
 RUN = "with-envs"
 ENGINE_TOKEN, ENV_TOKEN = "pt-engine", "pt-env"
 INSTANCES = ("w0", "w1")
 GROUPS, GROUP_SIZE, TURNS = 4, 2, 16
 DRIVE_TIMEOUT_S = 120.0  # how long the test waits for an episode's run (admission included)
+# Every episode stops two turns in, a token into its call, until the snapshot's cut: the one
+# snapshot taken then finds every episode mid-call, on an idle machine or a loaded one.
+TWO_TURNS_IN = HoldRule(calls=r"/t([2-9]|\d\d)")
 
 
 class Servers:
@@ -64,12 +67,15 @@ class Servers:
         self.logs = logs
         self.started: list[ServedProcess] = []
         args = ["engine", "serve", "--port", "0", "--token", ENGINE_TOKEN, "--seed", "1"]
-        self.engine = self._start(args, ENGINE_BANNER.format(kind="dense"), "engine")
+        hold = {HOLD_ENV: TWO_TURNS_IN.model_dump_json()}
+        self.engine = self._start(args, ENGINE_BANNER.format(kind="dense"), "engine", hold)
         self.envs: dict[str, ServedProcess] = {}
         self.start_envs()
 
-    def _start(self, args: list[str], banner: str, name: str) -> ServedProcess:
-        server = start_served(args, banner, self.logs / f"{name}-{len(self.started)}")
+    def _start(
+        self, args: list[str], banner: str, name: str, env: dict[str, str] | None = None
+    ) -> ServedProcess:
+        server = start_served(args, banner, self.logs / f"{name}-{len(self.started)}", env=env)
         self.started.append(server)
         return server
 
@@ -174,24 +180,23 @@ class FirstLife:
 
 
 def snapshot_mid_run(servers: Servers, root: Path) -> FirstLife:
-    """Run every episode; snapshot while they run (until one snapshot cut a call); let them
-    all finish after the snapshot resumed them."""
+    """Run every episode; snapshot once every one is held mid-call (the snapshot cuts those
+    calls, which ends the engine's hold); let them all finish after the snapshot resumed
+    them."""
     first = Run(servers, root)
     try:
         first.service.handout(list(range(GROUPS)))
         running = [first.drive(idx, i) for idx in range(GROUPS) for i in range(GROUP_SIZE)]
-        time.sleep(0.4)  # every episode a few turns in
-        # Snapshots until one caught a call mid-generation (nearly always the first): the
-        # restore below must show a cut call continuing from its prefix.
-        for seq in range(1, 4):
-            spec = SnapshotSpec(run_id=RUN, seq=seq)
-            results = {p: first.service.run_phase(PhaseRequest(spec=spec, phase=p)) for p in PHASES}
-            published = results[Phase.PUBLISH].published
-            assert published is not None
-            snapshot = Path(published.path)
-            record = ParticipantsRecord.model_validate_json((snapshot / RECORD_FILE).read_bytes())
-            if record.staged:
-                break
+        eventually(
+            lambda: first.loop.run(first.engine.info()).held == len(running),
+            what="every episode held two turns in",
+        )
+        spec = SnapshotSpec(run_id=RUN, seq=1)
+        results = {p: first.service.run_phase(PhaseRequest(spec=spec, phase=p)) for p in PHASES}
+        published = results[Phase.PUBLISH].published
+        assert published is not None
+        snapshot = Path(published.path)
+        record = ParticipantsRecord.model_validate_json((snapshot / RECORD_FILE).read_bytes())
         finished = [future.result(timeout=DRIVE_TIMEOUT_S) for future in running]
     finally:
         first.close()

@@ -5,21 +5,23 @@ in a later step, a restore onto fresh servers, and the evidence of the restored 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from rollsafe.core.phases import Phase
+from rollsafe.engine.loop import HoldRule
 from rollsafe.evidence.files import TRAINED, Evidence, FaultRecord, TrainedRow, read_lines
 from rollsafe.evidence.verify import verify
 from rollsafe.reference.rl.run import ReferenceRun, RunSettings
 from rollsafe.reference.rl.servers import RunServers
+from rollsafe.testing.waiting import eventually
 
 ENGINE_TOKEN, ENV_TOKEN = "rr-engine", "rr-env"
 INSTANCES = ("w0", "w1", "w2")
 SETTINGS = RunSettings(run_id="rr", seed=5, steps=3, group_size=2, groups_per_step=2, turns=4)
+STEP_1_CALLS = HoldRule(from_weight_version=1)
 
 
 class Crash(Exception):
@@ -59,15 +61,13 @@ def test_a_run_crashed_and_restored_trains_the_same_tokens_exactly_once(
     reference = uninterrupted(servers, tmp_path / "a")
 
     root, out = tmp_path / "b", tmp_path / "b" / "out"
-    first = ReferenceRun(SETTINGS, servers.start(), root, out)
+    # Step 1's calls (weight version 1) stop after a token until the snapshot's cut.
+    first = ReferenceRun(SETTINGS, servers.start(hold=STEP_1_CALLS), root, out)
 
     def faults(step: int) -> None:
-        if step == 1:  # mid-generation: episodes parked, calls cut (until one is)
-            while first.loop.run(first.engine.info()).active == 0:
-                time.sleep(0.01)
-            for _ in range(4):
-                if first.snapshot()[Phase.CUT_GENERATION].counts["cut"]:
-                    break
+        if step == 1:  # mid-generation: episodes parked, calls cut
+            eventually(lambda: first.loop.run(first.engine.info()).held, what="a call held")
+            assert first.snapshot()[Phase.CUT_GENERATION].counts["cut"]
         if step == 2:
             servers.crash()
             raise Crash

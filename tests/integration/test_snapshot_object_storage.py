@@ -24,7 +24,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 import uuid
@@ -42,6 +41,7 @@ from rollsafe.snapshot import SnapshotKind
 from rollsafe.snapshot import _objects as objects
 from rollsafe.snapshot.remote import RemoteSnapshotStore
 from rollsafe.testing.race import all_at_once
+from rollsafe.testing.waiting import eventually
 
 RUN = "run-objects"
 REGION = "eu-west-1"  # any: moto serves every region; the CLI and actor get it from AWS_*
@@ -222,17 +222,17 @@ def server(
         stderr=subprocess.STDOUT,
         env={**os.environ, **backend.server_env},
     )
+
+    def ready() -> bool:
+        if backend.ready(endpoint):
+            return True
+        if proc.poll() is not None:  # it will never be: fail now, with its output
+            output = log_path.read_text(errors="replace")[-2000:]
+            pytest.fail(f"{backend.program} exited with {proc.returncode}: {output}")
+        return False
+
     try:
-        deadline = time.monotonic() + 30
-        while not backend.ready(endpoint):
-            if proc.poll() is not None:
-                output = log_path.read_text(errors="replace")[-2000:]
-                pytest.fail(f"{backend.program} exited with {proc.returncode}: {output}")
-            if time.monotonic() > deadline:
-                pytest.fail(
-                    f"{backend.program} did not {backend.ready_what} at {endpoint} within 30 s"
-                )
-            time.sleep(0.1)
+        eventually(ready, 30, what=f"{backend.program} to {backend.ready_what} at {endpoint}")
         yield Server(backend, endpoint)
     finally:
         proc.terminate()

@@ -3,7 +3,6 @@ histories after real snapshot and restore workflows ran."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from rollsafe.core.ids import restore_workflow_id
@@ -16,17 +15,19 @@ from rollsafe.observability.timeline import (
     restore_spans,
     snapshot_spans,
 )
+from rollsafe.testing.waiting import eventually_async
 from rollsafe.workflows.restore import RestoreRun
 
 
 async def _listed(read, count: int, timeout_s: float = 10.0) -> list[Span]:
-    """Visibility (list by search attribute) is eventually consistent on the server."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    """Visibility (list by search attribute) is eventually consistent on the server: the
+    spans once at least ``count`` are listed."""
+
+    async def listed() -> list[Span] | None:
         spans = await read()
-        if len(spans) >= count or time.monotonic() > deadline:
-            return spans
-        await asyncio.sleep(0.1)
+        return spans if len(spans) >= count else None
+
+    return await eventually_async(listed, timeout_s, what=f"{count} span(s) listed")
 
 
 async def test_snapshot_and_park_spans_from_workflow_histories(harness, tmp_path) -> None:

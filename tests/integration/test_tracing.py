@@ -17,6 +17,7 @@ SCRIPT = textwrap.dedent(
     """
     import asyncio, json, sys
     from pathlib import Path
+    from opentelemetry import trace
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     from rollsafe.observability.tracing import configure_tracing
@@ -26,6 +27,7 @@ SCRIPT = textwrap.dedent(
 
     from rollsafe.activities.controllers import LocalControllerClient
     from rollsafe.core.config import RunConfig
+    from rollsafe.core.ids import snapshot_workflow_id, task_queue_for
     from rollsafe.core.run_state import RunState
     from rollsafe.checkpoint.controller import Controller
     from rollsafe.dataplane import make_dataplane
@@ -34,7 +36,6 @@ SCRIPT = textwrap.dedent(
     from rollsafe.temporal.connect import connect
     from rollsafe.temporal.devserver import DevServer
     from rollsafe.workers.checkpoint import build_worker
-    from rollsafe.workflows.supervisor import task_queue_for
     from rollsafe.workflows.models import SnapshotInput
     from rollsafe.workflows.snapshot import RolloutSnapshot
 
@@ -53,7 +54,10 @@ SCRIPT = textwrap.dedent(
                     id=snapshot_workflow_id("traced", 1),
                     task_queue=task_queue_for("traced"),
                 )
-            await asyncio.sleep(0.2)
+        # Every span ended before the workflow's result came back (an activity's when its
+        # function returned, the workflow's when its run did); the processor exports each as it
+        # ends. A flush makes sure none is still on its way, whatever the processor.
+        assert trace.get_tracer_provider().force_flush()
         spans = [{"name": s.name, "attributes": dict(s.attributes or {})}
                  for s in exporter.get_finished_spans()]
         print(json.dumps({"status": outcome.status, "spans": spans}))

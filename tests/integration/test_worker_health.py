@@ -14,9 +14,8 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from rollsafe.core.phases import PHASES, Phase, SnapshotSpec
 from rollsafe.faults import ENV_VAR
 from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
+from rollsafe.testing.waiting import eventually_async
 from rollsafe.workflows.models import PhaseOptions, SnapshotInput, SnapshotOutcome
 from rollsafe.workflows.snapshot import RolloutSnapshot
 
@@ -43,6 +43,18 @@ CAPTURE_S = 4.0  # how long capture takes in the controller: the drain window un
 HEALTH_LINE = re.compile(r"rollsafe worker: health on http://[^ ]+:(\d+)/healthz")
 BANNER = "rollsafe worker: run"
 OPTIONS = PhaseOptions(heartbeat_timeout_s=2, retry_initial_s=0.1, retry_maximum_s=0.5)
+
+
+async def waited(
+    condition: Callable[[], Awaitable[Any]], what: str, context: Callable[[], str]
+) -> Any:
+    """``condition``'s first truthy value within WAIT_S; a failure notes ``context()`` (the
+    worker's log tail, the workflow's last description)."""
+    try:
+        return await eventually_async(condition, WAIT_S, what=what)
+    except AssertionError as exc:
+        exc.add_note(context())
+        raise
 
 
 class WorkerProcess:
@@ -90,18 +102,21 @@ class WorkerProcess:
 
     async def line(self, pattern: re.Pattern[str] | str) -> re.Match[str] | str:
         """Wait for the log to show ``pattern`` (a regex or a plain substring)."""
-        assert self.proc is not None
-        deadline = time.monotonic() + WAIT_S
-        while True:
+        proc = self.proc
+        assert proc is not None
+
+        async def printed() -> re.Match[str] | str | None:
             text = self.log_path.read_text(errors="replace")
             if isinstance(pattern, str):
                 if pattern in text:
                     return pattern
             elif (found := pattern.search(text)) is not None:
                 return found
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"never printed {pattern!r}: {self.describe()}")
-            await asyncio.sleep(0.05)
+            if proc.poll() is not None:  # it never will
+                raise AssertionError(f"exited without printing {pattern!r}")
+            return None
+
+        return await waited(printed, f"the worker printed {pattern!r}", self.describe)
 
     async def exited(self) -> int:
         assert self.proc is not None
@@ -169,18 +184,19 @@ async def workers(
 
 async def capture_started_by(handle: WorkflowHandle[Any, Any], pid: int) -> None:
     """Wait until the worker ``pid`` runs ``capture`` (its attempt has started)."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
+    seen: list[Any] = []
+
+    async def started() -> bool:
         description = await handle.describe()
-        for pending in description.raw_description.pending_activities:
-            if (
-                pending.activity_type.name == Phase.CAPTURE.value
-                and pending.last_worker_identity.startswith(f"{pid}@")
-                and pending.HasField("last_started_time")
-            ):
-                return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"capture never started on {pid}: {description.raw_description}")
+        seen[:] = [description.raw_description]
+        return any(
+            pending.activity_type.name == Phase.CAPTURE.value
+            and pending.last_worker_identity.startswith(f"{pid}@")
+            and pending.HasField("last_started_time")
+            for pending in description.raw_description.pending_activities
+        )
+
+    await waited(started, f"capture started on {pid}", lambda: f"last description: {seen}")
 
 
 async def completed_by(handle: WorkflowHandle[Any, Any]) -> dict[str, tuple[int, int]]:
@@ -215,14 +231,16 @@ async def test_healthz_serves_while_polling_and_turns_503_while_a_sigterm_drains
     port = int(found.group(1))
 
     async with httpx.AsyncClient() as http:
-        # Serving: 200 once the worker polls its task queue.
-        deadline = time.monotonic() + WAIT_S
-        while (response := await get(http, port, "/healthz")).status_code != 200:
+        # Serving: 200 once the worker polls its task queue (503, not polling, until then).
+        async def serving() -> Any:
+            response = await get(http, port, "/healthz")
+            if response.status_code == 200:
+                return response.json()
             assert response.status_code == 503, response.text
             assert response.json()["polling"] is False, response.text
-            assert time.monotonic() < deadline, worker.describe()
-            await asyncio.sleep(0.1)
-        body = response.json()
+            return None
+
+        body = await waited(serving, "/healthz serving", worker.describe)
         assert body == {
             "status": "serving",
             "polling": True,
@@ -246,10 +264,12 @@ async def test_healthz_serves_while_polling_and_turns_503_while_a_sigterm_drains
         # SIGTERM: draining, so 503 on /healthz (still alive on /livez) until capture ends.
         assert worker.proc is not None
         worker.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + WAIT_S
-        while (response := await get(http, port, "/healthz")).status_code == 200:
-            assert time.monotonic() < deadline, worker.describe()
-            await asyncio.sleep(0.02)
+
+        async def not_serving() -> httpx.Response | None:
+            response = await get(http, port, "/healthz")
+            return response if response.status_code != 200 else None
+
+        response = await waited(not_serving, "/healthz no longer 200", worker.describe)
         assert response.status_code == 503, response.text
         assert response.json()["status"] == "draining", response.text
         live = await get(http, port, "/livez")

@@ -54,6 +54,7 @@ from rollsafe.errors import EngineUnavailable, InvalidInput
 from rollsafe.http.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
 from rollsafe.reference.envs.workplace.env import WorkplaceEnv
 from rollsafe.reference.envs.workplace.faults import EXIT_CODE, FaultSwitches
+from rollsafe.testing.waiting import eventually_async
 
 ROLLOUT = "wp-7_g0"
 TASK = {"seed": 5, "meetings": 3, "turns": 4}
@@ -420,9 +421,12 @@ async def test_checkpoint_mid_generation_restores_over_http(
     running = asyncio.create_task(run_http(env_http, episode, task))
     async with EngineClient(engine_server.url, ENGINE_TOKEN) as engine:
         # Freeze whichever call the episode is making, so it is surely parked generating.
-        deadline = time.monotonic() + 10
-        while not (cut := await engine.cut(calls)).prefixes:
-            assert time.monotonic() < deadline and not running.done()
+        async def one_cut() -> CutReport | None:
+            assert not running.done(), "the episode ended before a call of it was cut"
+            cut = await engine.cut(calls)
+            return cut if cut.prefixes else None
+
+        cut = await eventually_async(one_cut, 10, what="a call of the episode cut mid-generation")
         (prefix,) = cut.prefixes
         prepared = await control(
             env_http,
@@ -478,10 +482,11 @@ async def test_fault_switches_at_runtime(env_http: httpx.AsyncClient) -> None:
     assert status.checkpoint_id not in (None, "wp-lost-1")  # an older id than its own
 
     await set_faults(env_http)  # the lease (deadline + 0.5 s grace here) resumes the instance
-    deadline = time.monotonic() + 5
-    while (await env_http.get(STATUS)).json()["phase"] != "idle":
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.1)
+
+    async def idle() -> bool:
+        return bool((await env_http.get(STATUS)).json()["phase"] == "idle")
+
+    await eventually_async(idle, 5, what="the instance idle again once its lease ran out")
     assert (await env_http.post("/faults", json={"die_on": "nope"})).status_code == 422
 
 
