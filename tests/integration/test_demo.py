@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -30,24 +31,16 @@ def demo(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_the_demo_with_its_default_faults_passes_verification(tmp_path: Path) -> None:
-    """Asynchronous (the default): generation a step ahead, the windowed sampler."""
-    out = tmp_path / "async"
-    run = demo(out)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    for line in ("[fault] checkpoint worker died", "[fault] environment w1", "[restore]"):
-        assert line in run.stdout, run.stdout
-    assert "parked" in run.stdout  # the snapshots' park windows are shown as they close
-    faults = [json.loads(line) for line in (out / "faults.jsonl").open()]
-    assert sorted(f["kind"] for f in faults) == ["coordinator", "env", "run"]
-    report = json.loads((out / "report.json").read_text())
-    assert report["deterministic"] is False and report["sampler"] == "windowed"
-    assert report["totals"]["snapshots_published"] >= 2
-    assert (out / "timeline.png").read_bytes().startswith(b"\x89PNG")
-    evidence = Evidence.read(out)
-    assert len(evidence.trained) == int(STEPS) * 2 * 4  # steps x groups x rollouts
-    # Generation ran ahead of training: groups were handed out beyond those trained.
-    assert len(evidence.handed_out) > int(STEPS) * 2
+@pytest.fixture(scope="module", autouse=True)
+def default_demo(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Path, Future[subprocess.CompletedProcess[str]]]]:
+    """The default demo, started with the module and run beside the deterministic ones (the
+    last test reads it): each demo leaves much of the two cores idle, so side by side they end
+    minutes sooner than one after another, and none of them depends on its pace."""
+    out = tmp_path_factory.mktemp("default") / "async"
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        yield out, pool.submit(demo, out)
 
 
 @pytest.mark.parametrize("engine", ["reference", "vllm"])
@@ -82,3 +75,25 @@ def test_deterministic_faulted_and_unfaulted_runs_train_the_same_tokens(
     assert len(evidence.handed_out) == int(STEPS) * 2  # nothing generated ahead
     # The run was killed with calls mid-generation: some resumed from their staged prefixes.
     assert sum(row.restored_prefix_tokens for row in evidence.trained) > 0
+
+
+def test_the_demo_with_its_default_faults_passes_verification(
+    default_demo: tuple[Path, Future[subprocess.CompletedProcess[str]]],
+) -> None:
+    """Asynchronous (the default): generation a step ahead, the windowed sampler."""
+    out, running = default_demo
+    run = running.result()
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for line in ("[fault] checkpoint worker died", "[fault] environment w1", "[restore]"):
+        assert line in run.stdout, run.stdout
+    assert "parked" in run.stdout  # the snapshots' park windows are shown as they close
+    faults = [json.loads(line) for line in (out / "faults.jsonl").open()]
+    assert sorted(f["kind"] for f in faults) == ["coordinator", "env", "run"]
+    report = json.loads((out / "report.json").read_text())
+    assert report["deterministic"] is False and report["sampler"] == "windowed"
+    assert report["totals"]["snapshots_published"] >= 2
+    assert (out / "timeline.png").read_bytes().startswith(b"\x89PNG")
+    evidence = Evidence.read(out)
+    assert len(evidence.trained) == int(STEPS) * 2 * 4  # steps x groups x rollouts
+    # Generation ran ahead of training: groups were handed out beyond those trained.
+    assert len(evidence.handed_out) > int(STEPS) * 2
