@@ -50,7 +50,8 @@ from rollsafe.errors import (
 )
 from rollsafe.http import bearer
 from rollsafe.http.bearer import Handler
-from rollsafe.http.served import CLIENT_KEEPALIVE_S, listening_url, server_config
+from rollsafe.http.client import http_client
+from rollsafe.http.served import listening_url, server_config
 
 M = TypeVar("M", bound=BaseModel)
 NDJSON = "application/x-ndjson"
@@ -264,18 +265,11 @@ class EngineClient:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers={"authorization": f"Bearer {token}"},
+        self._http = http_client(
+            self.base_url,
+            token,
             timeout=httpx.Timeout(timeout, connect=connect_timeout),
             transport=transport,
-            # Every call in flight holds a connection: httpx's default pool of 100 would make
-            # the 101st wait for one, then time out.
-            limits=httpx.Limits(
-                max_connections=None,
-                max_keepalive_connections=64,
-                keepalive_expiry=CLIENT_KEEPALIVE_S,
-            ),
         )
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[StreamEvent]:

@@ -63,7 +63,7 @@ from rollsafe.errors import (
     RollsafeError,
     SchemaMismatch,
 )
-from rollsafe.http.served import CLIENT_KEEPALIVE_S
+from rollsafe.http.client import http_client
 
 R = TypeVar("R", bound=BaseModel)
 _JSON = {"content-type": "application/json"}
@@ -91,18 +91,7 @@ class EnvClient:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.grace_s = grace_s
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers={"authorization": f"Bearer {token}"},
-            transport=transport,
-            # Every running episode holds a connection: a bounded pool would make the next
-            # dispatch wait for one and then time out.
-            limits=httpx.Limits(
-                max_connections=None,
-                max_keepalive_connections=64,
-                keepalive_expiry=CLIENT_KEEPALIVE_S,
-            ),
-        )
+        self._http = http_client(self.base_url, token, transport=transport)
 
     # -- checkpoint control ---------------------------------------------------------------------
 

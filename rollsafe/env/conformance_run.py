@@ -19,6 +19,7 @@ from rollsafe.engine.protocol import Engine
 from rollsafe.env import protocol as w
 from rollsafe.env.client import EnvClient
 from rollsafe.errors import EnvRefused, EpisodeParked
+from rollsafe.http.client import http_client
 
 EPISODE_S = 120.0  # one episode's time limit
 MIN_TASK_TURNS = 3  # turns the task must run: an episode must park after its first
@@ -60,7 +61,7 @@ class Run:
         self.root = Path(tempfile.mkdtemp(prefix="rollsafe-conformance-"))
         self.local_files = urlsplit(url).hostname in ("localhost", "127.0.0.1", "::1")
         self.env = EnvClient(url, token, timeout_s=15.0)
-        self.http = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=15.0)
+        self.http = http_client(url, None, timeout=15.0)  # each request sends its own auth
         self.tag, self.count, self.instance = uuid.uuid4().hex[:8], 0, ""
         self.turn_s = 0.05  # seconds a turn takes (measured by the probe episode)
         self.opened: list[str] = []

@@ -38,7 +38,7 @@ from rollsafe.env.participant_records import (
     install,
     restored_in_scope,
 )
-from rollsafe.env.protocol import EpisodeRef, EpisodeResult, Phase
+from rollsafe.env.protocol import EpisodeRef, EpisodeResult, InstancePhase
 from rollsafe.env.session import Session
 from rollsafe.errors import InvalidInput, ParticipantRefused
 from rollsafe.faults import fault_point, register
@@ -67,7 +67,7 @@ class Participant:
         self.tool_wait_s = tool_wait_s
         self._clock = clock
         self._lock = asyncio.Lock()
-        self._phase: Phase = "idle"
+        self._phase: InstancePhase = "idle"
         self._open_id: str | None = None
         self._lease: float | None = None
         self._closed: set[str] = set()  # resumed, aborted or expired: refused forever
@@ -135,7 +135,7 @@ class Participant:
         reply = self._replies.get((cid, op))
         return reply if isinstance(reply, kind) else None
 
-    def _require(self, cid: str, *phases: Phase) -> None:
+    def _require(self, cid: str, *phases: InstancePhase) -> None:
         if cid in self._closed:
             raise ParticipantRefused(
                 "checkpoint_resumed", f"{cid} was resumed or expired; never again"
@@ -154,7 +154,7 @@ class Participant:
         if deadline_ts <= now:
             raise InvalidInput(f"deadline_ts {deadline_ts:.3f} has passed (now {now:.3f})")
 
-    def _open(self, phase: Phase, cid: str, deadline_ts: float) -> float:
+    def _open(self, phase: InstancePhase, cid: str, deadline_ts: float) -> float:
         self._phase, self._open_id = phase, cid
         return self._set_lease(deadline_ts)
 

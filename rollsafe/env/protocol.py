@@ -36,7 +36,8 @@ PROTOCOL_VERSION = 1
 PREFIX = "/checkpoint/v1"
 EPISODES_RUN = "/episodes/run"
 
-Phase = Literal["idle", "prepared", "committed", "restored"]
+# An instance's place in the checkpoint protocol (not a snapshot's phase: rollsafe.core.phases).
+InstancePhase = Literal["idle", "prepared", "committed", "restored"]
 ParticipantKind = Literal["environment", "model", "agent", "resources"]
 # What an episode was doing when its instance parked.
 Activity = Literal["boundary", "generating", "tool"]
@@ -82,7 +83,7 @@ class ErrorReply(_Message):
 class StatusReply(_Message):
     protocol_version: Literal[1] = 1
     instance: str
-    phase: Phase
+    phase: InstancePhase
     checkpoint_id: str | None = Field(
         default=None, description="the open checkpoint (or restore) id; None when idle"
     )
@@ -171,7 +172,7 @@ class ResumeRequest(_Message):
 
 
 class ResumeReply(_Message):
-    phase: Phase
+    phase: InstancePhase
     resumed: bool = Field(description="False: it was not open (lease ran out, or never was)")
 
 
