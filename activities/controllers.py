@@ -36,23 +36,23 @@ ControllerResolver = Callable[[str], ControllerClient]  # run id -> its controll
 class LocalControllerClient:
     """Calls the operations in a thread, so the worker's event loop keeps heartbeating."""
 
-    def __init__(self, ops: Controller) -> None:
-        self.ops = ops
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
 
     async def run_phase(self, request: PhaseRequest) -> PhaseResult:
-        return await asyncio.to_thread(self.ops.run_phase, request)
+        return await asyncio.to_thread(self.controller.run_phase, request)
 
     async def renew_admission(self, spec: SnapshotSpec) -> bool:
-        return await asyncio.to_thread(self.ops.renew_admission, spec)
+        return await asyncio.to_thread(self.controller.renew_admission, spec)
 
     async def abort(self, spec: SnapshotSpec) -> PhaseResult:
-        return await asyncio.to_thread(self.ops.abort, spec)
+        return await asyncio.to_thread(self.controller.abort, spec)
 
     async def next_seq(self) -> int:
-        return await asyncio.to_thread(self.ops.next_seq)
+        return await asyncio.to_thread(self.controller.next_seq)
 
     async def restore(self, request: RestoreRequest) -> RestorePlan:
-        return await asyncio.to_thread(self.ops.restore, request)
+        return await asyncio.to_thread(self.controller.restore, request)
 
 
 class RayControllerClient:

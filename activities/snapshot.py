@@ -1,11 +1,15 @@
 """One activity per snapshot phase, each a thin call to the run's controller.
 
-Activities are registered under the phase's name, so an operator sees the phase of a stuck
-snapshot as its pending activity. Long calls heartbeat every second (docs/design.md section 5:
-heartbeat timeout ~5 s) so a killed worker's phase is retried within seconds, and a
-cancelled phase (abort) is noticed at the next beat. A phase that runs while its checkpoint
-holds admission closed also renews the gate's lease with every beat: a worker that dies
-stops renewing, and the gate reopens by itself once the lease runs out (rollsafe.core.gate).
+Activities are registered under the phase's name (built in a loop by
+``SnapshotActivities._phase_activity``: search for ``Phase.CAPTURE``, not ``def capture``), so
+an operator sees the phase of a stuck snapshot as its pending activity. A run without
+participants has phases 3-7 run as local activities (no work of their own).
+
+Long calls heartbeat every second (docs/design.md section 5: heartbeat timeout ~5 s) so a
+killed worker's phase is retried within seconds, and a cancelled phase (abort) is noticed at
+the next beat. A phase that runs while its checkpoint holds admission closed also renews the
+admission lease with every beat: a worker that dies stops renewing, and the gate reopens by
+itself once the lease runs out (rollsafe.core.gate).
 """
 
 from __future__ import annotations

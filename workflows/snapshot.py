@@ -38,6 +38,8 @@ with workflow.unsafe.imports_passed_through():
 ABORT_ACTIVITY = "abort_snapshot"
 T = TypeVar("T")
 TRAINER_STATE_CHANGED = "trainer_state_changed"
+# The loop runs these eight; resume follows in _compensate (on every path out, failures
+# included), then publish.
 _BEFORE_RESUME = PHASES[: PHASES.index(Phase.RESUME)]
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from rollsafe.core.ids import snapshot_workflow_id
+
 # Fast retries so failure paths finish in a second (rollsafe.workflows.models.PhaseOptions).
 FAST_RETRY = {"retry_initial_s": 0.05, "retry_maximum_s": 0.2, "retry_attempts": 3}
 
@@ -45,10 +47,10 @@ class WorkflowHarness:
         self.run_id = f"wf-{uuid.uuid4().hex[:8]}"
         self.task_queue = task_queue_for(self.run_id)
         self.store = SnapshotStore(tmp_path, self.run_id)
-        self.ops = Controller.from_parts(
+        self.controller = Controller.from_parts(
             busy_run(self.run_id, make_dataplane("memory")), self.store
         )
-        self.local = LocalControllerClient(self.ops)
+        self.local = LocalControllerClient(self.controller)
 
     def worker(self) -> Any:
         from rollsafe.workers.checkpoint import build_worker
@@ -56,7 +58,7 @@ class WorkflowHarness:
         return build_worker(self.client, self.task_queue, lambda run_id: self.local)
 
     def snapshot_workflow_id(self, seq: int) -> str:
-        return f"rollsafe/{self.run_id}/snapshot/{seq}"
+        return snapshot_workflow_id(self.run_id, seq)
 
     async def start_snapshot(self, seq: int = 1, **fields: Any) -> Any:
         """Start RolloutSnapshot ``seq`` directly (fast retries unless ``options`` given)."""

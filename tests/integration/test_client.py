@@ -118,7 +118,7 @@ async def test_train_step_committed_aborts_before_capture_and_is_too_late_after(
             )
         outcome = await pending
         assert outcome.status == "skipped" and "step 7 committed" in outcome.reason
-        assert harness.store.list() == [] and harness.ops.status().gate_open
+        assert harness.store.list() == [] and harness.controller.status().gate_open
 
         with holding("phase.publish.before") as publish:
             pending = asyncio.create_task(ckpt.snapshot_now())
@@ -185,7 +185,7 @@ async def test_persistent_failures_surface_as_snapshots_failed(harness) -> None:
         await ckpt.start()
         assert (await ckpt.snapshot_now()).status == "published"
         await ckpt.stop()
-    assert harness.ops.status().gate_open
+    assert harness.controller.status().gate_open
 
 
 async def test_snapshot_now_timeout_raises_and_the_snapshot_goes_on(harness) -> None:

@@ -26,10 +26,12 @@ async def test_a_snapshot_runs_the_ten_phases_once_and_publishes(harness) -> Non
     assert outcome.status == "published", outcome.reason
     assert [r.phase for r in outcome.phases] == list(PHASES)
     assert outcome.published is not None and outcome.published.counts["sealed_rollouts"] == 3
-    status = harness.ops.status()
+    status = harness.controller.status()
     assert status.gate_open and status.open_checkpoint is None
     assert all(status.effects[p.value] == 1 for p in (Phase.OPEN, Phase.CAPTURE, Phase.PUBLISH))
-    _, plan = RunState.restore(harness.ops.state.config, harness.store, make_dataplane("memory"))
+    _, plan = RunState.restore(
+        harness.controller.state.config, harness.store, make_dataplane("memory")
+    )
     assert plan.checkpoint_id == outcome.checkpoint_id and plan.ready == [0]
 
 
@@ -38,7 +40,7 @@ async def test_a_transient_phase_failure_is_retried(harness) -> None:
     async with harness.worker():
         outcome = await harness.snapshot()
     assert outcome.status == "published"
-    assert harness.ops.status().effects["capture"] == 1
+    assert harness.controller.status().effects["capture"] == 1
 
 
 async def test_a_persistent_failure_fails_the_snapshot_and_reopens_admission(
@@ -49,7 +51,7 @@ async def test_a_persistent_failure_fails_the_snapshot_and_reopens_admission(
         outcome = await harness.snapshot()
     assert outcome.status == "failed" and outcome.transient
     assert outcome.error_type == "InjectedFault"
-    status = harness.ops.status()
+    status = harness.controller.status()
     assert status.gate_open and status.open_checkpoint is None
     assert harness.store.list() == []
 
@@ -64,7 +66,7 @@ async def test_abort_before_capture_skips_and_after_is_too_late(harness) -> None
             assert "drain" in answer
         outcome = await handle.result()
         assert outcome.status == "skipped" and "trainer step 7" in outcome.reason
-        assert harness.store.list() == [] and harness.ops.status().gate_open
+        assert harness.store.list() == [] and harness.controller.status().gate_open
 
         with holding("phase.publish.before") as publish:
             handle = await harness.start_snapshot(2)
@@ -91,7 +93,7 @@ async def test_supervisor_counts_consecutive_failures_then_fails(harness) -> Non
         cause = failed.value.cause
         assert isinstance(cause, ApplicationError)
         assert cause.type == "TooManyConsecutiveSnapshotFailures" and cause.non_retryable
-    assert harness.ops.status().gate_open
+    assert harness.controller.status().gate_open
 
 
 async def test_supervisor_snapshot_now_publishes_and_resets_the_count(harness) -> None:
@@ -113,7 +115,7 @@ async def test_restore_workflow_brings_the_run_back_from_its_newest_snapshot(
     async with harness.worker():
         assert (await harness.snapshot()).status == "published"
         # The run moves on after the snapshot: one more seal that the restore must undo.
-        live = harness.ops.state
+        live = harness.controller.state
         live.dispatch(2, 0)
         live.seal(2, 0, 0, row_content(2, 0, 0))
         request = RestoreRequest(run_id=harness.run_id, restore_id="r1")
@@ -132,8 +134,8 @@ async def test_restore_workflow_brings_the_run_back_from_its_newest_snapshot(
     assert plan.ready == [0] and sorted(plan.partial) == [1, 2]
     assert plan.partial[1].restored == [0] and plan.partial[2].restored == []
     assert again == plan  # idempotent per restore id: the run was not restored twice
-    assert harness.ops.state is not live
-    assert harness.ops.state.ledger.sealed(2) == []
+    assert harness.controller.state is not live
+    assert harness.controller.state.ledger.sealed(2) == []
 
 
 async def test_restore_without_a_snapshot_fails_naming_it(harness) -> None:
@@ -182,7 +184,7 @@ async def test_an_invariant_failure_fails_the_supervisor_at_once(harness) -> Non
     cause = failed.value.cause
     assert isinstance(cause, ApplicationError) and cause.non_retryable
     assert cause.type == "InjectedInvariantFault"
-    assert harness.ops.status().gate_open and harness.store.list() == []
+    assert harness.controller.status().gate_open and harness.store.list() == []
 
 
 async def test_without_participants_the_bookkeeping_phases_run_as_local_activities(
@@ -208,12 +210,12 @@ async def test_a_cancelled_snapshot_still_resumes_and_discards_its_draft(harness
             handle = await harness.start_snapshot(1)
             await drain.reached_async()
             assert await harness.snapshot_phase(1) == Phase.DRAIN
-            assert not harness.ops.status().gate_open  # parked: admission closed
+            assert not harness.controller.status().gate_open  # parked: admission closed
             await handle.cancel()
         with pytest.raises(WorkflowFailureError) as cancelled:
             await handle.result()
     assert "cancel" in repr(cancelled.value.cause).lower()
-    status = harness.ops.status()
+    status = harness.controller.status()
     assert status.gate_open and status.open_checkpoint is None
     assert status.effects["resume"] == 1 and status.effects["abort"] == 1
     assert harness.store.list() == []

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW_MODULES = (
     "rollsafe.workflows.snapshot",
     "rollsafe.workflows.supervisor",
+    "rollsafe.workflows.restore",
     "rollsafe.workflows.models",
 )
 HEAVY = ("torch", "numpy", "ray", "transfer_queue", "transferqueue")
