@@ -17,9 +17,10 @@ that walks away from a stream frees its call.
 
 Tests and drills can have the reference engine *hold* calls (:class:`HoldRule`, from
 ``ROLLSAFE_ENGINE_HOLD``): a held call stops after its first tokens and waits, generating
-nothing. The engine's first cut ends the hold: every held call goes on (a cut one once it is
-released) and no call is held again. A snapshot then always finds the calls it is meant to
-catch, however loaded the machine is, where a test would otherwise race the decode.
+nothing. By default the engine's first cut ends the hold: every held call goes on (a cut one
+once it is released) and no call is held again; with ``once=False`` a cut ends it only for the
+calls it froze, and later calls are held as before. A snapshot then always finds the calls it
+is meant to catch, however loaded the machine is, where a test would otherwise race the decode.
 """
 
 from __future__ import annotations
@@ -72,20 +73,24 @@ HOLD_ENV = "ROLLSAFE_ENGINE_HOLD"
 
 
 class HoldRule(BaseModel):
-    """Which calls the engine holds until its first cut (a test instrument;
-    ``ROLLSAFE_ENGINE_HOLD`` carries it as JSON): those whose id ``calls`` matches
-    (``re.search``), once they have made ``after_tokens`` tokens while the engine serves weight
-    version ``from_weight_version`` or later (so a test can let the first steps run free)."""
+    """Which calls the engine holds (a test instrument; ``ROLLSAFE_ENGINE_HOLD`` carries it as
+    JSON): those whose id ``calls`` matches (``re.search``), once they have made
+    ``after_tokens`` tokens while the engine serves weight version ``from_weight_version`` or
+    later (so a test can let the first steps run free). ``once``: the engine's first cut ends
+    the hold for every call (a run goes on after the snapshot that caught it); otherwise each
+    cut ends it for the calls it froze (an engine many tests cut in turn)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     calls: str = ".*"
     after_tokens: int = Field(default=1, ge=1)
     from_weight_version: int = Field(default=0, ge=0)
+    once: bool = True
 
     def holds(self, call: CallState, weight_version: int) -> bool:
         return (
-            weight_version >= self.from_weight_version
+            not call.cut
+            and weight_version >= self.from_weight_version
             and len(call.tokens) >= self.after_tokens
             and re.search(self.calls, call.call_id) is not None
         )
@@ -123,7 +128,9 @@ class CallState:
     versions: list[int] = field(default_factory=list)
     routes: list[Route] | None = None  # MoE models: one per token
     frozen: bool = False
-    held: bool = False  # stopped by the engine's HoldRule until its first cut
+    held: bool = False  # stopped by the engine's HoldRule until a cut
+    # Cut at least once, here or (a resume) where its prefix was staged: never held again.
+    cut: bool = False
 
     @property
     def call_id(self) -> str:
@@ -337,6 +344,7 @@ class EngineLoop(Generic[CallT]):
             self._fail(held, f"call {request.call_id} was frozen and is superseded by a resume")
         call = self._new_call(request, sink)
         if prefix is not None:
+            call.cut = True
             call.tokens = list(prefix.tokens)
             call.logprobs = list(prefix.logprobs)
             call.versions = list(prefix.weight_versions)
@@ -363,10 +371,11 @@ class EngineLoop(Generic[CallT]):
                 continue
             if not call.frozen:
                 self._freeze(call)
+            call.held, call.cut = False, True
             routes = tuple(call.routes) if call.routes is not None else None
             state = (tuple(call.tokens), tuple(call.logprobs), tuple(call.versions), routes)
             frozen.append(Frozen(call.request, *state))
-        if frozen and self._hold is not None:  # the first cut ends the hold, for every call
+        if frozen and self._hold is not None and self._hold.once:  # ends it for every call
             self._hold = None
             for call in self._calls.values():
                 call.held = False

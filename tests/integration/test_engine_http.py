@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import signal
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -19,6 +20,7 @@ import httpx
 import pytest
 
 from rollsafe.engine.http import EngineClient
+from rollsafe.engine.loop import HOLD_ENV, HoldRule
 from rollsafe.engine.model import ModelConfig
 from rollsafe.engine.protocol import (
     Completion,
@@ -40,13 +42,17 @@ SEED = 3
 MAX_TOKENS = 24
 LIMIT_S = 30
 BANNER = ENGINE_BANNER.format(kind="moe")
+# The calls start_and_cut makes stop after their first token until their cut, so a cut always
+# catches them mid-generation; each cut ends the hold for the calls it froze only.
+HELD = HoldRule(calls=r"^held-", once=False)
 
 
 def _start_server(logs: Path) -> ServedProcess:
     """Start `rollsafe engine serve` on a free port (the OS picks; the banner names it)."""
     args = ["engine", "serve", "--port", "0", "--model", "moe", "--seed", str(SEED)]
     # The env route: no token in argv.
-    server = start_served(args, BANNER, logs, env={"ROLLSAFE_ENGINE_TOKEN": TOKEN})
+    env = {"ROLLSAFE_ENGINE_TOKEN": TOKEN, HOLD_ENV: HELD.model_dump_json()}
+    server = start_served(args, BANNER, logs, env=env)
     try:
         eventually(
             lambda: httpx.get(f"{server.url}/v1/health").json() == {"ok": True},
@@ -84,9 +90,9 @@ async def client(server: str) -> AsyncIterator[EngineClient]:
         yield remote
 
 
-def requests(n: int, max_tokens: int = MAX_TOKENS) -> list[GenerateRequest]:
+def requests(n: int, max_tokens: int = MAX_TOKENS, held: bool = False) -> list[GenerateRequest]:
     # Call ids are unique per test: the server is shared by the whole module.
-    tag = uuid.uuid4().hex[:8]
+    tag = ("held-" if held else "") + uuid.uuid4().hex[:8]
     return [
         GenerateRequest(
             call_id=f"{tag}-{i}",
@@ -103,6 +109,15 @@ def local_engine() -> TorchEngine:
     return TorchEngine(ModelConfig(kind="moe"), seed=SEED)
 
 
+def held_local_engine() -> TorchEngine:
+    """An in-process engine that holds HELD's calls (an engine reads its hold when built)."""
+    os.environ[HOLD_ENV] = HELD.model_dump_json()
+    try:
+        return local_engine()
+    finally:
+        del os.environ[HOLD_ENV]
+
+
 async def uninterrupted(reqs: Sequence[GenerateRequest]) -> list[Completion]:
     async with local_engine() as engine:
         return list(await asyncio.gather(*(completed(engine, r) for r in reqs)))
@@ -117,19 +132,13 @@ class Cut:
 
 
 async def start_and_cut(engine: Engine, n: int) -> Cut:
-    """Start n calls, wait for each one's first token, cut them all mid-generation."""
-    for _ in range(5):
-        reqs = requests(n)
-        streams = [engine.generate(r) for r in reqs]
-        firsts = list(await asyncio.gather(*(anext(s) for s in streams)))
-        report = await engine.cut([r.call_id for r in reqs])
-        if not report.refused:
-            break
-        # A call finished before the cut reached it (a slow machine): again, with new calls.
-        assert {r.reason for r in report.refused} == {"unknown_call"}, report.refused
-        await close_all(streams)
-    else:
-        pytest.fail("every attempt to cut mid-generation came too late")
+    """Start n calls, wait for each one's first token, cut them all mid-generation (held by
+    the engine since that token, they cannot have finished)."""
+    reqs = requests(n, held=True)
+    streams = [engine.generate(r) for r in reqs]
+    firsts = list(await asyncio.gather(*(anext(s) for s in streams)))
+    report = await engine.cut([r.call_id for r in reqs])
+    assert not report.refused, report.refused
     prefixes = {p.call_id: p for p in report.prefixes}
     assert sorted(prefixes) == sorted(r.call_id for r in reqs)
     for prefix in prefixes.values():
@@ -164,7 +173,7 @@ async def test_cut_over_http_resumes_in_process(client: EngineClient) -> None:
 
 @bounded
 async def test_cut_in_process_resumes_over_http(client: EngineClient) -> None:
-    async with local_engine() as engine:
+    async with held_local_engine() as engine:
         cut = await start_and_cut(engine, 4)
         await close_all(cut.streams)
     prefixes, reqs = cut.prefixes, cut.requests
@@ -243,7 +252,7 @@ async def test_malformed_body_is_422_naming_the_field(server: str) -> None:
 
 @bounded
 async def test_tampered_or_foreign_prefix_raises_prefix_mismatch(client: EngineClient) -> None:
-    async with local_engine() as engine:
+    async with held_local_engine() as engine:
         cut = await start_and_cut(engine, 1)
         await close_all(cut.streams)
     (request,), (prefix,) = cut.requests, cut.prefixes.values()
