@@ -1,6 +1,6 @@
-"""A run's environments and engines in a snapshot's phases and in a restore (docs/design.md sections
-5 and 6): the work of phases 3-7 and 9 that the controller hands over when
-the run has participants.
+"""A run's environments and engines in a snapshot's phases and in a restore (docs/design.md
+sections 5 and 6): the work of phases 3-7 and 9 that the controller hands over when the run
+has participants (:class:`ParticipantPhases`, on top of :class:`Participants`).
 
 The run's dispatcher sends ``/episodes/run`` calls on :attr:`Participants.loop` and records
 each in :attr:`Participants.pending` until its reply arrives; this object uses the same loop,
@@ -363,6 +363,12 @@ NOTHING_TO_DO = {
 
 
 class ParticipantPhases:
+    """Phases 3-6 as the controller runs them, each returning its result's one-line summary
+    and counts (phase 7, commit, writes into the controller's draft and stays there). What a
+    snapshot holds follows each parked episode's restore level, read from the ledger: only
+    ``prefix`` groups' calls are cut, and only ``turn`` and ``prefix`` groups' episodes
+    committed."""
+
     def __init__(
         self,
         participants: Participants,
