@@ -38,7 +38,7 @@ from functools import partial
 from typing import Any, Generic, Literal, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rollsafe.engine.protocol import (
     CUT_BATCH,
@@ -87,6 +87,15 @@ class HoldRule(BaseModel):
     from_weight_version: int = Field(default=0, ge=0)
     once: bool = True
 
+    @field_validator("calls")
+    @classmethod
+    def _a_pattern(cls, calls: str) -> str:
+        try:
+            re.compile(calls)
+        except re.error as exc:  # not a ValueError: pydantic would not report it as the field's
+            raise ValueError(f"not a regular expression: {exc}") from None
+        return calls
+
     def holds(self, call: CallState, weight_version: int) -> bool:
         return (
             not call.cut
@@ -102,11 +111,9 @@ def hold_rule_from_env() -> HoldRule | None:
     if not raw:
         return None
     try:
-        rule = HoldRule.model_validate_json(raw)
-        re.compile(rule.calls)
-    except (ValidationError, re.error) as exc:
+        return HoldRule.model_validate_json(raw)
+    except ValidationError as exc:
         raise InvalidInput(f"{HOLD_ENV}={raw!r}: {exc}") from None
-    return rule
 
 
 class Sink:
