@@ -5,26 +5,33 @@ With a health port, the worker answers HTTP probes (``--health-port``, docs/depl
 - ``GET /healthz``: 200 while the worker polls its task queue; 503 while it is starting and
   once it is draining after SIGTERM/SIGINT (readiness, and "stop sending me work").
 - ``GET /livez``: 200 from start to exit, through the drain; 503 only when the worker is
-  neither starting nor draining and no longer polling (liveness). Both are answered on the
-  worker's event loop, so a loop blocked for longer than the probe's timeout fails them too.
+  neither starting nor draining and no longer polling (liveness). Both are answered by a
+  Starlette app under uvicorn on the worker's own event loop, so a loop blocked for longer
+  than the probe's timeout fails them too. Any other path is a 404, any other method a 405.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import signal
-from collections.abc import AsyncIterator, Callable
+import socket
+from collections.abc import AsyncIterator, Callable, Generator
 from datetime import timedelta
 from typing import Final, Literal
 
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 from temporalio.client import Client
 from temporalio.worker import Worker
 
 from rollsafe.activities.controllers import ControllerResolver, RayControllerClient
 from rollsafe.activities.snapshot import SnapshotActivities
 from rollsafe.core.ids import task_queue_for
+from rollsafe.http.served import server_config
 from rollsafe.temporal.connect import ConnectionSettings, connect
 from rollsafe.workflows.restore import RestoreRun
 from rollsafe.workflows.snapshot import RolloutSnapshot
@@ -33,9 +40,8 @@ from rollsafe.workflows.supervisor import SnapshotSupervisor
 STICKY_TIMEOUT = timedelta(seconds=2)
 
 HealthState = Literal["starting", "serving", "draining"]
-HEALTH_PATHS: Final = ("/healthz", "/livez")
-_REQUEST_TIMEOUT_S = 5.0  # a probe that sends no complete request in this long is dropped
-_MAX_REQUEST_BYTES = 8192
+HealthPath = Literal["/healthz", "/livez"]
+HEALTH_PATHS: Final[tuple[HealthPath, ...]] = ("/healthz", "/livez")
 
 
 def build_worker(
@@ -73,10 +79,8 @@ class WorkerHealth:
     def polling(self) -> bool:
         return self.worker is not None and self.worker.is_running
 
-    def answer(self, path: str) -> tuple[int, dict[str, object]]:
+    def answer(self, path: HealthPath) -> tuple[int, dict[str, object]]:
         """(HTTP status, JSON body) for a GET of ``path``."""
-        if path not in HEALTH_PATHS:
-            return 404, {"error": f"no such path; known: {', '.join(HEALTH_PATHS)}"}
         polling = self.polling()
         if path == "/healthz":
             ok = self.state == "serving" and polling
@@ -90,45 +94,56 @@ class WorkerHealth:
         }
         return (200 if ok else 503), body
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            async with asyncio.timeout(_REQUEST_TIMEOUT_S):
-                head = await reader.readuntil(b"\r\n\r\n")
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-            writer.close()
-            return
-        except ConnectionError:
-            return
-        method, _, rest = head.split(b"\r\n", 1)[0].decode("latin-1").partition(" ")
-        path = rest.partition(" ")[0].partition("?")[0]
-        status, body = (
-            self.answer(path) if method in ("GET", "HEAD") else (405, {"error": "GET or HEAD"})
-        )
-        payload = json.dumps(body).encode()
-        reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed"}.get(
-            status, "Service Unavailable"
-        )
-        writer.write(
-            f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
-            + (payload if method != "HEAD" else b"")
-        )
-        with contextlib.suppress(ConnectionError):
-            await writer.drain()
-        writer.close()
-
     @contextlib.asynccontextmanager
     async def serving(self, host: str, port: int) -> AsyncIterator[int]:
-        """Listen on ``host:port`` (0: any free port) for the block; yields the bound port."""
-        server = await asyncio.start_server(
-            self._handle, host, port, limit=_MAX_REQUEST_BYTES, reuse_address=True
-        )
+        """Serve :func:`health_app` on ``host:port`` (0: any free port) for the block, on
+        this event loop; yields the bound port. A port in use raises OSError here."""
+        sock = _listen(host, port)
+        server = _ProbeServer(server_config(health_app(self), host, port, lifespan="off"))
+        # The socket already listens: a probe that comes before uvicorn accepts just waits.
+        served = asyncio.create_task(server.serve(sockets=[sock]))
         try:
-            yield server.sockets[0].getsockname()[1]
+            yield sock.getsockname()[1]
         finally:
-            server.close()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(server.wait_closed(), 1.0)
+            server.should_exit = True
+            try:
+                await served
+            finally:
+                sock.close()
+
+
+def health_app(health: WorkerHealth) -> Starlette:
+    """``GET /healthz`` and ``GET /livez`` (HEAD too) answering ``health.answer``."""
+
+    def probe(path: HealthPath) -> Route:
+        async def endpoint(request: Request) -> JSONResponse:
+            status, body = health.answer(path)
+            return JSONResponse(body, status_code=status)
+
+        return Route(path, endpoint, methods=["GET"])
+
+    return Starlette(routes=[probe(path) for path in HEALTH_PATHS])
+
+
+class _ProbeServer(uvicorn.Server):
+    """uvicorn that leaves SIGINT and SIGTERM to the worker. ``serve`` would take them over
+    for as long as it runs: the first signal would stop the probes instead of starting the
+    drain (during which /healthz must answer 503 and /livez 200), and uvicorn re-raises it
+    once it has stopped."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``, bound here rather than by uvicorn: a port in
+    use is then an OSError for the caller (uvicorn would call sys.exit), and the port bound
+    for 0 is known before serving starts."""
+    family, _, _, _, address = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    return socket.create_server(address, family=family)
 
 
 async def run_worker(

@@ -13,11 +13,12 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import struct
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 
@@ -137,8 +138,13 @@ def read_tensors(
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Parse a safetensors buffer; arrays are read-only views into ``data``.
 
-    Any inconsistency (short buffer, bad header, overlapping or out-of-range offsets, unknown
-    dtype) raises :class:`SnapshotCorrupt` naming ``source``.
+    Refused with :class:`SnapshotCorrupt` naming ``source``: a short buffer; an unreadable
+    header; an entry whose dtype is not one rollsafe writes, or whose shape or offsets are not
+    non-negative integers; a byte range that does not fit its dtype and shape, or the body;
+    and a layout that does not tile the body. Taken in offset order, the ranges must start at
+    0, each must begin where the one before ends, and the last must end with the body: two
+    that overlap, or a gap, are refused naming both tensors and their offsets, as safetensors
+    refuses them ("invalid offset"), and so are bytes after the last ("not fully covered").
     """
     view = memoryview(data)
     if len(view) < 8:
@@ -155,12 +161,13 @@ def read_tensors(
     metadata = header.pop("__metadata__", {}) or {}
     body = view[8 + header_len :]
     arrays: dict[str, np.ndarray] = {}
-    end_max = 0
+    ranges: list[_Range] = []
     for name, spec in header.items():
-        arrays[name] = _array_from_spec(name, spec, body, source)
-        end_max = max(end_max, spec["data_offsets"][1])
-    if end_max != len(body):
-        raise SnapshotCorrupt(f"{source}: body is {len(body)} bytes, header describes {end_max}")
+        arrays[name], begin, end = _array_from_spec(name, spec, body, source)
+        ranges.append(_Range(begin, end, name))
+    covered = _check_layout(ranges, source)
+    if covered != len(body):
+        raise SnapshotCorrupt(f"{source}: body is {len(body)} bytes, header describes {covered}")
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
@@ -168,15 +175,54 @@ def read_tensors(
     return arrays, metadata
 
 
-def _array_from_spec(name: str, spec: object, body: memoryview, source: str) -> np.ndarray:
+class _Range(NamedTuple):
+    begin: int
+    end: int
+    name: str
+
+
+def _check_layout(ranges: list[_Range], source: str) -> int:
+    """Where the tensors' bytes end, once checked to follow one another from 0 with neither
+    overlap nor gap (safetensors' own rule, its "invalid offset"). Two ranges sharing bytes
+    would alias one array's data in another; a gap is bytes no tensor accounts for, which the
+    file's hash would cover unread."""
+    before = _Range(0, 0, "")
+    for this in sorted(ranges):  # by (begin, end): an empty range first among equal begins
+        if this.begin < before.end:
+            raise SnapshotCorrupt(
+                f"{source}: tensors {before.name!r} at {before.begin}..{before.end} and "
+                f"{this.name!r} at {this.begin}..{this.end} overlap"
+            )
+        if this.begin > before.end:
+            after = f"after {before.name!r} at {before.begin}..{before.end}"
+            raise SnapshotCorrupt(
+                f"{source}: gap of {this.begin - before.end} bytes before {this.name!r} at "
+                f"{this.begin}..{this.end} ({after if before.name else 'the body starts at 0'})"
+            )
+        before = this
+    return before.end
+
+
+def _array_from_spec(
+    name: str, spec: object, body: memoryview, source: str
+) -> tuple[np.ndarray, int, int]:
+    """The array ``spec`` describes, with its byte range (begin, end) in ``body``."""
     try:
         assert isinstance(spec, dict)
         dtype = _DTYPES[spec["dtype"]]
-        shape = tuple(int(n) for n in spec["shape"])
-        begin, end = (int(n) for n in spec["data_offsets"])
+        shape = _counts(spec["shape"])
+        begin, end = _counts(spec["data_offsets"])
     except (AssertionError, KeyError, TypeError, ValueError):
         raise SnapshotCorrupt(f"{source}: bad header entry for {name!r}") from None
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    if not 0 <= begin <= end <= len(body) or end - begin != count * dtype.itemsize:
+    count = math.prod(shape)  # exact: numpy's int64 product could wrap round to fit
+    if not begin <= end <= len(body) or end - begin != count * dtype.itemsize:
         raise SnapshotCorrupt(f"{source}: {name!r} byte range {begin}..{end} does not fit")
-    return np.frombuffer(body[begin:end], dtype=dtype).reshape(shape)
+    return np.frombuffer(body[begin:end], dtype=dtype).reshape(shape), begin, end
+
+
+def _counts(values: object) -> tuple[int, ...]:
+    """A JSON list of non-negative integers (safetensors' usize), or ValueError: a string or a
+    float is not one, and a negative dimension would let numpy infer the shape."""
+    if not isinstance(values, list) or not all(type(n) is int and n >= 0 for n in values):
+        raise ValueError(values)
+    return tuple(values)

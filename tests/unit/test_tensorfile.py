@@ -1,9 +1,12 @@
 import io
+import json
+import re
 import struct
 
 import numpy as np
 import pytest
 import safetensors.numpy
+from safetensors import SafetensorError
 
 from rollsafe.errors import SnapshotCorrupt
 from rollsafe.snapshot.tensorfile import HashingWriter, read_tensors, write_tensors
@@ -76,3 +79,101 @@ def test_unknown_dtype_is_refused():
     damaged = data.replace(b'"I32"', b'"Q99"')
     with pytest.raises(SnapshotCorrupt, match="bad header entry for 'x'"):
         read_tensors(damaged, "src")
+
+
+def crafted(entries: dict[str, tuple[str, list[int], int, int]], body: bytes) -> bytes:
+    """A safetensors file built byte by byte: name -> (dtype, shape, begin, end), then
+    ``body`` (not the writer: it cannot produce these layouts)."""
+    header = {
+        name: {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+        for name, (dtype, shape, begin, end) in entries.items()
+    }
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded + body
+
+
+def refused(data: bytes, message: str) -> None:
+    """read_tensors raises naming ``message`` (so returns nothing); safetensors refuses too."""
+    with pytest.raises(SnapshotCorrupt, match=f"^src: {re.escape(message)}$"):
+        read_tensors(data, "src")
+    with pytest.raises(SafetensorError, match="invalid offset"):
+        safetensors.numpy.load(data)
+
+
+@pytest.mark.parametrize(
+    ("entries", "size", "message"),
+    [
+        (
+            {"a": ("U8", [4], 0, 4), "b": ("U8", [4], 2, 6)},
+            6,
+            "tensors 'a' at 0..4 and 'b' at 2..6 overlap",
+        ),
+        (  # the same bytes twice: each tensor on its own fits the body
+            {"a": ("I32", [2], 0, 8), "b": ("U8", [8], 0, 8)},
+            8,
+            "tensors 'a' at 0..8 and 'b' at 0..8 overlap",
+        ),
+        (  # listed out of offset order in the header
+            {"late": ("U8", [4], 4, 8), "early": ("U8", [6], 0, 6)},
+            8,
+            "tensors 'early' at 0..6 and 'late' at 4..8 overlap",
+        ),
+        (  # an empty tensor inside another: safetensors refuses it as well
+            {"a": ("U8", [8], 0, 8), "b": ("U8", [0], 4, 4)},
+            8,
+            "tensors 'a' at 0..8 and 'b' at 4..4 overlap",
+        ),
+    ],
+    ids=["partial", "identical", "out-of-order", "empty-inside"],
+)
+def test_overlapping_tensors_are_refused_naming_both(entries, size, message):
+    refused(crafted(entries, bytes(size)), message)
+
+
+@pytest.mark.parametrize(
+    ("entries", "size", "message"),
+    [
+        (
+            {"a": ("U8", [4], 0, 4), "b": ("U8", [4], 6, 10)},
+            10,
+            "gap of 2 bytes before 'b' at 6..10 (after 'a' at 0..4)",
+        ),
+        (
+            {"a": ("U8", [4], 2, 6)},
+            6,
+            "gap of 2 bytes before 'a' at 2..6 (the body starts at 0)",
+        ),
+    ],
+    ids=["between", "leading"],
+)
+def test_a_gap_between_tensors_is_refused(entries, size, message):
+    refused(crafted(entries, bytes(size)), message)
+
+
+def test_an_empty_tensor_may_share_its_offset_with_its_neighbours():
+    data = crafted(
+        {"a": ("U8", [0], 0, 0), "b": ("U8", [4], 0, 4), "c": ("I8", [0], 4, 4)}, b"abcd"
+    )
+    arrays, _ = read_tensors(data, "src")
+    assert arrays["b"].tobytes() == b"abcd" and arrays["a"].size == arrays["c"].size == 0
+    assert set(safetensors.numpy.load(data)) == {"a", "b", "c"}
+
+
+@pytest.mark.parametrize(
+    ("shape", "offsets", "message"),
+    [
+        ([-2, -2], [0, 16], "bad header entry for 'x'"),  # numpy would infer -1 dimensions
+        ([4], ["0", "16"], "bad header entry for 'x'"),
+        ([4.0], [0, 16], "bad header entry for 'x'"),
+        ([1 << 32, 1 << 32], [0, 0], "'x' byte range 0..0 does not fit"),  # 2**64 wraps to 0
+    ],
+    ids=["negative-dims", "string-offsets", "float-dim", "product-past-int64"],
+)
+def test_shapes_and_offsets_must_be_non_negative_integers(shape, offsets, message):
+    header = json.dumps({"x": {"dtype": "I32", "shape": shape, "data_offsets": offsets}})
+    data = struct.pack("<Q", len(header)) + header.encode() + bytes(16)
+    with pytest.raises(SnapshotCorrupt, match=f"^src: {re.escape(message)}$"):
+        read_tensors(data, "src")
+    with pytest.raises(SafetensorError):
+        safetensors.numpy.load(data)
