@@ -4,11 +4,14 @@ The names below are the public API; everything else is private by convention and
 They are loaded on first use (PEP 562), so ``import rollsafe`` costs nothing: no Temporal
 client, Ray, HTTP library or torch is imported until a name that needs one is touched.
 
-- the trainer SDK: :class:`Checkpointer` (its status :class:`CheckpointerStatus`);
-- settings: :class:`RunConfig`, :class:`SnapshotConfig`, :class:`ConnectionSettings`
+- settings: :class:`Settings`, everything a user sets, from one YAML section, environment
+  variables or a mapping; the models it builds: :class:`RunConfig`, :class:`ConnectionSettings`
   (Temporal), :class:`PhaseOptions` and :class:`SupervisorConfig` (the checkpoint workflows);
-- the run's controller: :class:`Controller`, :func:`start_controller_actor`, and what a
-  restore hands back, :class:`RestorePlan`;
+- the trainer SDK: :class:`Checkpointer` and :class:`SyncCheckpointer` (its status
+  :class:`CheckpointerStatus`), and what a restore hands back, :class:`RestorePlan`;
+- the run side, for a framework's own rollout loop: :class:`Rollouts` and
+  :class:`SyncRollouts` over the run's :class:`Controller` (:func:`start_controller_actor`),
+  and what it owes, :class:`OwedRollout`;
 - the engine protocol: :class:`Engine`, :class:`GenerateRequest`, :class:`SamplingParams`,
   :class:`Completion`, :class:`PrefixRecord`;
 - the environment protocol: :class:`EnvironmentHooks`, :class:`EpisodeSession`;
@@ -27,8 +30,12 @@ __version__ = "0.1.0"
 _WHERE = {
     "Checkpointer": "rollsafe.client",
     "CheckpointerStatus": "rollsafe.client",
+    "SyncCheckpointer": "rollsafe.client",
+    "Settings": "rollsafe.settings",
+    "Rollouts": "rollsafe.rollouts",
+    "SyncRollouts": "rollsafe.rollouts",
+    "OwedRollout": "rollsafe.checkpoint.controller",
     "RunConfig": "rollsafe.core.config",
-    "SnapshotConfig": "rollsafe.core.config",
     "ConnectionSettings": "rollsafe.temporal.connect",
     "PhaseOptions": "rollsafe.workflows.models",
     "SupervisorConfig": "rollsafe.workflows.models",
@@ -60,14 +67,18 @@ __all__ = [
     "GenerateRequest",
     "InvalidInput",
     "InvariantError",
+    "OwedRollout",
     "PhaseOptions",
     "PrefixRecord",
     "RestorePlan",
+    "Rollouts",
     "RollsafeError",
     "RunConfig",
     "SamplingParams",
-    "SnapshotConfig",
+    "Settings",
     "SupervisorConfig",
+    "SyncCheckpointer",
+    "SyncRollouts",
     "TransientError",
     "__version__",
     "errors",
@@ -77,9 +88,9 @@ __all__ = [
 if TYPE_CHECKING:
     from rollsafe import errors
     from rollsafe.checkpoint.actor import start_controller_actor
-    from rollsafe.checkpoint.controller import Controller
-    from rollsafe.client import Checkpointer, CheckpointerStatus
-    from rollsafe.core.config import RunConfig, SnapshotConfig
+    from rollsafe.checkpoint.controller import Controller, OwedRollout
+    from rollsafe.client import Checkpointer, CheckpointerStatus, SyncCheckpointer
+    from rollsafe.core.config import RunConfig
     from rollsafe.core.phases import RestorePlan
     from rollsafe.engine.protocol import (
         Completion,
@@ -90,6 +101,8 @@ if TYPE_CHECKING:
     )
     from rollsafe.env.hooks import EnvironmentHooks, EpisodeSession
     from rollsafe.errors import InvalidInput, InvariantError, RollsafeError, TransientError
+    from rollsafe.rollouts import Rollouts, SyncRollouts
+    from rollsafe.settings import Settings
     from rollsafe.temporal.connect import ConnectionSettings
     from rollsafe.workflows.models import PhaseOptions, SupervisorConfig
 

@@ -8,6 +8,10 @@
         await ckpt.train_step_committed(step)
     outcome = await ckpt.snapshot_now(timeout=120)
 
+:class:`SyncCheckpointer` has the same calls for a training loop that is not async
+(``ckpt.train_step_committed(step)``, no ``await``), with the same errors. Both read their
+settings (run id, Temporal, snapshot interval, phase options) from :class:`rollsafe.Settings`.
+
 What the trainer says on its hot path (``train_step_committed``, ``trainer_checkpoint_saved``
 and ``_removed``) is one signal to the run's supervisor (``rollsafe/{run_id}``): durable once
 the server has it, no worker needed, bounded by ``notify_timeout_s``. Only when the server
@@ -43,6 +47,7 @@ from temporalio.client import (
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
+from rollsafe.checkpoint.loop import LoopThread
 from rollsafe.core.ids import restore_workflow_id, supervisor_id, task_queue_for, validate_run_id
 from rollsafe.core.phases import RestorePlan, RestoreRequest
 from rollsafe.errors import (
@@ -53,13 +58,13 @@ from rollsafe.errors import (
     SupervisorNotRunning,
     TemporalUnavailable,
 )
+from rollsafe.settings import Settings
 from rollsafe.temporal.connect import ConnectionSettings, connect
 from rollsafe.temporal.failures import describe_failure
 from rollsafe.temporal.pollers import WORKER_SEEN_WITHIN_S, WorkerPresence, worker_presence
 from rollsafe.workflows.models import (
     PhaseOptions,
     SnapshotOutcome,
-    SupervisorConfig,
     SupervisorInput,
     SupervisorStatus,
 )
@@ -102,12 +107,17 @@ class CheckpointerStatus(BaseModel):
 
 
 class Checkpointer:
-    """One run's checkpointing, seen from the trainer. ``client`` (tests, or a caller that
-    already has one) must use the pydantic data converter, as
-    :func:`rollsafe.temporal.connect.connect` does; otherwise ``settings`` are used to connect.
+    """One run's checkpointing, seen from the trainer (:class:`SyncCheckpointer`: the same
+    calls for a loop that is not async).
 
-    ``interval_s``, ``max_consecutive_failures`` and ``options`` configure the supervisor when
-    :meth:`start` creates it; a trainer attaching to a running one gets that one's settings.
+    ``settings`` (default :meth:`rollsafe.Settings.load`: environment variables and
+    ``ROLLSAFE_CONFIG``'s file) give the run id when ``run_id`` is None, the Temporal
+    connection and the supervisor's settings (``snapshots:`` and ``phases:``); the keywords
+    ``interval_s``, ``max_consecutive_failures`` and ``options`` override those. They configure
+    the supervisor when :meth:`start` creates it; a trainer attaching to a running one gets that
+    one's. ``connection`` replaces the settings' Temporal connection; ``client`` (tests, or a
+    caller that already has one) replaces both and must use the pydantic data converter, as
+    :func:`rollsafe.temporal.connect.connect` does.
     """
 
     worker_timeout_s = WORKER_TIMEOUT_S  # how long a query or update waits for a worker
@@ -117,25 +127,28 @@ class Checkpointer:
 
     def __init__(
         self,
-        run_id: str,
+        run_id: str | None = None,
         *,
-        settings: ConnectionSettings | None = None,
+        settings: Settings | None = None,
+        connection: ConnectionSettings | None = None,
         task_queue: str | None = None,
         interval_s: float | None = None,
-        max_consecutive_failures: int = 3,
+        max_consecutive_failures: int | None = None,
         options: PhaseOptions | None = None,
         participants: bool = True,
         client: Client | None = None,
     ) -> None:
-        self.run_id = validate_run_id(run_id)
-        self.task_queue = task_queue or task_queue_for(run_id)
-        self.config = SupervisorConfig(
-            run_id=run_id,
-            interval_s=interval_s,
-            max_consecutive_failures=max_consecutive_failures,
+        if settings is None:
+            settings = Settings.load()
+        self.run_id = validate_run_id(run_id if run_id is not None else settings.require_run_id())
+        self.task_queue = task_queue or task_queue_for(self.run_id)
+        self.config = settings.supervisor_config(
+            self.run_id,
             # False: the run has no environments or engines (see SnapshotInput.participants)
             participants=participants,
-            options=options or PhaseOptions(),
+            interval_s=interval_s,
+            max_consecutive_failures=max_consecutive_failures,
+            options=options,
         )
         # Trainer checkpoint paths by step: the supervisor's signal carries only the step.
         self.saved_checkpoints: dict[int, str] = {}
@@ -143,6 +156,7 @@ class Checkpointer:
         # hands them to the supervisor, which may be new or may hold older ones.
         self._anchors: set[int] | None = None
         self._settings = settings
+        self._connection = connection
         self._client = client
         self._workers_checked_at: float | None = None
         self._warned_no_worker = False
@@ -290,7 +304,7 @@ class Checkpointer:
 
     async def _connected(self) -> Client:
         if self._client is None:
-            self._client = await connect(self._settings)
+            self._client = await connect(self._connection or self._settings.connection())
         return self._client
 
     def _handle(self) -> SupervisorHandle:
@@ -377,6 +391,73 @@ class Checkpointer:
         except WorkflowFailureError as exc:
             return SnapshotsFailed(self.run_id, *describe_failure(exc))
         return SnapshotsFailed(self.run_id, "Unknown", "the supervisor failed")
+
+
+class SyncCheckpointer:
+    """:class:`Checkpointer` for a training loop that is not async: the same calls, blocking,
+    with the same arguments, results and errors. Its Temporal client lives on an event loop of
+    its own, on a thread; :meth:`close` (or ``with``) ends it.
+
+    ::
+
+        with SyncCheckpointer(settings=settings) as ckpt:
+            ckpt.start()
+            for step in ...:
+                ...  # optimizer step committed
+                ckpt.train_step_committed(step)
+    """
+
+    def __init__(self, run_id: str | None = None, **options: Any) -> None:
+        """As :class:`Checkpointer`; a ``client`` given here must have been made on
+        :attr:`loop` (the SDK connects by itself otherwise)."""
+        self.loop = LoopThread("rollsafe-sdk")
+        self.checkpointer = Checkpointer(run_id, **options)
+
+    @property
+    def run_id(self) -> str:
+        return self.checkpointer.run_id
+
+    @property
+    def saved_checkpoints(self) -> dict[int, str]:
+        return self.checkpointer.saved_checkpoints
+
+    def start(self) -> Self:
+        self.loop.run(self.checkpointer.start())
+        return self
+
+    def train_step_committed(self, step: int) -> None:
+        self.loop.run(self.checkpointer.train_step_committed(step))
+
+    def trainer_checkpoint_saved(self, step: int, path: str) -> None:
+        self.loop.run(self.checkpointer.trainer_checkpoint_saved(step, path))
+
+    def trainer_checkpoint_removed(self, step: int) -> None:
+        self.loop.run(self.checkpointer.trainer_checkpoint_removed(step))
+
+    def snapshot_now(self, timeout: float | None = None) -> SnapshotOutcome:
+        return self.loop.run(self.checkpointer.snapshot_now(timeout))
+
+    def status(self) -> CheckpointerStatus:
+        return self.loop.run(self.checkpointer.status())
+
+    def workers(self) -> WorkerPresence:
+        return self.loop.run(self.checkpointer.workers())
+
+    def stop(self) -> None:
+        self.loop.run(self.checkpointer.stop())
+
+    def restore(self, restore_id: str, weight_versions: Sequence[int] | None = None) -> RestorePlan:
+        return self.loop.run(self.checkpointer.restore(restore_id, weight_versions))
+
+    def close(self) -> None:
+        """End the SDK's event loop (the run's supervisor goes on in Temporal)."""
+        self.loop.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _step(step: int) -> int:

@@ -16,6 +16,7 @@
     │   ├── SnapshotLost               this checkpoint's draft is gone: take the snapshot again
     │   ├── AwaitingRestore            a fresh controller of a run with snapshots, until it restores
     │   ├── AdmissionLeaseExpired      the park outlived its lease: the snapshot is abandoned
+    │   ├── AdmissionClosed            a dispatch waited past its timeout while a snapshot parked
     │   ├── CheckpointSpent            this checkpoint id can no longer park the environments
     │   └── InjectedFault              an armed fault point, action ``raise``
     ├── InvariantError                 never retry: state or input is wrong
@@ -46,7 +47,8 @@
     │   ├── ParticipantRefused         an environment participant's 409, raised on its side
     │   └── EnvRefused                 an environment's 409 seen by its client, not retryable
     ├── EnvRefusal                     base of EpisodeParked and EnvRefused: the instance's 409
-    └── ServerDidNotStart              a rollsafe server process did not come up
+    ├── ServerDidNotStart              a rollsafe server process did not come up
+    └── ExtraNotInstalled              a part needs an optional extra: names the pip install
 
 ``EpisodeParked`` and ``EnvRefused`` are also ``EnvRefusal``s (the fields of the 409). A test
 (tests/unit/test_errors_tree.py) checks that this tree and the classes agree.
@@ -226,6 +228,11 @@ class AdmissionLeaseExpired(TransientError):
     (its draft discarded, nothing published). The next snapshot starts afresh."""
 
 
+class AdmissionClosed(TransientError):
+    """A dispatch found admission closed (a snapshot parks the run) for longer than it was
+    willing to wait: the rollout stays reserved; dispatch it again."""
+
+
 class AnchorPassed(InvalidInput):
     """A trainer snapshot anchored at weight version N found the controller at another one
     when it came to capture (a step committed first, or the anchor given was not the trainer
@@ -274,6 +281,13 @@ class SupervisorNotRunning(InvariantError):
 
 class ServerDidNotStart(RollsafeError):
     """The process exited, or printed no listening line in time; its stderr tail is included."""
+
+
+class ExtraNotInstalled(RollsafeError):
+    """A part of rollsafe needs a package of an optional extra that is not installed."""
+
+    def __init__(self, what: str, extra: str) -> None:
+        super().__init__(f"{what} needs the {extra!r} extra: pip install 'rollsafe[{extra}]'")
 
 
 class InjectedFault(TransientError):

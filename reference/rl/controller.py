@@ -26,12 +26,12 @@ from rollsafe.checkpoint.loop import LoopThread
 from rollsafe.checkpoint.participants import ParticipantOptions, Participants, to_ref
 from rollsafe.core.config import RunConfig
 from rollsafe.core.ids import EpisodeId
-from rollsafe.core.run_state import ROLLOUT_PARTITION
 from rollsafe.engine.http import EngineClient
 from rollsafe.env.client import EnvClient
 from rollsafe.env.fleet import EnvFleet
 from rollsafe.env.protocol import RunEpisode
 from rollsafe.reference.rl.rollouts import row_from_result, task_for
+from rollsafe.rollouts import Rollouts
 
 
 class Endpoints(BaseModel):
@@ -141,10 +141,6 @@ class ReferenceController(Controller):
             f"open checkpoint {status.open_checkpoint}"
         )
 
-    def rows(self, keys: Sequence[str]) -> dict[str, dict[str, np.ndarray]]:
-        with self.barrier:
-            return self.state.dataplane.get(ROLLOUT_PARTITION, keys)
-
     def rollouts(self, groups: Sequence[int]) -> list[tuple[int, int, str, int]]:
         """(group, sibling, rollout id, attempt) of every rollout of ``groups``."""
         with self.barrier:
@@ -184,16 +180,13 @@ class _Dispatcher:
 
     def __init__(self, run: ReferenceController) -> None:
         self.run = run
+        self.rollouts = Rollouts(run)
 
     async def episode(self, idx: int, i: int) -> None:
         """Dispatch through the gate (waiting while a snapshot holds it closed), run, seal;
         the reply is marked done after the seal, so a drain never loses it."""
-        run = self.run
-        owner = await asyncio.to_thread(run.owner, idx, i)
-        # dispatch answers None while a snapshot holds admission closed; the gate lives in the
-        # controller (maybe another process, the run's actor): no event here to wait on.
-        while (episode := await asyncio.to_thread(run.dispatch, idx, i, owner)) is None:  # noqa: ASYNC110
-            await asyncio.sleep(0.02)
+        owner = await asyncio.to_thread(self.run.owner, idx, i)
+        episode = await self.rollouts.dispatch(idx, i, owner)
         await self._run_episode(idx, i, episode, owner)
 
     async def _run_episode(self, idx: int, i: int, episode: EpisodeId, owner: str) -> None:

@@ -169,7 +169,7 @@ class Demo:
 
         return Checkpointer(
             self.settings.run_id,
-            settings=dev.settings(),
+            connection=dev.settings(),
             interval_s=self.options.interval_s,
             max_consecutive_failures=10,
         )

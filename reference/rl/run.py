@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -108,7 +108,7 @@ class ControllerCalls(Protocol):
     def next_groups(self, timeout_s: float) -> tuple[list[int], list[int]]: ...
     def evict(self, groups: Sequence[int]) -> None: ...
     def claim(self, groups: Sequence[int], step: int) -> None: ...
-    def rows(self, keys: Sequence[str]) -> dict[str, Any]: ...
+    def rows(self, groups: Sequence[int]) -> Mapping[str, Any]: ...
     def rollouts(self, groups: Sequence[int]) -> list[tuple[int, int, str, int]]: ...
     def commit_step(self, groups: Sequence[int]) -> None: ...
     def loader_position(self) -> int: ...
@@ -313,7 +313,7 @@ class ReferenceRun:
     def _train(self, groups: Sequence[int]) -> StepResult:
         self.controller.claim(groups, self.step)
         rollouts = self.controller.rollouts(groups)
-        rows = self.controller.rows([key for _, _, key, _ in rollouts])
+        rows = self.controller.rows(groups)
         samples = {key: samples_from_row(key, rows[key]) for _, _, key, _ in rollouts}
         batch = [
             [s for idx, _, key, _ in rollouts if idx == g for s in samples[key]] for g in groups

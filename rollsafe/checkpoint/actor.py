@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollsafe.checkpoint.controller import Controller
-from rollsafe.core.config import RunConfig
+from rollsafe.core.config import KEEP_LATEST_K, RunConfig
 from rollsafe.core.ids import validate_run_id
 from rollsafe.errors import ControllerUnavailable, InvalidInput
 
@@ -44,7 +44,7 @@ def start_controller_actor(
     namespace: str = NAMESPACE,
     *,
     dataplane: str = "memory",
-    keep_latest_k: int = 2,
+    keep_latest_k: int = KEEP_LATEST_K,
     runtime_env: dict[str, Any] | None = None,
     ray_options: Mapping[str, Any] | None = None,
     snapshot_cache: Path | str | None = None,

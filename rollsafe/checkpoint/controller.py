@@ -34,10 +34,11 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -48,7 +49,7 @@ from rollsafe.checkpoint.participants import (
     ParticipantPhases,
     Participants,
 )
-from rollsafe.core.config import RunConfig
+from rollsafe.core.config import KEEP_LATEST_K, RunConfig
 from rollsafe.core.gate import AdmissionGate, Clock, GateChange, GateCounters
 from rollsafe.core.ids import EpisodeId
 from rollsafe.core.phases import (
@@ -87,6 +88,15 @@ from rollsafe.snapshot.location import open_snapshot_store
 
 ABORT = "abort"  # the key of abort's lock and effect counter, beside the phases
 KEEP_CHECKPOINTS = 16  # stored results kept for this many recent checkpoint ids
+
+
+class OwedRollout(NamedTuple):
+    """A rollout handed out and not sealed (:meth:`Controller.owed`)."""
+
+    group: int
+    sibling: int
+    attempt: int  # its current attempt; dispatch starts the next one where needed
+    owner: str | None  # the environment instance holding its episode; None: any
 
 
 class ControllerStatus(BaseModel):
@@ -189,7 +199,7 @@ class Controller:
         config: RunConfig,
         snapshot_root: Path | str,
         dataplane: str = "memory",
-        keep_latest_k: int = 2,
+        keep_latest_k: int = KEEP_LATEST_K,
         participants: Participants | None = None,
         *,
         start_over: bool = False,
@@ -678,6 +688,37 @@ class Controller:
         with self.changing("evict"):
             for idx in groups:
                 self.state.evict(idx)
+
+    def set_weight_version(self, version: int) -> None:
+        """Move the weight version up to ``version`` (never down): for a run whose policy
+        changes other than by one per :meth:`commit_step`, e.g. weights loaded from elsewhere.
+        Groups handed out from now on are reserved at it."""
+        with self.changing("set_weight_version"):
+            self.state.set_weight_version(version)
+
+    def rows(self, groups: Sequence[int]) -> Mapping[str, Row]:
+        """The training rows of ``groups``, by rollout key: groups this step claimed
+        (:meth:`claim`) and has not committed; :meth:`commit_step` drops them, so read them
+        in between. :class:`InvalidInput` names any group not claimed."""
+        with self.barrier:
+            return self.state.claimed_rows(groups)
+
+    def owed(self) -> list[OwedRollout]:
+        """Every rollout handed out and not sealed, each with the environment instance that
+        holds its episode (a restored one continues there; None: any): what the run's
+        rollout loop must generate, e.g. after a restore. Generating groups come first."""
+        with self.barrier:
+            ledger = self.state.ledger
+            return [
+                OwedRollout(idx, i, ledger.attempt(idx, i), ledger.owner(idx, i))
+                for idx, i in self.state.owed()
+            ]
+
+    def weight_version(self) -> int:
+        """The current weight version: the number of steps committed (plus any
+        :meth:`set_weight_version`). Groups handed out now are reserved at it."""
+        with self.barrier:
+            return self.state.weight_version
 
     def select(self) -> list[int]:
         """The ready groups the sampler picks for the next step (``groups_per_step`` of them),

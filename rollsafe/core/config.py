@@ -10,6 +10,10 @@ from rollsafe.core.ids import validate_run_id
 
 SamplerName = Literal["windowed", "in_order", "weight_fifo"]
 RestoreLevelName = Literal["prompt_group", "sibling", "turn", "prefix"]
+DataplaneName = Literal["memory", "transferqueue"]
+
+# Retention: the newest snapshots kept (besides those at the trainer's anchors).
+KEEP_LATEST_K = 2
 
 
 class RunConfig(BaseModel):
@@ -27,9 +31,3 @@ class RunConfig(BaseModel):
     @classmethod
     def _run_id(cls, value: str) -> str:
         return validate_run_id(value)
-
-
-class SnapshotConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    keep_latest_k: int = Field(default=2, ge=1)

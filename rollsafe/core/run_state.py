@@ -13,7 +13,7 @@ group's restart rule and returns a :class:`RestorePlan` saying what is owed and 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from rollsafe.core.buffer import ReplayIndex, make_sampler
@@ -146,6 +146,32 @@ class RunState:
         keys = self._sealed_keys(idx)
         self.index.evict(idx)
         self._drop(idx, keys)
+
+    def claimed_rows(self, groups: Sequence[int]) -> Mapping[str, Row]:
+        """The sealed rows of ``groups``, by rollout key: groups claimed by a step that has not
+        committed yet (:meth:`commit_step` drops their rows)."""
+        unclaimed = [
+            idx
+            for idx in groups
+            if idx not in self.index or self.index.state(idx) != GroupState.CLAIMED
+        ]
+        if unclaimed:
+            raise InvalidInput(
+                f"rows of groups {unclaimed}: not claimed; a step's rows are read between "
+                "claim and commit_step"
+            )
+        keys = [key for idx in groups for key in self._sealed_keys(idx)]
+        return self.dataplane.get(ROLLOUT_PARTITION, keys) if keys else {}
+
+    def owed(self) -> list[tuple[int, int]]:
+        """Every rollout handed out and not sealed, as (group, sibling): groups already
+        generating first (they may be the only work that can advance the trainer), then those
+        never dispatched, each in dataset order, as a restore plan's ``redispatch``."""
+        groups = self._generating_first(self.ledger.groups())
+        return [(idx, i) for idx in groups for i in self.ledger.unsealed(idx)]
+
+    def _generating_first(self, groups: Iterable[int]) -> list[int]:
+        return sorted(groups, key=lambda idx: (self.index.state(idx) != GroupState.GENERATING, idx))
 
     def set_weight_version(self, version: int) -> None:
         if version < self.weight_version:
@@ -319,9 +345,7 @@ class RunState:
                 "environments restored episodes of groups that are not generating: "
                 f"{sorted(by_group)}"
             )
-        admitted_first = sorted(
-            partial, key=lambda g: (self.index.state(g) != GroupState.GENERATING, g)
-        )
+        admitted_first = self._generating_first(partial)
         return RestorePlan(
             snapshot=reader.path.name,
             checkpoint_id=reader.manifest.checkpoint_id,

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from typing import get_args
 
+from rollsafe.core.config import DataplaneName
 from rollsafe.dataplane.protocol import DataPlane, Row, row_digest
 
 __all__ = ["BACKENDS", "DataPlane", "Row", "backend_running", "make_dataplane", "row_digest"]
 
-BACKENDS = ("memory", "transferqueue")
+BACKENDS: tuple[str, ...] = get_args(DataplaneName)
 
 
 def check_backend(name: str) -> str:

@@ -28,7 +28,7 @@ from temporalio.api.history.v1 import HistoryEvent
 
 from rollsafe.core.ids import validate_run_id
 from rollsafe.core.phases import Phase
-from rollsafe.errors import InvalidInput
+from rollsafe.errors import ExtraNotInstalled, InvalidInput
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -185,7 +185,10 @@ def render_timeline(timeline: Timeline, path: Path) -> None:
     an empty chart."""
     if not timeline.spans:
         raise InvalidInput(f"timeline for {path} has no spans: nothing to draw")
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ExtraNotInstalled("drawing timeline.png (matplotlib)", "plots") from None
 
     matplotlib.use("Agg")  # no display: the demo runs headless
     from matplotlib.figure import Figure

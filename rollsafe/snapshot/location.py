@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rollsafe.core.config import KEEP_LATEST_K
 from rollsafe.errors import InvalidInput
 from rollsafe.snapshot._objects import SCHEMES
 from rollsafe.snapshot.remote import RemoteSnapshotStore
@@ -28,7 +29,7 @@ def open_snapshot_store(
     run_id: str,
     *,
     cache_dir: Path | str | None = None,
-    keep_latest_k: int = 2,
+    keep_latest_k: int = KEEP_LATEST_K,
     storage_options: dict[str, Any] | None = None,
     fault_hook: FaultHook | None = None,
 ) -> SnapshotStore:

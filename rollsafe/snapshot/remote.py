@@ -31,6 +31,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+from rollsafe.core.config import KEEP_LATEST_K
 from rollsafe.core.ids import snapshot_dir_name
 from rollsafe.errors import InvalidInput, NoValidSnapshot, SchemaMismatch, SnapshotCorrupt
 from rollsafe.snapshot import _fs
@@ -74,7 +75,7 @@ class RemoteSnapshotStore(SnapshotStore):
         url: str,
         run_id: str,
         cache_dir: Path | str,
-        keep_latest_k: int = 2,
+        keep_latest_k: int = KEEP_LATEST_K,
         *,
         storage_options: dict[str, Any] | None = None,
         fault_hook: FaultHook | None = None,

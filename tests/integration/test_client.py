@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from temporalio.client import Client, Interceptor, OutboundInterceptor
 
-from rollsafe.client import Checkpointer
+from rollsafe.client import Checkpointer, SyncCheckpointer
 from rollsafe.core.phases import Phase
 from rollsafe.errors import (
     CheckpointTimeout,
@@ -22,6 +22,7 @@ from rollsafe.errors import (
     SupervisorNotRunning,
 )
 from rollsafe.faults import arm, disarm_all
+from rollsafe.settings import Settings
 from rollsafe.testing.waiting import eventually_async, holding
 from rollsafe.workflows.models import PhaseOptions
 from rollsafe.workflows.snapshot import TRAINER_STATE_CHANGED, RolloutSnapshot
@@ -268,3 +269,32 @@ async def test_restore_without_a_snapshot_raises_restore_failed(harness) -> None
     async with harness.worker():
         with pytest.raises(RestoreFailed, match="NoValidSnapshot: no snapshot under"):
             await ckpt.restore("first")
+
+
+async def test_the_sync_sdk_makes_the_same_calls_with_the_same_errors(harness, server) -> None:
+    """SyncCheckpointer, configured from one settings mapping (run id, Temporal, phases), as
+    a synchronous training loop holds it; called from threads here, because the harness's
+    worker runs on this test's event loop."""
+    connection = server.settings()
+    settings = Settings.load(
+        {
+            "run_id": harness.run_id,
+            "temporal": {"address": connection.address, "namespace": connection.namespace},
+            "phases": FAST.model_dump(),
+        },
+        env={},
+    )
+    with SyncCheckpointer(settings=settings) as ckpt:
+        assert ckpt.checkpointer.config.options == FAST
+        with pytest.raises(SupervisorNotRunning, match=r"start\(\) first"):
+            await asyncio.to_thread(ckpt.train_step_committed, 0)
+        async with harness.worker():
+            await asyncio.to_thread(ckpt.start)
+            await asyncio.to_thread(ckpt.trainer_checkpoint_saved, 0, "/ckpt/v0")
+            outcome = await asyncio.to_thread(ckpt.snapshot_now, 60)
+            assert outcome.status == "published", outcome.reason
+            with pytest.raises(InvalidInput, match="a step is an integer"):
+                await asyncio.to_thread(ckpt.train_step_committed, -1)
+            status = await asyncio.to_thread(ckpt.status)
+            assert status.supervisor is not None and status.supervisor.state.published >= 1
+            await asyncio.to_thread(ckpt.stop)

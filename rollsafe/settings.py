@@ -1,0 +1,418 @@
+"""One settings model for everything a user of rollsafe sets (docs/integrating.md, "Settings").
+
+::
+
+    settings = Settings.load()                          # environment (+ ROLLSAFE_CONFIG's file)
+    settings = Settings.load(file="train.yaml")         # its `rollsafe:` section
+    settings = Settings.load(cfg.rollsafe)              # an OmegaConf/Hydra section, a dict
+
+Where a value comes from, the first that sets it wins:
+
+1. the mapping given to :meth:`Settings.load` (a config section your training script holds);
+2. environment variables: ``ROLLSAFE_<KEY>``, a section's keys joined with ``__``
+   (``ROLLSAFE_SNAPSHOTS__INTERVAL_S=600``), and Ray's own ``RAY_ADDRESS``;
+3. a YAML file (``file=`` or ``ROLLSAFE_CONFIG``): its ``rollsafe:`` section when it has one
+   (a framework's whole config file), else the whole file;
+4. the default, defined once, in the model that uses it (:class:`~rollsafe.RunConfig`,
+   :class:`~rollsafe.PhaseOptions`, :class:`~rollsafe.SupervisorConfig`).
+
+The Temporal connection is Temporal's own: a TOML profile and ``TEMPORAL_*`` variables, as the
+``temporal`` CLI reads them (:meth:`ConnectionSettings.from_environment`); what the
+``temporal:`` section sets goes on top. Unknown keys are refused, naming the key and where it
+came from; :meth:`Settings.origins` says where each value came from (``rollsafe config show``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, Self
+
+import yaml
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
+from pydantic_settings.sources.utils import parse_env_vars
+
+from rollsafe.core.config import (
+    KEEP_LATEST_K,
+    DataplaneName,
+    RestoreLevelName,
+    RunConfig,
+    SamplerName,
+)
+from rollsafe.core.ids import validate_run_id
+from rollsafe.errors import InvalidInput
+from rollsafe.temporal.connect import ConnectionSettings
+from rollsafe.workflows.models import PhaseOptions, SupervisorConfig
+
+ENV_PREFIX = "ROLLSAFE_"
+NESTED = "__"
+CONFIG_ENV = "ROLLSAFE_CONFIG"  # a YAML file of settings
+SECTION = "rollsafe"  # the section read from a framework's whole config file
+DEFAULT = "default"
+
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+LogFormat = Literal["text", "json"]
+
+
+def _default(model: type[BaseModel], name: str) -> Any:
+    """A default as the model that uses it defines it: defined once, there."""
+    return model.model_fields[name].get_default(call_default_factory=True)
+
+
+class RunSection(BaseModel):
+    """The run's shape and sampling (:class:`~rollsafe.RunConfig`, less its run id)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    group_size: int | None = Field(default=None, ge=1, le=1024)  # rollouts per prompt
+    groups_per_step: int | None = Field(default=None, ge=1)  # prompts per optimizer step
+    sampler: SamplerName = _default(RunConfig, "sampler")
+    staleness_window: int = Field(default=_default(RunConfig, "staleness_window"), ge=0)
+    restore_level: RestoreLevelName = _default(RunConfig, "restore_level")
+
+
+class SnapshotsSection(BaseModel):
+    """When snapshots are taken and how many are kept."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Seconds between periodic snapshots; None: only when asked (snapshot_now, an anchor).
+    interval_s: float | None = Field(default=_default(SupervisorConfig, "interval_s"), gt=0)
+    keep_latest_k: int = Field(default=KEEP_LATEST_K, ge=1)
+    max_consecutive_failures: int = Field(
+        default=_default(SupervisorConfig, "max_consecutive_failures"), ge=1
+    )
+    # Where drafts of an object-storage root are staged (a local path); None: a temp dir.
+    cache: str | None = None
+
+
+class TemporalSection(BaseModel):
+    """Overrides of Temporal's own client config; None: what the profile and ``TEMPORAL_*``
+    say (Temporal's defaults: 127.0.0.1:7233, namespace ``default``, no TLS)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    profile: str | None = None  # a profile of Temporal's TOML config (TEMPORAL_PROFILE)
+    address: str | None = None
+    namespace: str | None = None
+    api_key: SecretStr | None = None
+    tls: bool | None = None
+    tls_server_ca_cert_path: Path | None = None
+    tls_server_name: str | None = None
+    tls_client_cert_path: Path | None = None
+    tls_client_key_path: Path | None = None
+
+
+class TelemetrySection(BaseModel):
+    """Logs. Traces and metrics follow OpenTelemetry's own ``OTEL_*`` variables
+    (docs/operations.md, "Telemetry")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    log_level: LogLevel = "INFO"
+    log_format: LogFormat = "text"
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+
+class EffectiveSetting(BaseModel):
+    """One row of ``rollsafe config show``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    key: str  # dotted: snapshots.interval_s
+    value: Any  # as JSON shows it; a secret as "**********"
+    source: str  # default, env NAME, file PATH, mapping, Temporal's config
+
+
+class Settings(BaseSettings):
+    """Everything a user sets, each default defined once (see the module's docstring)."""
+
+    model_config = SettingsConfigDict(
+        extra="forbid", frozen=True, env_prefix=ENV_PREFIX, env_nested_delimiter=NESTED
+    )
+
+    run_id: str | None = None
+    # A directory (local disk or a shared POSIX mount) or object storage (s3://, gs://).
+    snapshot_root: str | None = None
+    dataplane: DataplaneName = "memory"
+    # Ray's own variable, as `ray.init` reads it; None: a local Ray or the one this joined.
+    ray_address: str | None = Field(
+        default=None, validation_alias=AliasChoices("ray_address", "RAY_ADDRESS")
+    )
+    run: RunSection = RunSection()
+    snapshots: SnapshotsSection = SnapshotsSection()
+    phases: PhaseOptions = PhaseOptions()
+    temporal: TemporalSection = TemporalSection()
+    telemetry: TelemetrySection = TelemetrySection()
+
+    _origins: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, value: str | None) -> str | None:
+        return None if value is None else validate_run_id(value)
+
+    @classmethod
+    def load(
+        cls,
+        mapping: Mapping[str, Any] | None = None,
+        *,
+        file: Path | str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> Self:
+        """Settings from ``mapping`` over the environment over ``file`` (default: the file
+        ``ROLLSAFE_CONFIG`` names, if any) over the defaults. ``env`` replaces
+        ``os.environ`` (tests). Raises :class:`InvalidInput` naming each bad or unknown key
+        and where it came from."""
+        environ = os.environ if env is None else env
+        layers: list[tuple[str, dict[str, Any]]] = []
+        file = file if file is not None else environ.get(CONFIG_ENV)
+        if file:
+            layers.append((f"file {file}", _file_layer(Path(file))))
+        layers.append(("env", _env_layer(cls, environ)))
+        if mapping is not None:
+            layers.append(("mapping", _plain(mapping, "mapping")))
+        merged: dict[str, Any] = {}
+        origins: dict[str, str] = {}
+        for source, layer in layers:
+            _merge(merged, layer, source, origins, ())
+        try:
+            settings = cls.model_validate(merged)
+        except ValidationError as exc:
+            raise InvalidInput(_describe(exc, origins)) from None
+        settings._origins = origins
+        return settings
+
+    def origins(self) -> dict[str, str]:
+        """Where each leaf value came from, by dotted key: ``default``, ``env NAME``,
+        ``file PATH`` or ``mapping``."""
+        return {key: self._origins.get(key, DEFAULT) for key in _leaves(self)}
+
+    def effective(self, env: Mapping[str, str] | None = None) -> list[EffectiveSetting]:
+        """Every setting's value and where it came from, as ``rollsafe config show`` prints
+        them: the Temporal connection as it will be used (Temporal's own config under the
+        ``temporal:`` section), secrets masked."""
+        environ = os.environ if env is None else env
+        origins = self.origins()
+        rows = [
+            EffectiveSetting(key=key, value=_shown(_lookup(self, key)), source=source)
+            for key, source in origins.items()
+            if not key.startswith("temporal.") or key == "temporal.profile"
+        ]
+        connection = self.connection(env=env)
+        for name in ConnectionSettings.model_fields:
+            key = f"temporal.{name}"
+            source = origins.get(key, DEFAULT)
+            if source == DEFAULT:
+                variable = f"TEMPORAL_{name.upper()}"
+                source = f"env {variable}" if variable in environ else "Temporal's config"
+            rows.append(
+                EffectiveSetting(key=key, value=_shown(getattr(connection, name)), source=source)
+            )
+        return rows
+
+    def require_run_id(self) -> str:
+        if self.run_id is None:
+            raise InvalidInput(
+                "no run id: set ROLLSAFE_RUN_ID, or run_id in the rollsafe settings section"
+            )
+        return self.run_id
+
+    def require_snapshot_root(self) -> str:
+        if self.snapshot_root is None:
+            raise InvalidInput(
+                "no snapshot root: set ROLLSAFE_SNAPSHOT_ROOT, or snapshot_root in the rollsafe "
+                "settings section (a directory, s3://bucket/prefix or gs://bucket/prefix)"
+            )
+        return self.snapshot_root
+
+    def run_config(self, **overrides: Any) -> RunConfig:
+        """The controller's :class:`RunConfig`: the run id and the ``run:`` section, with
+        ``overrides`` (e.g. ``group_size=8``) on top."""
+        fields = {"run_id": self.require_run_id(), **self.run.model_dump(), **overrides}
+        missing = [name for name in ("group_size", "groups_per_step") if fields[name] is None]
+        if missing:
+            keys = ", ".join(f"run.{name}" for name in missing)
+            variables = ", ".join(f"{ENV_PREFIX}RUN{NESTED}{name.upper()}" for name in missing)
+            raise InvalidInput(f"settings: {keys} not set ({variables}, or pass it)")
+        try:
+            return RunConfig(**fields)
+        except ValidationError as exc:
+            raise InvalidInput(_describe(exc, {})) from None
+
+    def supervisor_config(
+        self,
+        run_id: str | None = None,
+        *,
+        participants: bool = True,
+        interval_s: float | None = None,
+        max_consecutive_failures: int | None = None,
+        options: PhaseOptions | None = None,
+    ) -> SupervisorConfig:
+        """The checkpoint supervisor's settings (``snapshots:``, ``phases:``); the keywords
+        given (not None) override them."""
+        fields = {
+            "interval_s": self.snapshots.interval_s,
+            "max_consecutive_failures": self.snapshots.max_consecutive_failures,
+            "options": self.phases,
+        }
+        given = {
+            "interval_s": interval_s,
+            "max_consecutive_failures": max_consecutive_failures,
+            "options": options,
+        }
+        fields.update({key: value for key, value in given.items() if value is not None})
+        try:
+            return SupervisorConfig(
+                run_id=run_id or self.require_run_id(), participants=participants, **fields
+            )
+        except ValidationError as exc:
+            raise InvalidInput(_describe(exc, {})) from None
+
+    def connection(self, env: Mapping[str, str] | None = None) -> ConnectionSettings:
+        """Temporal's own client config (profile, ``TEMPORAL_*``) with the ``temporal:``
+        section's values on top."""
+        section = self.temporal
+        base = ConnectionSettings.from_environment(section.profile, env=env)
+        overrides = section.model_dump(exclude_none=True, exclude={"profile"})
+        try:
+            return ConnectionSettings.model_validate({**base.model_dump(), **overrides})
+        except ValidationError as exc:
+            raise InvalidInput(f"settings temporal: {_describe(exc, {})}") from None
+
+
+class _MappingEnvSource(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping instead of os.environ."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return parse_env_vars(
+            self._environ, self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str
+        )
+
+
+def _env_layer(cls: type[BaseSettings], environ: Mapping[str, str]) -> dict[str, Any]:
+    return dict(_MappingEnvSource(cls, environ)())
+
+
+def _file_layer(path: Path) -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InvalidInput(f"settings file {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise InvalidInput(f"settings file {path} is not YAML: {exc}") from None
+    if loaded is None:
+        return {}
+    layer = _plain(loaded, f"settings file {path}")
+    section = layer.get(SECTION, layer)
+    return _plain(section, f"settings file {path}, section {SECTION}")
+
+
+def _plain(value: Any, what: str) -> dict[str, Any]:
+    """A mapping (an OmegaConf DictConfig too) as plain nested dicts."""
+    if not isinstance(value, Mapping):
+        raise InvalidInput(f"{what}: expected a mapping of settings, got {type(value).__name__}")
+    return {
+        str(key): _plain(item, what) if isinstance(item, Mapping) else _plain_item(item)
+        for key, item in value.items()
+    }
+
+
+def _plain_item(item: Any) -> Any:
+    # OmegaConf ListConfig is a Sequence but not a list: pydantic wants a list.
+    if isinstance(item, (str, bytes)) or not hasattr(item, "__iter__"):
+        return item
+    return list(item)
+
+
+def _merge(
+    into: dict[str, Any],
+    layer: Mapping[str, Any],
+    source: str,
+    origins: dict[str, str],
+    path: tuple[str, ...],
+) -> None:
+    for key, value in layer.items():
+        where = (*path, key)
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value, source, origins, where)
+            continue
+        into[key] = value
+        _record(origins, where, value, source)
+
+
+def _record(origins: dict[str, str], path: tuple[str, ...], value: Any, source: str) -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _record(origins, (*path, key), item, source)
+        return
+    dotted = ".".join(path)
+    if source == "env":
+        source = f"env {_env_name(path)}"
+    origins[dotted] = source
+
+
+def _env_name(path: tuple[str, ...]) -> str:
+    if path == ("ray_address",) or path == ("RAY_ADDRESS",):
+        return "RAY_ADDRESS"
+    return ENV_PREFIX + NESTED.join(part.upper() for part in path)
+
+
+def _describe(exc: ValidationError, origins: Mapping[str, str]) -> str:
+    problems = []
+    for error in exc.errors():
+        dotted = ".".join(str(part) for part in error["loc"])
+        where = origins.get(dotted)
+        source = f" (from {where})" if where else ""
+        if error["type"] == "extra_forbidden":
+            problems.append(f"unknown key {dotted!r}{source}")
+        else:
+            problems.append(f"{dotted}: {error['msg']}{source}")
+    return "settings: " + "; ".join(problems)
+
+
+def _lookup(model: BaseModel, dotted: str) -> Any:
+    value: Any = model
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _shown(value: Any) -> Any:
+    if isinstance(value, SecretStr):
+        return str(value)  # pydantic masks it
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def _leaves(model: BaseModel, prefix: str = "") -> list[str]:
+    keys: list[str] = []
+    fields: dict[str, FieldInfo] = type(model).model_fields
+    for name in fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            keys.extend(_leaves(value, f"{prefix}{name}."))
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
