@@ -48,9 +48,10 @@ test-cluster: setup
 	$(BIN)/python -m pytest -q tests/cluster
 
 lint: setup
-	$(BIN)/ruff check rollsafe workflows activities workers reference tests bench
-	$(BIN)/ruff format --check rollsafe workflows activities workers reference tests bench
+	$(BIN)/ruff check rollsafe workflows activities workers reference examples tests bench
+	$(BIN)/ruff format --check rollsafe workflows activities workers reference examples tests bench
 	$(BIN)/mypy
+	$(BIN)/mypy examples
 
 # The reference RL run on every real part, with three faults, restored and verified
 # (docs/demo.md). Evidence files land in demo-out/.

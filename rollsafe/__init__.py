@@ -11,7 +11,8 @@ client, Ray, HTTP library or torch is imported until a name that needs one is to
   :class:`CheckpointerStatus`), and what a restore hands back, :class:`RestorePlan`;
 - the run side, for a framework's own rollout loop: :class:`Rollouts` and
   :class:`SyncRollouts` over the run's :class:`Controller` (:func:`start_controller_actor`),
-  and what it owes, :class:`OwedRollout`;
+  what it owes, :class:`OwedRollout`, and a rollout's training row, :class:`Row` (named
+  numpy arrays);
 - the engine protocol: :class:`Engine`, :class:`GenerateRequest`, :class:`SamplingParams`,
   :class:`Completion`, :class:`PrefixRecord`;
 - the environment protocol: :class:`EnvironmentHooks`, :class:`EpisodeSession`;
@@ -35,6 +36,7 @@ _WHERE = {
     "Rollouts": "rollsafe.rollouts",
     "SyncRollouts": "rollsafe.rollouts",
     "OwedRollout": "rollsafe.checkpoint.controller",
+    "Row": "rollsafe.dataplane",
     "RunConfig": "rollsafe.core.config",
     "ConnectionSettings": "rollsafe.temporal.connect",
     "PhaseOptions": "rollsafe.workflows.models",
@@ -73,6 +75,7 @@ __all__ = [
     "RestorePlan",
     "Rollouts",
     "RollsafeError",
+    "Row",
     "RunConfig",
     "SamplingParams",
     "Settings",
@@ -92,6 +95,7 @@ if TYPE_CHECKING:
     from rollsafe.client import Checkpointer, CheckpointerStatus, SyncCheckpointer
     from rollsafe.core.config import RunConfig
     from rollsafe.core.phases import RestorePlan
+    from rollsafe.dataplane import Row
     from rollsafe.engine.protocol import (
         Completion,
         Engine,

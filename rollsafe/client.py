@@ -27,12 +27,13 @@ logs a warning (once, until a worker is back) when no worker polls it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import operator
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 from temporalio.client import (
@@ -70,6 +71,9 @@ from rollsafe.workflows.models import (
 )
 from rollsafe.workflows.restore import RestoreRun
 from rollsafe.workflows.supervisor import SnapshotSupervisor
+
+if TYPE_CHECKING:
+    from rollsafe.checkpoint.controller import Controller
 
 # Queries and updates need a live worker: say so, rather than hang, when none serves the run.
 WORKER_TIMEOUT_S = 5.0
@@ -300,6 +304,24 @@ class Checkpointer:
             self._anchors = set(anchors)
         return plan
 
+    @contextlib.asynccontextmanager
+    async def worker(self, controller: Controller) -> AsyncIterator[Self]:
+        """A checkpoint worker in this process, on this event loop, for ``controller`` (the
+        run's, in this process): snapshots and restores run while the block does. For a run
+        without Ray, whose controller no ``rollsafe worker`` process can reach; it stops with
+        the trainer, and the supervisor, kept by Temporal, waits for the next one. With Ray, run
+        ``rollsafe worker`` processes instead (docs/deploy.md)."""
+        from rollsafe.activities.controllers import LocalControllerClient
+        from rollsafe.workers.checkpoint import build_worker
+
+        if controller.store.run_id != self.run_id:
+            raise InvalidInput(
+                f"the controller is run {controller.store.run_id!r}'s, not {self.run_id!r}'s"
+            )
+        local = LocalControllerClient(controller)
+        async with build_worker(await self._connected(), self.task_queue, lambda _: local):
+            yield self
+
     # ---- helpers ---------------------------------------------------------------------------
 
     async def _connected(self) -> Client:
@@ -448,6 +470,19 @@ class SyncCheckpointer:
 
     def restore(self, restore_id: str, weight_versions: Sequence[int] | None = None) -> RestorePlan:
         return self.loop.run(self.checkpointer.restore(restore_id, weight_versions))
+
+    @contextlib.contextmanager
+    def worker(self, controller: Controller) -> Iterator[Self]:
+        """As :meth:`Checkpointer.worker`: the worker runs on this SDK's event loop thread."""
+        running = self.checkpointer.worker(controller)
+        self.loop.run(running.__aenter__())
+        try:
+            yield self
+        except BaseException as exc:
+            if not self.loop.run(running.__aexit__(type(exc), exc, exc.__traceback__)):
+                raise
+        else:
+            self.loop.run(running.__aexit__(None, None, None))
 
     def close(self) -> None:
         """End the SDK's event loop (the run's supervisor goes on in Temporal)."""

@@ -27,6 +27,7 @@ and :meth:`SyncRollouts.select` picks the groups the restore gave back ready.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Self, TypeVar
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 from rollsafe.checkpoint.controller import Controller, ControllerStatus, OwedRollout
 from rollsafe.core.ids import EpisodeId
 from rollsafe.dataplane import Row
+from rollsafe.env.protocol import EpisodeResult
 from rollsafe.errors import AdmissionClosed, InvalidInput
 from rollsafe.settings import Settings
 
@@ -46,6 +48,7 @@ T = TypeVar("T")
 # the controller actor's threads, which the snapshot's own phases need to reopen admission.
 ADMISSION_RETRY_FIRST_S = 0.005
 ADMISSION_RETRY_MAX_S = 0.05
+EPISODE_WAIT_S = 300.0  # run_episode: how long an episode may take, parked time included
 
 
 class SyncRollouts:
@@ -54,7 +57,7 @@ class SyncRollouts:
     def __init__(self, controller: Controller | ActorHandle[Controller]) -> None:
         """``controller``: a :class:`Controller` in this process, or the run's actor (from
         :meth:`start`, or ``rollsafe.checkpoint.actor.get_controller_actor(run_id)``)."""
-        self._controller = controller
+        self.controller = controller  # a Controller, or the run's actor handle
         self._local = isinstance(controller, Controller)
 
     @classmethod
@@ -151,6 +154,46 @@ class SyncRollouts:
             wait = min(wait * 2, ADMISSION_RETRY_MAX_S)
         return episode
 
+    def run_episode(
+        self,
+        episode: EpisodeId,
+        task: Mapping[str, Any],
+        to_row: Callable[[EpisodeResult], Row],
+        *,
+        max_wait_s: float = EPISODE_WAIT_S,
+    ) -> EpisodeResult:
+        """For a run whose environments are the controller's participants (a controller in
+        this process, :meth:`rollsafe.checkpoint.participants.Participants.connect`): run the
+        dispatched ``episode`` on its environment instance with ``task``, then seal
+        ``to_row(result)``. A snapshot parks it, cuts its model calls and drains its reply;
+        after a restore the same call resumes it where the snapshot left it."""
+        return self._episode(episode, task, to_row, max_wait_s).result()
+
+    def _episode(
+        self,
+        episode: EpisodeId,
+        task: Mapping[str, Any],
+        to_row: Callable[[EpisodeResult], Row],
+        max_wait_s: float,
+    ) -> concurrent.futures.Future[EpisodeResult]:
+        controller = self.controller
+        if not isinstance(controller, Controller) or controller.participants is None:
+            raise InvalidInput(
+                "run_episode needs the run's controller in this process, with participants "
+                "(Controller(..., participants=Participants.connect(...))); otherwise run the "
+                "episode yourself and seal its row"
+            )
+        participants = controller.participants
+        idx, i = episode.rollout.group.idx, episode.rollout.i
+        instance = controller.instance_for(idx, i)
+        assert instance is not None  # a run with participants places every rollout
+
+        def seal(result: EpisodeResult) -> None:
+            controller.seal(idx, i, episode.attempt, to_row(result))
+
+        running = participants.run_episode(episode, instance, task, seal, max_wait_s=max_wait_s)
+        return asyncio.run_coroutine_threadsafe(running, participants.loop.loop)
+
     def seal(self, group: int, sibling: int, attempt: int, row: Row) -> bool:
         """Commit the rollout's training row (named numpy arrays) for its dispatched
         ``attempt``. Idempotent: False when this exact seal was already applied; a different
@@ -173,8 +216,9 @@ class SyncRollouts:
         ready."""
         self._call(Controller.claim, list(groups), step)
 
-    def rows(self, groups: Sequence[int]) -> Mapping[str, Row]:
-        """The claimed groups' rows, by rollout key; read them before :meth:`commit_step`."""
+    def rows(self, groups: Sequence[int]) -> dict[int, list[Row]]:
+        """The claimed groups' rows, each group's in sibling order; read them before
+        :meth:`commit_step`."""
         return self._call(Controller.rows, list(groups))
 
     def commit_step(self, groups: Sequence[int]) -> None:
@@ -185,6 +229,10 @@ class SyncRollouts:
     def evict(self, groups: Sequence[int]) -> None:
         """Drop these ready groups for good (never trained, never owed back)."""
         self._call(Controller.evict, list(groups))
+
+    def owned(self) -> int:
+        """Groups handed out and neither trained nor evicted."""
+        return self._call(Controller.owned)
 
     def weight_version(self) -> int:
         """The number of steps committed (plus any :meth:`set_weight_version`)."""
@@ -203,10 +251,10 @@ class SyncRollouts:
 
     def _call(self, method: Callable[..., T], *args: Any) -> T:
         if self._local:
-            return method(self._controller, *args)
+            return method(self.controller, *args)
         import ray
 
-        remote = getattr(self._controller, method.__name__).remote
+        remote = getattr(self.controller, method.__name__).remote
         result: T = ray.get(remote(*args))
         return result
 
@@ -271,6 +319,17 @@ class Rollouts:
             wait = min(wait * 2, ADMISSION_RETRY_MAX_S)
         return episode
 
+    async def run_episode(
+        self,
+        episode: EpisodeId,
+        task: Mapping[str, Any],
+        to_row: Callable[[EpisodeResult], Row],
+        *,
+        max_wait_s: float = EPISODE_WAIT_S,
+    ) -> EpisodeResult:
+        """As :meth:`SyncRollouts.run_episode`."""
+        return await asyncio.wrap_future(self.sync._episode(episode, task, to_row, max_wait_s))
+
     async def seal(self, group: int, sibling: int, attempt: int, row: Row) -> bool:
         return await asyncio.to_thread(self.sync.seal, group, sibling, attempt, row)
 
@@ -283,7 +342,7 @@ class Rollouts:
     async def claim(self, groups: Sequence[int], step: int) -> None:
         await asyncio.to_thread(self.sync.claim, groups, step)
 
-    async def rows(self, groups: Sequence[int]) -> Mapping[str, Row]:
+    async def rows(self, groups: Sequence[int]) -> dict[int, list[Row]]:
         return await asyncio.to_thread(self.sync.rows, groups)
 
     async def commit_step(self, groups: Sequence[int]) -> None:
@@ -291,6 +350,9 @@ class Rollouts:
 
     async def evict(self, groups: Sequence[int]) -> None:
         await asyncio.to_thread(self.sync.evict, groups)
+
+    async def owned(self) -> int:
+        return await asyncio.to_thread(self.sync.owned)
 
     async def weight_version(self) -> int:
         return await asyncio.to_thread(self.sync.weight_version)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 import yaml
 from pydantic import (
@@ -56,11 +56,17 @@ from rollsafe.errors import InvalidInput
 from rollsafe.temporal.connect import ConnectionSettings
 from rollsafe.workflows.models import PhaseOptions, SupervisorConfig
 
+if TYPE_CHECKING:
+    from rollsafe.checkpoint.participants import Participants
+
 ENV_PREFIX = "ROLLSAFE_"
 NESTED = "__"
 CONFIG_ENV = "ROLLSAFE_CONFIG"  # a YAML file of settings
 SECTION = "rollsafe"  # the section read from a framework's whole config file
 DEFAULT = "default"
+# Where the environment and engine servers read their bearer tokens (rollsafe env/engine serve).
+ENV_TOKEN_ENV = "ROLLSAFE_ENV_TOKEN"
+ENGINE_TOKEN_ENV = "ROLLSAFE_ENGINE_TOKEN"
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 LogFormat = Literal["text", "json"]
@@ -96,6 +102,33 @@ class SnapshotsSection(BaseModel):
     )
     # Where drafts of an object-storage root are staged (a local path); None: a temp dir.
     cache: str | None = None
+
+
+class ParticipantsSection(BaseModel):
+    """The run's environment instances and engines, which each snapshot parks and cuts and a
+    restore brings back (docs/design.md section 5); empty: the run has none. Their bearer
+    tokens come from files, or from the variables the servers themselves read."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    envs: dict[str, str] = {}  # instance name -> URL of its `rollsafe env serve`
+    engines: dict[str, str] = {}  # engine name -> URL of its `rollsafe engine serve`
+    env_token_file: Path | None = None  # default: the variable ROLLSAFE_ENV_TOKEN
+    engine_token_file: Path | None = None  # default: the variable ROLLSAFE_ENGINE_TOKEN
+
+    def connect(self, env: Mapping[str, str] | None = None) -> Participants | None:
+        """Clients of every instance and engine (None when there are none)."""
+        if not self.envs and not self.engines:
+            return None
+        from rollsafe.checkpoint.participants import Participants
+
+        environ = os.environ if env is None else env
+        return Participants.connect(
+            self.envs,
+            self.engines,
+            env_token=_token(self.env_token_file, ENV_TOKEN_ENV, environ),
+            engine_token=_token(self.engine_token_file, ENGINE_TOKEN_ENV, environ),
+        )
 
 
 class TemporalSection(BaseModel):
@@ -158,6 +191,7 @@ class Settings(BaseSettings):
     run: RunSection = RunSection()
     snapshots: SnapshotsSection = SnapshotsSection()
     phases: PhaseOptions = PhaseOptions()
+    participants: ParticipantsSection = ParticipantsSection()
     temporal: TemporalSection = TemporalSection()
     telemetry: TelemetrySection = TelemetrySection()
 
@@ -295,6 +329,20 @@ class Settings(BaseSettings):
             return ConnectionSettings.model_validate({**base.model_dump(), **overrides})
         except ValidationError as exc:
             raise InvalidInput(f"settings temporal: {_describe(exc, {})}") from None
+
+
+def _token(path: Path | None, variable: str, environ: Mapping[str, str]) -> str:
+    if path is not None:
+        try:
+            token = path.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise InvalidInput(f"cannot read the token file {path}: {exc.strerror}") from None
+        where = f"the token file {path}"
+    else:
+        token, where = environ.get(variable, "").strip(), f"the variable {variable}"
+    if not token:
+        raise InvalidInput(f"participants: no bearer token in {where}")
+    return token
 
 
 class _MappingEnvSource(EnvSettingsSource):

@@ -22,14 +22,9 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from rollsafe.checkpoint.controller import Controller
-from rollsafe.checkpoint.loop import LoopThread
-from rollsafe.checkpoint.participants import ParticipantOptions, Participants, to_ref
+from rollsafe.checkpoint.participants import Participants
 from rollsafe.core.config import RunConfig
-from rollsafe.core.ids import EpisodeId
-from rollsafe.engine.http import EngineClient
-from rollsafe.env.client import EnvClient
-from rollsafe.env.fleet import EnvFleet
-from rollsafe.env.protocol import RunEpisode
+from rollsafe.env.protocol import EpisodeResult
 from rollsafe.reference.rl.rollouts import row_from_result, task_for
 from rollsafe.rollouts import Rollouts
 
@@ -56,13 +51,14 @@ class ReferenceController(Controller):
         *,
         start_over: bool = False,
     ) -> None:
-        self.loop = LoopThread()
-        self.fleet, self.engine = self.loop.run(_clients(endpoints))
-        self.instances = sorted(endpoints.envs)
         self.turns = turns
-        participants = Participants(
-            self.fleet, {"engine": self.engine}, loop=self.loop, options=ParticipantOptions()
+        participants = Participants.connect(
+            endpoints.envs,
+            {"engine": endpoints.engine_url},
+            env_token=endpoints.env_token,
+            engine_token=endpoints.engine_token,
         )
+        self.loop = participants.loop
         super().__init__(
             config,
             snapshot_root,
@@ -92,11 +88,6 @@ class ReferenceController(Controller):
             coroutine = self._dispatcher.episode(idx, i)
             self._running[(idx, i)] = asyncio.run_coroutine_threadsafe(coroutine, self.loop.loop)
         return len(todo)
-
-    def owned(self) -> int:
-        """Groups handed out and neither trained nor evicted."""
-        with self.barrier:
-            return len(self.state.index)
 
     def next_groups(self, timeout_s: float) -> tuple[list[int], list[int]]:
         """Wait until the sampler picks a step's groups, or finds ready groups it will never
@@ -156,20 +147,8 @@ class ReferenceController(Controller):
         are lost anyway: the environments' own copies come back from the snapshot)."""
         for future in self._running.values():
             future.cancel()
-
-        async def close_clients() -> None:
-            await self.fleet.aclose()
-            await self.engine.aclose()
-
-        self.loop.run(close_clients())
-        self.loop.close()
-
-    def owner(self, idx: int, i: int) -> str:
-        with self.barrier:  # a restored episode continues on the instance that holds it
-            return self.state.ledger.owner(idx, i) or self._instance(idx, i)
-
-    def _instance(self, idx: int, i: int) -> str:
-        return self.instances[(idx * self.state.config.group_size + i) % len(self.instances)]
+        assert self.participants is not None
+        self.participants.close()
 
 
 class _Dispatcher:
@@ -183,29 +162,19 @@ class _Dispatcher:
         self.rollouts = Rollouts(run)
 
     async def episode(self, idx: int, i: int) -> None:
-        """Dispatch through the gate (waiting while a snapshot holds it closed), run, seal;
-        the reply is marked done after the seal, so a drain never loses it."""
-        owner = await asyncio.to_thread(self.run.owner, idx, i)
-        episode = await self.rollouts.dispatch(idx, i, owner)
-        await self._run_episode(idx, i, episode, owner)
+        """Dispatch through the gate (waiting while a snapshot holds it closed), run, seal."""
+        episode = await self.rollouts.dispatch(idx, i)
+        owner = await asyncio.to_thread(self.run.instance_for, idx, i)
+        task = task_for(idx, self.run.turns)
 
-    async def _run_episode(self, idx: int, i: int, episode: EpisodeId, owner: str) -> None:
-        run = self.run
-        ref = to_ref(episode)
-        task = task_for(idx, run.turns)
-        pending = run.participants.pending if run.participants is not None else None
-        if pending is not None:
-            pending.add(ref, owner)
-        try:
-            request = RunEpisode(episode=ref, task=task.model_dump())
-            result = await run.fleet.run_episode(owner, request, max_wait_s=120)
+        def to_row(result: EpisodeResult) -> dict[str, np.ndarray]:
             row = row_from_result(result, task)
-            mutations = [_mutation(owner, ref.rollout_id, m) for m in result.info["mutations"]]
+            rollout = episode.rollout.key
+            mutations = [_mutation(str(owner), rollout, m) for m in result.info["mutations"]]
             row["mutations"] = np.frombuffer(json.dumps(mutations).encode(), np.uint8)
-            await asyncio.to_thread(run.seal, idx, i, episode.attempt, row)
-        finally:
-            if pending is not None:
-                pending.done(ref)
+            return row
+
+        await self.rollouts.run_episode(episode, task.model_dump(), to_row, max_wait_s=120)
 
 
 def _mutation(instance: str, rollout_id: str, applied: dict[str, Any]) -> dict[str, Any]:
@@ -215,8 +184,3 @@ def _mutation(instance: str, rollout_id: str, applied: dict[str, Any]) -> dict[s
         "turn": applied["turn"],
         "call_id": applied["call_id"],
     }
-
-
-async def _clients(endpoints: Endpoints) -> tuple[EnvFleet, EngineClient]:
-    clients = {name: EnvClient(url, endpoints.env_token) for name, url in endpoints.envs.items()}
-    return EnvFleet(clients), EngineClient(endpoints.engine_url, endpoints.engine_token)

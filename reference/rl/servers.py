@@ -12,6 +12,10 @@ from rollsafe.engine.model import ModelConfig
 from rollsafe.http.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
 from rollsafe.reference.rl.controller import Endpoints
 from rollsafe.reference.rl.policy import HfModel, PolicyModel
+from rollsafe.settings import ENGINE_TOKEN_ENV, ENV_TOKEN_ENV
+
+SERVER_START_S = 60.0
+ENGINE_START_S = 240.0  # vLLM: import it and load the model, on a busy 2-core machine
 
 
 class RunServers:
@@ -41,20 +45,21 @@ class RunServers:
         ``ROLLSAFE_ENGINE_HOLD``)."""
         self.generation += 1
         self.current = []
-        args = ["engine", "serve", "--port", "0", "--token", self.engine_token]
-        args += self._engine_args()
-        env = {HOLD_ENV: hold.model_dump_json()} if hold is not None else None
-        engine = self._start(args, ENGINE_BANNER.format(kind=r"\S+"), "engine", env)
+        # Tokens through the environment, never argv (`ps` shows argv to every user).
+        tokens = {ENGINE_TOKEN_ENV: self.engine_token, ENV_TOKEN_ENV: self.env_token}
+        args = ["engine", "serve", "--port", "0", *self._engine_args()]
+        hold_env = {HOLD_ENV: hold.model_dump_json()} if hold is not None else {}
+        banner = ENGINE_BANNER.format(kind=r"\S+")
+        engine = self._start(args, banner, "engine", {**tokens, **hold_env}, ENGINE_START_S)
         envs = {}
         for name in self.instances:
-            args = ["env", "serve", "workplace", "--port", "0", "--token", self.env_token]
-            args += ["--engine-url", engine.url, "--engine-token", self.engine_token]
+            args = ["env", "serve", "workplace", "--port", "0", "--engine-url", engine.url]
             args += ["--instance", name, "--lease-grace-s", "5"]
             args += ["--max-tokens", str(self.max_tokens)]
             if self.generation == 1 and name in self.env_faults:
                 args += ["--faults", self.env_faults[name]]
             banner = ENV_BANNER.format(name="workplace", instance=name)
-            envs[name] = self._start(args, banner, name).url
+            envs[name] = self._start(args, banner, name, tokens).url
         return Endpoints(
             engine_url=engine.url,
             engine_token=self.engine_token,
@@ -68,9 +73,15 @@ class RunServers:
         return ["--seed", str(self.seed), "--model", self.model.kind]
 
     def _start(
-        self, args: list[str], banner: str, name: str, env: Mapping[str, str] | None = None
+        self,
+        args: list[str],
+        banner: str,
+        name: str,
+        env: Mapping[str, str],
+        timeout_s: float = SERVER_START_S,
     ) -> ServedProcess:
-        server = start_served(args, banner, self.logs / f"{name}-{self.generation}", env=env)
+        logs = self.logs / f"{name}-{self.generation}"
+        server = start_served(args, banner, logs, env=env, timeout_s=timeout_s)
         self.started.append(server)
         self.current.append(server)
         return server

@@ -34,11 +34,11 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -85,6 +85,9 @@ from rollsafe.snapshot import (
     accept_weight_versions,
 )
 from rollsafe.snapshot.location import open_snapshot_store
+
+if TYPE_CHECKING:
+    from rollsafe.settings import Settings
 
 ABORT = "abort"  # the key of abort's lock and effect counter, beside the phases
 KEEP_CHECKPOINTS = 16  # stored results kept for this many recent checkpoint ids
@@ -221,6 +224,26 @@ class Controller:
         )
         state = RunState(config, make_dataplane(dataplane))
         self._assemble(state, store, participants, start_over=start_over, clock=clock)
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings | None = None, *, start_over: bool = False, **run: Any
+    ) -> Controller:
+        """The run's controller in this process, from ``settings`` (default:
+        :meth:`Settings.load`): run id, ``run:`` section (``run`` keywords on top, e.g.
+        ``group_size=8``), snapshot root, data plane, retention and participants."""
+        from rollsafe.settings import Settings
+
+        settings = settings if settings is not None else Settings.load()
+        return cls(
+            settings.run_config(**run),
+            settings.require_snapshot_root(),
+            dataplane=settings.dataplane,
+            keep_latest_k=settings.snapshots.keep_latest_k,
+            participants=settings.participants.connect(),
+            start_over=start_over,
+            snapshot_cache=settings.snapshots.cache,
+        )
 
     @classmethod
     def from_parts(
@@ -658,7 +681,10 @@ class Controller:
 
     def dispatch(self, idx: int, i: int, owner: str | None = None) -> EpisodeId | None:
         """Dispatch one attempt through the admission gate, in the same step that marks it
-        DISPATCHED; None when the gate is closed (the attempt stays RESERVED, spends nothing)."""
+        DISPATCHED; None when the gate is closed (the attempt stays RESERVED, spends nothing).
+        ``owner``: the environment instance it runs on (default: :meth:`instance_for`)."""
+        if owner is None:
+            owner = self.instance_for(idx, i)
         with self.changing("dispatch"), self.gate.admission() as admitted:
             return self.state.dispatch(idx, i, owner) if admitted else None
 
@@ -696,12 +722,23 @@ class Controller:
         with self.changing("set_weight_version"):
             self.state.set_weight_version(version)
 
-    def rows(self, groups: Sequence[int]) -> Mapping[str, Row]:
-        """The training rows of ``groups``, by rollout key: groups this step claimed
-        (:meth:`claim`) and has not committed; :meth:`commit_step` drops them, so read them
-        in between. :class:`InvalidInput` names any group not claimed."""
+    def rows(self, groups: Sequence[int]) -> dict[int, list[Row]]:
+        """The training rows of ``groups``, each group's in sibling order: groups this step
+        claimed (:meth:`claim`) and has not committed; :meth:`commit_step` drops them, so read
+        them in between. :class:`InvalidInput` names any group not claimed."""
         with self.barrier:
             return self.state.claimed_rows(groups)
+
+    def instance_for(self, idx: int, i: int) -> str | None:
+        """The environment instance rollout ``i`` of group ``idx`` runs on: the one holding its
+        episode (a restored episode continues there), else round robin over the participants'
+        instances; None for a run without participants."""
+        with self.barrier:
+            owner = self.state.ledger.owner(idx, i)
+            placement = idx * self.state.config.group_size + i
+        if owner is not None or self.participants is None:
+            return owner
+        return self.participants.instance_for(placement)
 
     def owed(self) -> list[OwedRollout]:
         """Every rollout handed out and not sealed, each with the environment instance that
@@ -713,6 +750,11 @@ class Controller:
                 OwedRollout(idx, i, ledger.attempt(idx, i), ledger.owner(idx, i))
                 for idx, i in self.state.owed()
             ]
+
+    def owned(self) -> int:
+        """Groups handed out and neither trained nor evicted."""
+        with self.barrier:
+            return len(self.state.index)
 
     def weight_version(self) -> int:
         """The current weight version: the number of steps committed (plus any

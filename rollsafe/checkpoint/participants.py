@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,6 +32,7 @@ from rollsafe.core.phases import Phase, SnapshotSpec
 from rollsafe.core.run_state import EnvironmentsRestored, RestoreEnvironments, RunState
 from rollsafe.core.states import RestoreLevel
 from rollsafe.dataplane import DataPlane
+from rollsafe.engine.http import EngineClient
 from rollsafe.engine.protocol import CutRefusal, Engine
 from rollsafe.engine.staging import (
     StagedCut,
@@ -39,10 +40,11 @@ from rollsafe.engine.staging import (
     drop_staged,
     load_prefixes,
 )
+from rollsafe.env.client import EnvClient
 from rollsafe.env.drain import PendingReplies
 from rollsafe.env.fleet import EnvFleet
 from rollsafe.env.fleet_rules import FleetCommitted, FleetPrepared, FleetRestored
-from rollsafe.env.protocol import EpisodeRef
+from rollsafe.env.protocol import EpisodeRef, EpisodeResult, RunEpisode
 from rollsafe.errors import CheckpointSpent, EnvRefused, InvalidInput
 from rollsafe.observability import metrics
 from rollsafe.snapshot import SnapshotReader
@@ -125,6 +127,73 @@ class Participants:
         self.options = options or ParticipantOptions()
         self._checkpoints: dict[str, _Checkpoint] = {}
         self._handed_back: dict[str, int] = {}  # restore id -> staged tokens handed back
+
+    @classmethod
+    def connect(
+        cls,
+        envs: Mapping[str, str],
+        engines: Mapping[str, str],
+        *,
+        env_token: str,
+        engine_token: str,
+        options: ParticipantOptions | None = None,
+    ) -> Participants:
+        """The run's environment instances (name -> URL of a ``rollsafe env serve``) and
+        engines (name -> URL of a ``rollsafe engine serve``) as participants, their clients on
+        a loop thread of their own; :meth:`close` ends them. The tokens are the bearer tokens
+        the servers were started with."""
+        if not envs:
+            raise InvalidInput("participants need at least one environment instance")
+        loop = LoopThread("rollsafe-participants")
+
+        async def clients() -> tuple[EnvFleet, dict[str, Engine]]:
+            fleet = EnvFleet({name: EnvClient(url, env_token) for name, url in envs.items()})
+            return fleet, {name: EngineClient(url, engine_token) for name, url in engines.items()}
+
+        fleet, clients_by_name = loop.run(clients())
+        return cls(fleet, clients_by_name, loop=loop, options=options)
+
+    def close(self) -> None:
+        """Close the clients :meth:`connect` made, and their loop."""
+
+        async def close_clients() -> None:
+            await self.fleet.aclose()
+            for engine in self.engines.values():
+                close = getattr(engine, "aclose", None)
+                if close is not None:
+                    await close()
+
+        self.loop.run(close_clients())
+        self.loop.close()
+
+    async def run_episode(
+        self,
+        episode: EpisodeId,
+        instance: str,
+        task: Mapping[str, Any],
+        seal: Callable[[EpisodeResult], object],
+        *,
+        max_wait_s: float,
+    ) -> EpisodeResult:
+        """Run a dispatched episode to its end on ``instance`` and ``seal`` its result (a
+        blocking call, run on a thread); on :attr:`loop` only. The call is recorded in
+        :attr:`pending` from before it is sent until after the seal, so a snapshot's drain
+        waits for its reply and never captures an episode that ended unsealed."""
+        ref = to_ref(episode)
+        self.pending.add(ref, instance)
+        try:
+            request = RunEpisode(episode=ref, task=dict(task))
+            result = await self.fleet.run_episode(instance, request, max_wait_s=max_wait_s)
+            await asyncio.to_thread(seal, result)
+            return result
+        finally:
+            self.pending.done(ref)
+
+    def instance_for(self, placement: int) -> str:
+        """The instance a new episode goes to: round robin over the sorted instance names by
+        ``placement`` (the rollout's position in the run), so placement is reproducible."""
+        names = sorted(self.fleet.names)
+        return names[placement % len(names)]
 
     # ---- the snapshot's phases ------------------------------------------------------------
 

@@ -147,9 +147,9 @@ class RunState:
         self.index.evict(idx)
         self._drop(idx, keys)
 
-    def claimed_rows(self, groups: Sequence[int]) -> Mapping[str, Row]:
-        """The sealed rows of ``groups``, by rollout key: groups claimed by a step that has not
-        committed yet (:meth:`commit_step` drops their rows)."""
+    def claimed_rows(self, groups: Sequence[int]) -> dict[int, list[Row]]:
+        """The sealed rows of ``groups``, each group's in sibling order: groups claimed by a
+        step that has not committed yet (:meth:`commit_step` drops their rows)."""
         unclaimed = [
             idx
             for idx in groups
@@ -160,8 +160,9 @@ class RunState:
                 f"rows of groups {unclaimed}: not claimed; a step's rows are read between "
                 "claim and commit_step"
             )
-        keys = [key for idx in groups for key in self._sealed_keys(idx)]
-        return self.dataplane.get(ROLLOUT_PARTITION, keys) if keys else {}
+        keys = {idx: self._sealed_keys(idx) for idx in groups}
+        found = self.dataplane.get(ROLLOUT_PARTITION, [key for ks in keys.values() for key in ks])
+        return {idx: [found[key] for key in ks] for idx, ks in keys.items()}
 
     def owed(self) -> list[tuple[int, int]]:
         """Every rollout handed out and not sealed, as (group, sibling): groups already

@@ -4,9 +4,9 @@ a checkpoint worker, the run's controller as a Ray actor.
 
 The trainer crashes and its controller actor goes with it; the run's supervisor lives on in
 Temporal and keeps taking snapshots before the restarted trainer has restored. Each step
-below is the recipe's, in its order: start the controller (``start_controller_actor``, the
-same call as the first time), restore (``Checkpointer.restore`` with the trainer's anchors),
-then ``start``.
+below is the recipe's, in its order: start the controller (``SyncRollouts.start(settings)``,
+the same call as the first time), restore (``Checkpointer.restore`` with the trainer's
+anchors), then ``start``; the run's own calls go through ``SyncRollouts`` over the actor.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 
 from rollsafe.activities.controllers import RayControllerClient
-from rollsafe.checkpoint.actor import start_controller_actor
 from rollsafe.client import Checkpointer
-from rollsafe.core.config import RunConfig
 from rollsafe.core.ids import task_queue_for
 from rollsafe.evidence.scenario import row_content
+from rollsafe.rollouts import SyncRollouts
+from rollsafe.settings import Settings
 from rollsafe.snapshot import EntryState, SnapshotStore
 from rollsafe.temporal.connect import connect
 from rollsafe.workers.checkpoint import build_worker
@@ -35,8 +35,10 @@ ray = pytest.importorskip("ray")
 OPTIONS = PhaseOptions(retry_initial_s=0.05, retry_maximum_s=0.2, retry_attempts=3)
 
 
-def config(run_id: str) -> RunConfig:
-    return RunConfig(run_id=run_id, group_size=2, groups_per_step=1)
+def settings(run_id: str, root: Path) -> Settings:
+    """What the trainer's config section says (docs/integrating.md)."""
+    run = {"group_size": 2, "groups_per_step": 1}
+    return Settings.load({"run_id": run_id, "snapshot_root": str(root), "run": run}, env={})
 
 
 @asynccontextmanager
@@ -46,28 +48,28 @@ async def worker(client: Any, run_id: str) -> AsyncIterator[None]:
         yield
 
 
-def seal(controller: Any, idx: int, i: int) -> None:
-    episode = ray.get(controller.dispatch.remote(idx, i))
-    assert episode is not None
-    ray.get(controller.seal.remote(idx, i, episode.attempt, row_content(idx, i, episode.attempt)))
+def seal(rollouts: SyncRollouts, idx: int, i: int) -> None:
+    episode = rollouts.dispatch(idx, i)
+    rollouts.seal(idx, i, episode.attempt, row_content(idx, i, episode.attempt))
 
 
-def train_one_step(controller: Any, idx: int) -> None:
+def train_one_step(rollouts: SyncRollouts, idx: int) -> None:
     """Group ``idx`` handed out, generated, trained: the weight version goes up by one."""
-    ray.get(controller.handout.remote([idx]))
+    rollouts.handout([idx])
     for i in range(2):
-        seal(controller, idx, i)
-    ray.get(controller.claim.remote([idx], idx))
-    ray.get(controller.commit_step.remote([idx]))
+        seal(rollouts, idx, i)
+    rollouts.claim([idx], idx)
+    assert len(rollouts.rows([idx])[idx]) == 2
+    rollouts.commit_step([idx])
 
 
 def published(root: Path, run_id: str) -> set[str]:
     return {e.name for e in SnapshotStore(root, run_id).list() if e.state == EntryState.VALID}
 
 
-def crash(controller: Any) -> None:
+def crash(rollouts: SyncRollouts) -> None:
     """The trainer's process dies, and its controller (an actor of its Ray job) with it."""
-    ray.kill(controller)
+    ray.kill(rollouts.controller)
 
 
 @pytest.mark.parametrize("start_over", [False, True], ids=["recipe", "start-over"])
@@ -79,19 +81,19 @@ async def test_the_restart_recipe_restores_every_owed_group(
     root = tmp_path / "snapshots"
     async with worker(client, run_id):
         # The first life: 4 groups handed out, 3 rollouts sealed, one snapshot published.
-        controller = start_controller_actor(run_id, config(run_id), root)
-        ray.get(controller.handout.remote([0, 1, 2, 3]))
+        rollouts = SyncRollouts.start(settings(run_id, root))
+        rollouts.handout([0, 1, 2, 3])
         for idx, i in ((0, 0), (0, 1), (1, 0)):
-            seal(controller, idx, i)
+            seal(rollouts, idx, i)
         ckpt = await Checkpointer(run_id, client=client, options=OPTIONS).start()
         real = await ckpt.snapshot_now()
         assert real.status == "published" and real.published is not None
-        crash(controller)
+        crash(rollouts)
 
         # The restarted trainer starts its controller with the same call as the first time.
-        controller = start_controller_actor(run_id, config(run_id), root, start_over=start_over)
+        rollouts = SyncRollouts.start(settings(run_id, root), start_over=start_over)
         try:
-            assert ray.get(controller.status.remote()).awaiting_restore is not start_over
+            assert rollouts.awaiting_restore is not start_over
             before = snapshot_tree(root)
             # The supervisor outlived the crash: its periodic snapshots come before the restore.
             periodic = [await ckpt.snapshot_now() for _ in range(2)]
@@ -116,13 +118,13 @@ async def test_the_restart_recipe_restores_every_owed_group(
             assert plan.partial[1].restored == [0]
 
             # Restored: the run takes work again and its snapshots publish.
-            ray.get(controller.handout.remote([4]))
+            rollouts.handout([4])
             after = await restarted.snapshot_now()
             assert after.status == "published", after.reason
             assert after.published is not None and after.published.loader_position == 5
             await restarted.stop()
         finally:
-            crash(controller)
+            crash(rollouts)
 
 
 async def test_an_anchored_restore_finds_its_snapshot_after_many_newer_ones(
@@ -135,19 +137,19 @@ async def test_an_anchored_restore_finds_its_snapshot_after_many_newer_ones(
     run_id = f"anchors-{uuid.uuid4().hex[:8]}"
     root = tmp_path / "snapshots"
     async with worker(client, run_id):
-        controller = start_controller_actor(run_id, config(run_id), root, keep_latest_k=2)
+        rollouts = SyncRollouts.start(settings(run_id, root))
         ckpt = await Checkpointer(run_id, client=client, options=OPTIONS).start()
         for idx in range(2):
-            train_one_step(controller, idx)
+            train_one_step(rollouts, idx)
         await ckpt.trainer_checkpoint_saved(2, "/ckpt/v2")
         anchored = await ckpt.snapshot_now()  # after the anchored one the signal queued
         assert anchored.published is not None and anchored.published.weight_version == 2
         for idx in range(2, 6):
-            train_one_step(controller, idx)
+            train_one_step(rollouts, idx)
             assert (await ckpt.snapshot_now()).status == "published"
-        crash(controller)
+        crash(rollouts)
 
-        controller = start_controller_actor(run_id, config(run_id), root, keep_latest_k=2)
+        rollouts = SyncRollouts.start(settings(run_id, root))
         try:
             restarted = Checkpointer(run_id, client=client, options=OPTIONS)
             plan = await restarted.restore(f"r-{uuid.uuid4().hex[:6]}", weight_versions=[2])
@@ -156,10 +158,10 @@ async def test_an_anchored_restore_finds_its_snapshot_after_many_newer_ones(
             await restarted.start()
 
             await restarted.trainer_checkpoint_removed(2)
-            ray.get(controller.handout.remote([2]))
+            rollouts.handout([2])
             assert (await restarted.snapshot_now()).status == "published"
             kept = published(root, run_id)
             assert anchored.published.name not in kept and len(kept) == 2
             await restarted.stop()
         finally:
-            crash(controller)
+            crash(rollouts)
