@@ -24,10 +24,9 @@ from typing import Any
 import numpy as np
 
 import rollsafe
-from rollsafe.env.protocol import EpisodeResult
 
 
-def to_row(result: EpisodeResult) -> rollsafe.Row:
+def to_row(result: rollsafe.EpisodeResult) -> rollsafe.Row:
     """A rollout's training row: named numpy arrays, sealed into the run's data plane."""
     tokens = [t for turn in result.info["history"] for t in turn["tokens"]]
     return {"tokens": np.array(tokens, np.int32), "reward": np.array(result.reward, np.float32)}

@@ -15,7 +15,8 @@ client, Ray, HTTP library or torch is imported until a name that needs one is to
   numpy arrays);
 - the engine protocol: :class:`Engine`, :class:`GenerateRequest`, :class:`SamplingParams`,
   :class:`Completion`, :class:`PrefixRecord`;
-- the environment protocol: :class:`EnvironmentHooks`, :class:`EpisodeSession`;
+- the environment protocol: :class:`EnvironmentHooks`, :class:`EpisodeSession`, and what an
+  episode returns, :class:`EpisodeResult`;
 - errors: the tree's roots (:class:`RollsafeError`, :class:`TransientError`,
   :class:`InvariantError`, :class:`InvalidInput`) and the module ``errors``, the whole tree.
 """
@@ -51,6 +52,7 @@ _WHERE = {
     "PrefixRecord": "rollsafe.engine.protocol",
     "EnvironmentHooks": "rollsafe.env.hooks",
     "EpisodeSession": "rollsafe.env.hooks",
+    "EpisodeResult": "rollsafe.env.protocol",
     "RollsafeError": "rollsafe.errors",
     "TransientError": "rollsafe.errors",
     "InvariantError": "rollsafe.errors",
@@ -65,6 +67,7 @@ __all__ = [
     "Controller",
     "Engine",
     "EnvironmentHooks",
+    "EpisodeResult",
     "EpisodeSession",
     "GenerateRequest",
     "InvalidInput",
@@ -104,6 +107,7 @@ if TYPE_CHECKING:
         SamplingParams,
     )
     from rollsafe.env.hooks import EnvironmentHooks, EpisodeSession
+    from rollsafe.env.protocol import EpisodeResult
     from rollsafe.errors import InvalidInput, InvariantError, RollsafeError, TransientError
     from rollsafe.rollouts import Rollouts, SyncRollouts
     from rollsafe.settings import Settings

@@ -43,11 +43,14 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
 T = TypeVar("T")
-# While admission is closed, dispatch asks again after this long, doubling up to the
-# maximum: a park window lasts about 0.1 s, and over Ray a waiting call must not hold one of
-# the controller actor's threads, which the snapshot's own phases need to reopen admission.
+# While admission is closed, a dispatch over Ray (or on an event loop) asks again after this
+# long, doubling up to the maximum: a park window lasts about 0.1 s, and a waiting call must
+# not hold one of the controller actor's threads, which the snapshot's own phases need to
+# reopen admission. The maximum is what a dispatch may lag behind the reopening. A blocking
+# dispatch on a controller in this process waits on the gate itself (woken when it opens).
 ADMISSION_RETRY_FIRST_S = 0.005
-ADMISSION_RETRY_MAX_S = 0.05
+ADMISSION_RETRY_MAX_S = 0.02
+ADMISSION_WAIT_SLICE_S = 60.0  # without a timeout, the gate is waited on this long at a time
 EPISODE_WAIT_S = 300.0  # run_episode: how long an episode may take, parked time included
 
 
@@ -149,6 +152,12 @@ class SyncRollouts:
         deadline = _deadline(timeout_s)
         wait = ADMISSION_RETRY_FIRST_S
         while (episode := self.try_dispatch(group, sibling, owner)) is None:
+            if self._local:
+                assert isinstance(self.controller, Controller)
+                _check_deadline(0.0, deadline, group, sibling)
+                left = None if deadline is None else deadline - time.monotonic()
+                self.controller.gate.wait_open(ADMISSION_WAIT_SLICE_S if left is None else left)
+                continue
             _check_deadline(wait, deadline, group, sibling)
             time.sleep(wait)
             wait = min(wait * 2, ADMISSION_RETRY_MAX_S)

@@ -37,7 +37,9 @@ from rollsafe.errors import GateHeld, InvalidInput
 # dead worker (PhaseOptions.heartbeat_timeout_s, 5 s) and retry its phase on another one
 # (backoff up to 5 s), short enough that a run with no worker left waits half a minute.
 ADMISSION_LEASE_S = 30.0
-_KEEP_EXPIRED = 64  # checkpoint ids whose lease expired, remembered for their late phases
+_KEEP_EXPIRED = 64
+# A waiter whose holder's lease is already due (a fake clock in tests) looks again this often.
+_EXPIRY_RECHECK_S = 0.01  # checkpoint ids whose lease expired, remembered for their late phases
 
 Clock = Callable[[], float]
 OnExpired = Callable[[str], None]  # called (under the gate's lock) with the expired holder
@@ -65,6 +67,7 @@ class GateCounters(BaseModel):
 class AdmissionGate:
     def __init__(self, clock: Clock = time.monotonic, on_expired: OnExpired | None = None) -> None:
         self._lock = threading.Lock()
+        self._reopened = threading.Condition(self._lock)  # notified when the gate opens
         self._clock = clock
         self._on_expired = on_expired
         self._holder: str | None = None
@@ -131,6 +134,7 @@ class AdmissionGate:
             if self._holder == checkpoint_id:
                 self._holder = None
                 self._opens += 1
+                self._reopened.notify_all()
                 return GateChange(True, f"reopened by {checkpoint_id}")
             if checkpoint_id in self._expired:
                 lease = self._expired[checkpoint_id]
@@ -139,6 +143,20 @@ class AdmissionGate:
             if self._holder is None:
                 return GateChange(False, f"already open; {checkpoint_id} did not hold it")
             return GateChange(False, f"held by {self._holder}, not {checkpoint_id}: left closed")
+
+    def wait_open(self, timeout_s: float) -> bool:
+        """Block until the gate is open or ``timeout_s`` seconds (real time) passed; True if
+        open. Woken by :meth:`open` itself; a waiter also wakes when the holder's lease is due,
+        so an expiry reopens it without any other call on the gate."""
+        deadline = time.monotonic() + timeout_s
+        with self._reopened:
+            while True:
+                self._expire_if_due()
+                remaining = deadline - time.monotonic()
+                if self._holder is None or remaining <= 0:
+                    return self._holder is None
+                until_expiry = max(self._deadline - self._clock(), _EXPIRY_RECHECK_S)
+                self._reopened.wait(min(remaining, until_expiry))
 
     @contextmanager
     def admission(self) -> Iterator[bool]:

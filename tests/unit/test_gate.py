@@ -146,3 +146,33 @@ def test_after_an_expiry_the_next_checkpoint_closes_the_gate():
 def test_a_lease_must_be_positive():
     with pytest.raises(InvalidInput, match="lease must be > 0"):
         AdmissionGate().close("ck-1", lease_s=0)
+
+
+def test_wait_open_is_woken_by_the_holders_open():
+    gate = AdmissionGate()
+    gate.close("ck-1")
+    woken: list[bool] = []
+    waiter = threading.Thread(target=lambda: woken.append(gate.wait_open(60)))
+    waiter.start()
+    # The waiter holds no lock while it waits: closing again and renewing still work.
+    assert not gate.close("ck-1").changed and gate.renew("ck-1")
+    gate.open("ck-1")
+    waiter.join(timeout=10)
+    assert woken == [True]
+
+
+def test_wait_open_times_out_on_a_held_gate_and_returns_at_once_on_an_open_one():
+    gate = AdmissionGate()
+    assert gate.wait_open(0) is True
+    gate.close("ck-1")
+    assert gate.wait_open(0.01) is False
+    assert gate.holder == "ck-1"
+
+
+def test_wait_open_sees_the_lease_run_out_without_another_call():
+    clock = FakeClock()
+    gate = AdmissionGate(clock)
+    gate.close("ck-1", lease_s=5)
+    clock.now += 6  # the lease is due: the waiter notices it by itself
+    assert gate.wait_open(60) is True
+    assert gate.expired("ck-1") == 5
