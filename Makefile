@@ -68,6 +68,7 @@ bench: setup
 	$(BIN)/python bench/snapshot_bench.py
 	$(BIN)/python bench/orchestration_bench.py
 	$(BIN)/python bench/sdk_bench.py
+	$(BIN)/python bench/rollouts_bench.py
 	$(BIN)/python bench/engine_bench.py
 	$(BIN)/python bench/env_bench.py
 	$(BIN)/python bench/dataplane_bench.py

@@ -285,11 +285,10 @@ class Rollouts:
         **run: Any,
     ) -> Self:
         """As :meth:`SyncRollouts.start` (a blocking call: run it before the loop starts)."""
-        rollouts = cls.__new__(cls)
-        rollouts.sync = SyncRollouts.start(
+        started = SyncRollouts.start(
             settings, start_over=start_over, ray_options=ray_options, **run
         )
-        return rollouts
+        return cls(started.controller)
 
     async def awaiting_restore(self) -> bool:
         return (await self.status()).awaiting_restore
