@@ -1,28 +1,36 @@
-"""The ``rollsafe`` command."""
+"""The ``rollsafe`` command.
+
+Conventions every command follows: exit codes 0, 1, 2 as in :mod:`rollsafe.cli.exits`
+(docs/operations.md, "Exit codes"); ``--json`` on each command that lists or reports puts one
+JSON document on stdout and nothing else; a fixed set of values is a choice click checks;
+tokens come from an environment variable or ``--token-file``; a failure is one line on stderr
+naming what failed and the fix, never a traceback.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 
+from rollsafe.cli.checkpointing import register_checkpointing_commands
 from rollsafe.cli.doctor import register_doctor_command
 from rollsafe.cli.engine import register_engine_commands
 from rollsafe.cli.env import register_env_commands
+from rollsafe.cli.exits import EXIT_CODES, RAY_FIX, fail
+from rollsafe.cli.options import JsonOption, RunArgument
 from rollsafe.cli.run import register_run_commands
 from rollsafe.cli.server import server_command
+from rollsafe.cli.snapshots import register_snapshot_commands
+from rollsafe.core.config import DataplaneName
+from rollsafe.core.ids import validate_run_id
 from rollsafe.dataplane import backend_running
-from rollsafe.errors import RollsafeError, RowMismatch
-
-
-def _fail(error: Exception, code: int) -> NoReturn:
-    """One line on stderr naming the problem, and the command's exit code."""
-    typer.echo(f"error: {error}", err=True)
-    raise typer.Exit(code) from None
-
+from rollsafe.errors import RollsafeError
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="rollsafe: lossless RL rollout checkpoints"
@@ -31,32 +39,51 @@ scenario_app = typer.Typer(
     no_args_is_help=True, help="Replay scenario files against the real controller."
 )
 app.add_typer(scenario_app, name="scenario")
-snapshot_app = typer.Typer(
-    no_args_is_help=True, help="Inspect a run's snapshots (a directory or object storage)."
-)
-app.add_typer(snapshot_app, name="snapshots")
 
 
-@scenario_app.command("run")
+def _print_version(asked: bool) -> None:
+    if not asked:
+        return
+    try:
+        typer.echo(f"rollsafe {version('rollsafe')}")
+    except PackageNotFoundError:  # a source tree on sys.path, never installed
+        typer.echo("rollsafe (not installed: no version)")
+    raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="print the version and exit"
+        ),
+    ] = False,
+) -> None:
+    """Options before any command."""
+
+
+@scenario_app.command("run", epilog=EXIT_CODES)
 def scenario_run(
-    file: Annotated[Path, typer.Argument(help="scenario JSON file (format in docs/scenarios.md)")],
+    file: Annotated[
+        Path,
+        typer.Argument(dir_okay=False, help="scenario JSON file (format in docs/scenarios.md)"),
+    ],
     snapshot_dir: Annotated[
         Path | None,
         typer.Option(help="where snapshots are written (default: a temporary directory)"),
     ] = None,
     dataplane: Annotated[
-        str,
+        DataplaneName,
         typer.Option(
             help="data-plane backend: memory, or transferqueue (starts a local Ray and "
             "TransferQueue, or joins the cluster at RAY_ADDRESS)"
         ),
     ] = "memory",
 ) -> None:
-    """Apply FILE's events; print the resulting state as one JSON object.
-
-    Exit 0: applied, every restored row matched. 1: a restored row differs (named).
-    2: malformed file or impossible event.
-    """
+    """Apply FILE's events; print the resulting state as one JSON object. Fails (1) when a
+    restored row differs (named); a malformed file or an impossible event is a usage error
+    (2)."""
     from rollsafe.evidence.scenario import ScenarioRunner, load_scenario
 
     try:
@@ -67,63 +94,43 @@ def scenario_run(
         ):
             root = snapshot_dir if snapshot_dir is not None else Path(scratch)
             report = ScenarioRunner(scenario, root, planes).run()
-    except RowMismatch as exc:
-        _fail(exc, 1)
-    except RollsafeError as exc:
-        _fail(exc, 2)
+    except RollsafeError as exc:  # RowMismatch 1; ScenarioError (the file's fault) 2
+        fail(exc)
     sys.stdout.write(report.model_dump_json() + "\n")
 
 
-SNAPSHOT_ROOT_HELP = (
-    "snapshot root: a directory (holds <run_id>/snapshots/) or object storage "
-    "(s3://bucket/prefix, gs://bucket/prefix; file:// is a directory)"
-)
+app.command("server", epilog=EXIT_CODES)(server_command)
 
 
-@snapshot_app.command("list")
-def snapshots_list(
-    root: Annotated[str, typer.Argument(help=SNAPSHOT_ROOT_HELP)],
-    run: Annotated[str, typer.Option("--run", help="run id")],
-    verify: Annotated[bool, typer.Option(help="hash every file of every snapshot")] = True,
-) -> None:
-    """Every snapshot of RUN, newest first, with its state and why it would not be restored.
-    On object storage each one is downloaded to a temporary directory to be verified (and
-    nothing is written to the bucket). Exit 0 when at least one snapshot verifies, 1 when
-    none does, 2 when the root cannot be read."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from rollsafe.snapshot import EntryState
-    from rollsafe.snapshot.location import open_snapshot_store
-
-    try:
-        with tempfile.TemporaryDirectory(prefix="rollsafe-snapshots-") as cache:
-            store = open_snapshot_store(root, run, cache_dir=cache)
-            entries = store.list(verify=verify)
-    except RollsafeError as exc:
-        _fail(exc, 2)
-    table = Table("snapshot", "state", "checkpoint", "weight", "loader", "files", "reason")
-    for entry in entries:
-        manifest = entry.manifest
-        table.add_row(
-            entry.name,
-            entry.state.value,
-            manifest.checkpoint_id if manifest else "",
-            str(manifest.weight_version) if manifest else "",
-            str(manifest.loader_position) if manifest else "",
-            str(len(manifest.files)) if manifest else "",
-            entry.reason or "",
-        )
-    Console(width=160).print(table)
-    if verify and not any(entry.state == EntryState.VALID for entry in entries):
-        typer.echo(f"no snapshot of run {run!r} under {root} verifies", err=True)
-        raise typer.Exit(1)
+RAY_CHECK_TIMEOUT_S = 5.0
 
 
-app.command("server")(server_command)
+def _ray_problem(ray_address: str | None) -> str | None:
+    """Why the worker cannot join Ray, found in seconds (doctor's check: a TCP connect to the
+    head) instead of after Ray's own minutes of retries; None when it may try."""
+    from rollsafe.cli.doctor.checks import Status, check_ray
+
+    address = ray_address or os.environ.get("RAY_ADDRESS") or "auto"  # as ray.init resolves it
+    check = check_ray(address, RAY_CHECK_TIMEOUT_S, count_nodes=False)
+    if check.status is not Status.FAILED:
+        return None
+    return f"{check.detail} (fix: {check.fix})"
 
 
-@app.command("worker")
+def _ray_joined() -> bool:
+    """Whether this process joined Ray. After a ConnectionError or RuntimeError out of the
+    worker, False means joining Ray is what failed: the worker joins first, before anything
+    else that raises them."""
+    import ray
+
+    return bool(ray.is_initialized())
+
+
+def _ray_where(ray_address: str | None) -> str:
+    return ray_address or os.environ.get("RAY_ADDRESS") or "this machine (address 'auto')"
+
+
+@app.command("worker", epilog=EXIT_CODES)
 def worker_command(
     run: Annotated[
         str,
@@ -169,6 +176,12 @@ def worker_command(
     from rollsafe.workers.checkpoint import run_worker
 
     try:
+        validate_run_id(run)  # before joining anything: a typo is not worth a wait
+    except RollsafeError as exc:
+        fail(exc)
+    if (problem := _ray_problem(ray_address)) is not None:
+        fail(f"cannot join Ray: {problem}")
+    try:
         asyncio.run(
             run_worker(
                 run,
@@ -180,44 +193,45 @@ def worker_command(
             )
         )
     except RollsafeError as exc:
-        _fail(exc, 2)
+        fail(exc)
+    except (ConnectionError, RuntimeError) as exc:
+        if _ray_joined():
+            raise  # not Ray's join: a failure nobody anticipated keeps its traceback
+        # Ray's own text tells the user to pass `--address`, a flag this command lacks.
+        what = str(exc).split(". ")[0]
+        fail(f"cannot join Ray at {_ray_where(ray_address)}: {what} (fix: {RAY_FIX})")
 
 
-@app.command("inspect")
+@app.command("inspect", epilog=EXIT_CODES)
 def inspect_command(
-    run: Annotated[str, typer.Argument(help="run id")],
-    as_json: Annotated[bool, typer.Option("--json", help="print the view as JSON")] = False,
+    run: RunArgument,
+    as_json: JsonOption = False,
 ) -> None:
     """The run's checkpointing at a glance: supervisor state, the running snapshot's phase and
     for how long, the pending activity's attempt and last failure. Works with no worker alive
     (built from describe and search attributes)."""
-    import asyncio
+    from temporalio.client import Client
 
-    from rollsafe.cli.inspection import inspect_run, render
-    from rollsafe.temporal.connect import connect
-
-    async def view() -> str:
-        result = await inspect_run(await connect(), run)
-        return result.model_dump_json(indent=2) if as_json else render(result)
+    from rollsafe.cli.checkpointing import against_temporal
+    from rollsafe.cli.inspection import RunView, inspect_run, render
 
     try:
-        typer.echo(asyncio.run(view()))
+        validate_run_id(run)
     except RollsafeError as exc:
-        _fail(exc, 2)
+        fail(exc)
+
+    async def view(client: Client) -> RunView:
+        return await inspect_run(client, run)
+
+    result = against_temporal(view)
+    typer.echo(result.model_dump_json(indent=2) if as_json else render(result))
 
 
-@app.command("ls")
-def ls_command(
-    run: Annotated[str, typer.Argument(help="run id")],
-    root: Annotated[str, typer.Option(envvar="ROLLSAFE_SNAPSHOT_ROOT", help=SNAPSHOT_ROOT_HELP)],
-) -> None:
-    """The run's snapshots, each verified (same as `rollsafe snapshots list`)."""
-    snapshots_list(root, run)
-
-
-register_engine_commands(app, _fail)
-register_env_commands(app, _fail)
-register_run_commands(app, _fail)
+snapshot_app = register_snapshot_commands(app)
+register_checkpointing_commands(app, snapshot_app)
+register_engine_commands(app)
+register_env_commands(app)
+register_run_commands(app)
 register_doctor_command(app)
 
 

@@ -3,97 +3,103 @@ the reference one or vLLM, and the tiny models vLLM serves in tests and the demo
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn, cast
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
+from rollsafe.cli.exits import EXIT_CODES, fail
+from rollsafe.cli.options import PortOption
+from rollsafe.cli.tokens import ENGINE_TOKEN_ENV, required_token, token_file_option, token_option
+from rollsafe.engine.vllm.models import Arch
 from rollsafe.errors import InvalidInput, RollsafeError
 
 if TYPE_CHECKING:
     from rollsafe.engine.http import ClosableEngine
 
+# rollsafe.engine.vllm.engine.Dtype, spelled again: that module imports torch (a second at
+# every start of the command). A unit test checks the two agree.
+Dtype = Literal["float32", "bfloat16"]
+Backend = Literal["reference", "vllm"]
+REFERENCE_MODELS = ("dense", "moe")
 
-def register_engine_commands(app: typer.Typer, fail: Callable[[Exception, int], NoReturn]) -> None:
+
+def register_engine_commands(app: typer.Typer) -> None:
     """Add ``engine serve`` and ``engine make-model`` to the ``rollsafe`` command."""
     engine_cli = typer.Typer(no_args_is_help=True, help="Serve a generation engine over HTTP.")
     app.add_typer(engine_cli, name="engine")
+    engine_cli.command("serve", epilog=EXIT_CODES)(engine_serve)
+    engine_cli.command("make-model", epilog=EXIT_CODES)(make_model_command)
 
-    @engine_cli.command("serve")
-    def engine_serve(
-        port: Annotated[
-            int, typer.Option(help="TCP port (0: any free one; the line printed names it)")
-        ],
-        token: Annotated[
-            str,
-            typer.Option(envvar="ROLLSAFE_ENGINE_TOKEN", help="bearer token clients must send"),
-        ],
-        host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
-        backend: Annotated[
-            str, typer.Option(help="reference (rollsafe's torch engine) or vllm")
-        ] = "reference",
-        model: Annotated[
-            str,
-            typer.Option(help="reference: dense or moe; vllm: a Hugging Face model directory"),
-        ] = "dense",
-        seed: Annotated[
-            int, typer.Option(help="reference: weight seed (same seed, same weights)")
-        ] = 0,
-        dtype: Annotated[str, typer.Option(help="vllm: float32 or bfloat16")] = "float32",
-        max_model_len: Annotated[
-            int | None, typer.Option(help="vllm: longest prompt + max_tokens (default: model's)")
-        ] = None,
-    ) -> None:
-        """Serve an engine until SIGINT/SIGTERM. Prints one line, `rollsafe engine serving
-        <dense|moe> on http://host:port`, once listening (vLLM: after loading the model)."""
-        import asyncio
 
-        from rollsafe.engine.http import serve
+def engine_serve(
+    ctx: typer.Context,
+    port: PortOption,
+    token: Annotated[
+        str | None, token_option(ENGINE_TOKEN_ENV, "bearer token clients must send")
+    ] = None,
+    token_file: Annotated[Path | None, token_file_option()] = None,
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    backend: Annotated[
+        Backend, typer.Option(help="reference (rollsafe's torch engine) or vllm")
+    ] = "reference",
+    model: Annotated[
+        str,
+        typer.Option(help="reference: dense or moe; vllm: a Hugging Face model directory"),
+    ] = "dense",
+    seed: Annotated[int, typer.Option(help="reference: weight seed (same seed, same weights)")] = 0,
+    dtype: Annotated[Dtype, typer.Option(help="vllm: the weights' and activations' type")] = (
+        "float32"
+    ),
+    max_model_len: Annotated[
+        int | None, typer.Option(help="vllm: longest prompt + max_tokens (default: model's)")
+    ] = None,
+) -> None:
+    """Serve an engine until SIGINT/SIGTERM. Prints one line, `rollsafe engine serving
+    <dense|moe> on http://host:port`, once listening (vLLM: after loading the model)."""
+    import asyncio
 
-        if not token.strip():
-            fail(InvalidInput("--token (or ROLLSAFE_ENGINE_TOKEN) must not be empty"), 2)
-        try:
-            engine = _engine(backend, model, seed, dtype, max_model_len)
-        except RollsafeError as exc:
-            fail(exc, 2)
-        asyncio.run(serve(engine, host, port, token))
+    from rollsafe.engine.http import serve
 
-    @engine_cli.command("make-model")
-    def make_model_command(
-        directory: Annotated[Path, typer.Argument(help="where to write it (reused if made)")],
-        arch: Annotated[str, typer.Option(help="dense (Qwen2) or moe (Qwen3-MoE)")] = "dense",
-        seed: Annotated[int, typer.Option(help="same seed, same weights")] = 0,
-    ) -> None:
-        """Build a tiny random-weight Hugging Face model for `engine serve --backend vllm`
-        (nothing is downloaded). Prints the directory."""
-        from rollsafe.engine.vllm.models import ModelSpec, make_model
+    try:
+        secret = required_token(
+            ctx, "token", token, token_file, flag="--token", envvar=ENGINE_TOKEN_ENV
+        )
+        engine = _engine(backend, model, seed, dtype, max_model_len)
+    except RollsafeError as exc:
+        fail(exc)
+    asyncio.run(serve(engine, host, port, secret))
 
-        if arch not in ("dense", "moe"):
-            fail(InvalidInput(f"--arch must be dense or moe, not {arch!r}"), 2)
-        try:
-            typer.echo(
-                make_model(directory, ModelSpec.model_validate({"arch": arch, "seed": seed}))
-            )
-        except RollsafeError as exc:
-            fail(exc, 2)
+
+def make_model_command(
+    directory: Annotated[Path, typer.Argument(help="where to write it (reused if made)")],
+    arch: Annotated[Arch, typer.Option(help="dense (Qwen2) or moe (Qwen3-MoE)")] = "dense",
+    seed: Annotated[int, typer.Option(help="same seed, same weights")] = 0,
+) -> None:
+    """Build a tiny random-weight Hugging Face model for `engine serve --backend vllm`
+    (nothing is downloaded). Prints the directory."""
+    from rollsafe.engine.vllm.models import ModelSpec, make_model
+
+    try:
+        typer.echo(make_model(directory, ModelSpec(arch=arch, seed=seed)))
+    except RollsafeError as exc:
+        fail(exc)
+    except OSError as exc:  # the directory cannot be written: name it, not the stack
+        fail(f"cannot write the model under {directory}: {exc.strerror or exc}")
 
 
 def _engine(
-    backend: str, model: str, seed: int, dtype: str, max_model_len: int | None
+    backend: Backend, model: str, seed: int, dtype: Dtype, max_model_len: int | None
 ) -> ClosableEngine:
     """The engine the flags ask for; :class:`InvalidInput` naming a bad flag."""
     if backend == "reference":
         from rollsafe.engine.model import ModelConfig
         from rollsafe.engine.torch_engine import TorchEngine
 
-        if model not in ("dense", "moe"):
+        # --model is a directory for vLLM, so click cannot check it as a choice: checked here.
+        if model not in REFERENCE_MODELS:
             raise InvalidInput(f"--model must be dense or moe, not {model!r}")
         return TorchEngine(ModelConfig(kind=model), seed)
-    if backend == "vllm":
-        if dtype not in ("float32", "bfloat16"):
-            raise InvalidInput(f"--dtype must be float32 or bfloat16, not {dtype!r}")
-        from rollsafe.engine.vllm.engine import Dtype, VllmEngine
+    from rollsafe.engine.vllm.engine import VllmEngine
 
-        return VllmEngine(model, dtype=cast(Dtype, dtype), max_model_len=max_model_len)
-    raise InvalidInput(f"--backend must be reference or vllm, not {backend!r}")
+    return VllmEngine(model, dtype=dtype, max_model_len=max_model_len)

@@ -3,35 +3,49 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, Literal
 
 import typer
+from pydantic import BaseModel, ConfigDict
 
+from rollsafe.cli.exits import EXIT_CODES, ExitCode, fail
+from rollsafe.cli.options import JsonOption
+from rollsafe.core.config import RestoreLevelName, SamplerName
 from rollsafe.errors import RollsafeError
+from rollsafe.evidence.verify import Check
 
 
-def register_run_commands(app: typer.Typer, fail: Callable[[Exception, int], NoReturn]) -> None:
+class VerifyReport(BaseModel):
+    """What ``verify --json`` prints."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ok: bool
+    checks: list[Check]
+
+
+def _exit_with(checks: list[Check]) -> typer.Exit:
+    return typer.Exit(int(ExitCode.OK if all(c.ok for c in checks) else ExitCode.FAILURE))
+
+
+def register_run_commands(app: typer.Typer) -> None:
     """Add ``verify`` and ``demo`` to the ``rollsafe`` command."""
 
-    @app.command("verify")
+    @app.command("verify", epilog=EXIT_CODES)
     def verify_command(
         directory: Annotated[Path, typer.Argument(help="a run's --out directory (evidence files)")],
         against: Annotated[
             Path | None,
             typer.Option(help="a reference run's directory: every rollout's tokens must match"),
         ] = None,
-        as_json: Annotated[bool, typer.Option("--json", help="one JSON object, no table")] = False,
+        as_json: JsonOption = False,
     ) -> None:
         """Check a run's evidence files alone: no prompt skipped, every trained group trained once
         and whole, no rollout in two steps, no environment mutation applied twice (and, with
         --against, the same tokens as the reference run).
 
-        Exit 0: every check passed. 1: a violation (named). 2: missing or malformed evidence.
-        """
-        import json
-
+        Fails (1) on a violation (named); missing or malformed evidence is a usage error (2)."""
         from rollsafe.evidence.files import Evidence
         from rollsafe.evidence.verify import all_ok, verify
 
@@ -39,30 +53,29 @@ def register_run_commands(app: typer.Typer, fail: Callable[[Exception, int], NoR
             evidence = Evidence.read(directory)
             reference = Evidence.read(against) if against is not None else None
         except RollsafeError as exc:
-            fail(exc, 2)
+            fail(exc)
         checks = verify(evidence, reference)
         if as_json:
-            payload = {"ok": all_ok(checks), "checks": [c.model_dump() for c in checks]}
-            sys.stdout.write(json.dumps(payload) + "\n")
+            report = VerifyReport(ok=all_ok(checks), checks=checks)
+            sys.stdout.write(report.model_dump_json() + "\n")
         else:
             _print_checks(checks, f"rollsafe verify {directory}")
-        raise typer.Exit(0 if all_ok(checks) else 1)
+        raise _exit_with(checks)
 
-    @app.command("demo")
+    @app.command("demo", epilog=EXIT_CODES)
     def demo_command(
         out: Annotated[
             Path, typer.Option(help="evidence files and the run's work directory")
         ] = Path("demo-out"),
-        steps: Annotated[int, typer.Option(help="optimizer steps")] = 6,
+        steps: Annotated[int, typer.Option(min=1, help="optimizer steps")] = 6,
         seed: Annotated[int, typer.Option(help="model, task and sampling seed")] = 0,
         restore_level: Annotated[
-            str, typer.Option(help="prefix | turn | sibling | prompt_group")
+            RestoreLevelName,
+            typer.Option(help="how much of an interrupted rollout a restore keeps"),
         ] = "prefix",
         sampler: Annotated[
-            str | None,
-            typer.Option(
-                help="windowed (default) | in_order | weight_fifo: which ready groups train"
-            ),
+            SamplerName | None,
+            typer.Option(help="which ready groups train (default: windowed)"),
         ] = None,
         deterministic: Annotated[
             bool,
@@ -73,7 +86,8 @@ def register_run_commands(app: typer.Typer, fail: Callable[[Exception, int], NoR
             ),
         ] = False,
         checkpoint_every: Annotated[
-            int, typer.Option(help="steps between trainer checkpoints (a restore's anchors)")
+            int,
+            typer.Option(min=1, help="steps between trainer checkpoints (a restore's anchors)"),
         ] = 2,
         fault: Annotated[
             list[str] | None,
@@ -84,7 +98,7 @@ def register_run_commands(app: typer.Typer, fail: Callable[[Exception, int], NoR
         no_faults: Annotated[bool, typer.Option("--no-faults", help="inject nothing")] = False,
         interval_s: Annotated[float, typer.Option(help="seconds between periodic snapshots")] = 3.0,
         engine: Annotated[
-            str,
+            Literal["reference", "vllm"],
             typer.Option(
                 help="reference (rollsafe's torch engine, the default: the demo in ~2 minutes) "
                 "or vllm (vLLM serving a tiny dense model built in --out; slower to start)"
@@ -94,9 +108,7 @@ def register_run_commands(app: typer.Typer, fail: Callable[[Exception, int], NoR
         """Run the reference RL run on every real part (Temporal, Ray, engine and environment
         servers, a checkpoint worker), inject faults, restore, and verify the evidence.
 
-        Exit 0: the run finished and every check passed. 1: a check failed. 2: bad options or a
-        part that could not start."""
-        from rollsafe.evidence.verify import all_ok
+        Fails (1) when a check fails or a part cannot start."""
         from rollsafe.reference.rl.demo import run_demo
         from rollsafe.reference.rl.demo_options import DEFAULT_FAULTS, DemoOptions, Fault
 
@@ -114,11 +126,14 @@ def register_run_commands(app: typer.Typer, fail: Callable[[Exception, int], NoR
                 interval_s=interval_s,
                 engine=engine,
             )
+        except ValueError as exc:  # InvalidInput, or pydantic's ValidationError of the options
+            fail(exc, ExitCode.USAGE)
+        try:
             checks = run_demo(options, say=lambda line: typer.echo(line))
-        except (RollsafeError, ValueError) as exc:
-            fail(exc, 2)
+        except RollsafeError as exc:
+            fail(exc)
         _print_checks(checks, f"rollsafe verify {out}")
-        raise typer.Exit(0 if all_ok(checks) else 1)
+        raise _exit_with(checks)
 
 
 def _print_checks(checks: list[Any], title: str) -> None:

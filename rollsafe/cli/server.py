@@ -14,7 +14,8 @@ from typing import Annotated, Final
 
 import typer
 
-from rollsafe.errors import InvalidInput, RollsafeError
+from rollsafe.cli.exits import exit_code_for, fail
+from rollsafe.errors import RollsafeError
 from rollsafe.temporal.devserver import DevServer
 
 DEFAULT_STATE_DIR: Final = Path("~/.rollsafe/temporal")
@@ -26,24 +27,22 @@ def server_command(
         Path,
         typer.Option(help="holds temporal.db (workflow state, kept across restarts) and the log"),
     ] = DEFAULT_STATE_DIR,
-    port: Annotated[int, typer.Option(help="gRPC port; 0 picks a free one")] = 7233,
+    port: Annotated[
+        int, typer.Option(min=0, max=65535, help="gRPC port; 0 picks a free one")
+    ] = 7233,
     ip: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
     namespace: Annotated[str, typer.Option(help="namespace to create")] = "default",
 ) -> None:
     """Run a Temporal dev server with rollsafe's search attributes until Ctrl-C or SIGTERM.
 
-    Exit 0: stopped by a signal. 1: the server failed to start or died. 2: bad arguments or
-    the state dir is in use.
-    """
+    Exit 0 once stopped by a signal. Fails (1) when the server fails to start or dies; a state
+    dir in use is a usage error (2)."""
     server = DevServer(state_dir, port=port, ip=ip, namespace=namespace)
     try:
         code = asyncio.run(_serve(server))
-    except InvalidInput as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
     except RollsafeError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+        # The message alone: the fix fail() gives for TemporalUnavailable is this command.
+        fail(str(exc), exit_code_for(exc))
     if code:
         raise typer.Exit(code)
 

@@ -4,7 +4,7 @@ against a moto S3 server subprocess, gcsfs against a fake-gcs-server subprocess 
 What this adds over tests/unit/test_snapshot_remote.py: the conditional create is the
 service's own, answered 412 by the server (not a local emulation), and every upload, listing,
 download and delete goes over HTTP. ``rollsafe doctor``'s bucket check and ``rollsafe
-snapshots list s3://... / gs://...`` run against the same server.
+snapshot list RUN --root s3://... / gs://...`` run against the same server.
 
 - S3: ``PutObject`` with ``If-None-Match: *``, which moto answers 412.
 - GCS: gcsfs's upload with ``ifGenerationMatch=0``, answered 412 (which gcsfs maps to
@@ -375,7 +375,7 @@ def test_snapshots_list_from_the_command_line(server, url, options, tmp_path):
     backend's ``cli_env``)."""
     publish(store_at(url, tmp_path / "w", options), "ck-1")
     env = server.backend.cli_env(server.endpoint, tmp_path)
-    command = [sys.executable, "-m", "rollsafe", "snapshots", "list", url, "--run", RUN]
+    command = [sys.executable, "-m", "rollsafe", "snapshot", "list", RUN, "--root", url]
     listing = subprocess.run(
         command, capture_output=True, text=True, timeout=120, check=False, env=env
     )

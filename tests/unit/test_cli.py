@@ -1,12 +1,18 @@
-"""`rollsafe scenario run` and `snapshots list` as a user runs them: a separate process, exit
-codes, stdout/stderr (in-process for memory://, which lives in one process)."""
+"""The `rollsafe` command as a user runs it: `scenario run` and `snapshot list` in a separate
+process (exit codes, stdout/stderr); the conventions every command keeps (`--version`, `--json`,
+exit codes 0/1/2, choices, tokens from a variable or a file, one line and no traceback on a
+failure) in process with typer's CliRunner, which memory:// object storage needs too."""
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import uuid
+from importlib.metadata import version
 from pathlib import Path
+from typing import ClassVar, get_args
 
 import pytest
 
@@ -109,7 +115,7 @@ def test_impossible_event_exits_2_naming_the_event(tmp_path, events, message):
 
 def test_unknown_dataplane_and_missing_file_exit_2(tmp_path):
     result = rollsafe("scenario", "run", SCENARIOS / "s1_all_finished.json", "--dataplane", "tq")
-    assert result.returncode == 2 and "unknown data plane 'tq'" in result.stderr
+    assert result.returncode == 2 and "'tq' is not one of 'memory'" in result.stderr
     result = rollsafe("scenario", "run", tmp_path / "nope.json")
     assert result.returncode == 2 and "no such file" in result.stderr
 
@@ -173,17 +179,17 @@ def test_snapshots_list_shows_each_snapshot_and_why_it_is_refused(tmp_path):
         ).returncode
         == 0
     )
-    listing = rollsafe("snapshots", "list", snapshots, "--run", "scenario")
+    listing = rollsafe("snapshot", "list", "scenario", "--root", snapshots)
     assert listing.returncode == 0, listing.stderr
     assert "00000001-rollout" in listing.stdout and "00000002-rollout" in listing.stdout
     newest = snapshots / "scenario" / "snapshots" / "00000002-rollout" / "ledger.safetensors"
     newest.write_bytes(newest.read_bytes()[:-1])
-    listing = rollsafe("snapshots", "list", snapshots, "--run", "scenario")
+    listing = rollsafe("snapshot", "list", "scenario", "--root", snapshots)
     assert listing.returncode == 0  # the older one still verifies
     assert "invalid" in listing.stdout and "ledger.safetensors" in listing.stdout
     older = snapshots / "scenario" / "snapshots" / "00000001-rollout" / "run.json"
     older.unlink()
-    listing = rollsafe("snapshots", "list", snapshots, "--run", "scenario")
+    listing = rollsafe("snapshot", "list", "scenario", "--root", snapshots)
     assert listing.returncode == 1 and "verifies" in listing.stderr
 
 
@@ -194,7 +200,8 @@ def test_snapshots_list_and_ls_take_a_file_url(tmp_path):
         "scenario", "run", write(tmp_path / "a.json", run), "--snapshot-dir", snapshots
     )
     assert written.returncode == 0, written.stderr
-    listing = rollsafe("snapshots", "list", f"file://{snapshots}", "--run", "scenario")
+    # `snapshots` (the old name of the group) still works
+    listing = rollsafe("snapshots", "list", "scenario", "--root", f"file://{snapshots}")
     assert listing.returncode == 0, listing.stderr
     assert "00000001-rollout" in listing.stdout and "valid" in listing.stdout
     ls = subprocess.run(
@@ -226,7 +233,7 @@ def test_snapshots_list_and_ls_read_object_storage(tmp_path):
         draft.publish(weight_version=1, loader_position=1)
     try:
         runner = CliRunner()
-        listing = runner.invoke(app, ["snapshots", "list", url, "--run", "cli-run"])
+        listing = runner.invoke(app, ["snapshot", "list", "cli-run", "--root", url])
         assert listing.exit_code == 0, listing.output
         assert "00000002-rollout" in listing.output and "00000001-rollout" in listing.output
         assert "ck-2" in listing.output and "invalid" not in listing.output
@@ -236,14 +243,493 @@ def test_snapshots_list_and_ls_read_object_storage(tmp_path):
         assert ls.exit_code == 0, ls.output
         assert "invalid" in ls.output and "sha256" in ls.output
         before = sorted(store.fs.find(store.remote_run))
-        runner.invoke(app, ["snapshots", "list", url, "--run", "cli-run"])
+        runner.invoke(app, ["snapshot", "list", "cli-run", "--root", url])
         assert sorted(store.fs.find(store.remote_run)) == before  # read-only
-        other = runner.invoke(app, ["snapshots", "list", url, "--run", "no-such-run"])
+        other = runner.invoke(app, ["snapshot", "list", "no-such-run", "--root", url])
         assert other.exit_code == 1 and "verifies" in other.output
-        odd = runner.invoke(app, ["snapshots", "list", "ftp://host/x", "--run", "cli-run"])
+        odd = runner.invoke(app, ["snapshot", "list", "cli-run", "--root", "ftp://host/x"])
         assert odd.exit_code == 2 and "unsupported snapshot storage scheme 'ftp'" in odd.output
     finally:
         fs = fsspec.filesystem("memory")
         root = fs._strip_protocol(url).split("/")[1]
         if fs.exists(f"/{root}"):
             fs.rm(f"/{root}", recursive=True)
+
+
+# -- conventions every command keeps (in process) ----------------------------------------------
+
+RUN = "cli-run"
+NO_PROFILE = {  # Temporal found from these variables alone: no user profile leaks in
+    "TEMPORAL_CONFIG_FILE": "/nonexistent/temporal.toml",
+    "TEMPORAL_PROFILE": None,
+    "TEMPORAL_NAMESPACE": "default",
+}
+
+
+def invoke(*args: str | Path, env: dict[str, str | None] | None = None):
+    from typer.testing import CliRunner
+
+    from rollsafe.cli.app import app
+
+    return CliRunner().invoke(app, [str(arg) for arg in args], env=env)
+
+
+def one_line_error(result) -> str:
+    """The failure's stderr, checked to be one line and no traceback."""
+    assert "Traceback" not in result.output, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def dead_port():
+    """A port bound and never listened on: a connect is refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+def publish(root: Path, *checkpoints: str, run: str = RUN):
+    from rollsafe.snapshot import SnapshotKind, SnapshotStore
+
+    store = SnapshotStore(root, run)
+    for checkpoint in checkpoints:
+        draft = store.begin(SnapshotKind.ROLLOUT, checkpoint)
+        draft.write_bytes("state.bin", checkpoint.encode())
+        draft.publish(weight_version=1, loader_position=1)
+    return store
+
+
+def test_version_prints_the_installed_version():
+    result = invoke("--version")
+    assert result.exit_code == 0
+    assert result.stdout == f"rollsafe {version('rollsafe')}\n"
+
+
+# --- snapshot list / ls
+
+
+def test_snapshot_list_and_ls_print_the_same_json_and_nothing_else(tmp_path):
+    publish(tmp_path, "ck-1", "ck-2")
+    listed = invoke("snapshot", "list", RUN, "--root", tmp_path, "--json")
+    ls = invoke("ls", RUN, "--json", env={"ROLLSAFE_SNAPSHOT_ROOT": str(tmp_path)})
+    assert listed.exit_code == 0 and ls.exit_code == 0, listed.output + ls.output
+    assert json.loads(listed.stdout) == json.loads(ls.stdout)  # stdout is the document alone
+    payload = json.loads(listed.stdout)
+    assert [row["name"] for row in payload["snapshots"]] == ["00000002-rollout", "00000001-rollout"]
+    assert [row["state"] for row in payload["snapshots"]] == ["valid", "valid"]
+    assert payload["snapshots"][0]["checkpoint_id"] == "ck-2"
+
+
+def test_no_snapshot_that_verifies_exits_1_with_the_json_still_printed(tmp_path):
+    store = publish(tmp_path, "ck-1")
+    (store.snapshots_dir / "00000001-rollout" / "state.bin").write_bytes(b"ck-X")
+    result = invoke("snapshot", "list", RUN, "--root", tmp_path, "--json")
+    assert result.exit_code == 1
+    (row,) = json.loads(result.stdout)["snapshots"]
+    assert row["state"] == "invalid" and "state.bin" in row["reason"]
+    assert "verifies" in one_line_error(result)
+    unchecked = invoke("ls", RUN, "--root", tmp_path, "--no-verify", "--json")
+    assert unchecked.exit_code == 0  # names only: nothing claimed about the content
+    assert [r["state"] for r in json.loads(unchecked.stdout)["snapshots"]] == ["unchecked"]
+
+
+def test_ls_needs_a_root_from_the_flag_or_the_variable(tmp_path):
+    missing = invoke("ls", RUN, env={"ROLLSAFE_SNAPSHOT_ROOT": None})
+    assert missing.exit_code == 2 and "ROLLSAFE_SNAPSHOT_ROOT" in missing.output
+    publish(tmp_path, "ck-1")
+    found = invoke("ls", RUN, env={"ROLLSAFE_SNAPSHOT_ROOT": str(tmp_path)})
+    assert found.exit_code == 0 and "00000001-rollout" in found.stdout
+    bad_run = invoke("ls", "no such run", "--root", tmp_path)
+    assert bad_run.exit_code == 2 and "invalid run id" in one_line_error(bad_run)
+
+
+def test_object_storage_is_verified_one_snapshot_at_a_time(tmp_path, monkeypatch):
+    """Each snapshot downloaded advances the progress (drawn on a terminal only)."""
+    fsspec = pytest.importorskip("fsspec")
+    from rollsafe.snapshot import SnapshotKind
+    from rollsafe.snapshot.remote import RemoteSnapshotStore
+
+    seen: dict[str, int | None] = {"advanced": 0}
+
+    @contextlib.contextmanager
+    def recorded(description, total=None):
+        seen["total"] = total
+
+        def advance():
+            seen["advanced"] += 1
+
+        yield advance
+
+    monkeypatch.setattr("rollsafe.cli.snapshots.progress", recorded)
+    url = f"memory://rollsafe-cli-{uuid.uuid4().hex[:12]}/snaps"
+    store = RemoteSnapshotStore(url, RUN, tmp_path / "writer")
+    for checkpoint in ("ck-1", "ck-2"):  # retention keeps two
+        draft = store.begin(SnapshotKind.ROLLOUT, checkpoint)
+        draft.write_bytes("state.bin", checkpoint.encode())
+        draft.publish(weight_version=1, loader_position=1)
+    store.fs.pipe_file(f"{store.remote_run}/snapshots/00000002-rollout/state.bin", b"ck-X")
+    try:
+        result = invoke("ls", RUN, "--root", url, "--json")
+    finally:
+        fs = fsspec.filesystem("memory")
+        fs.rm(f"/{fs._strip_protocol(url).split('/')[1]}", recursive=True)
+    assert result.exit_code == 0, result.output
+    states = [row["state"] for row in json.loads(result.stdout)["snapshots"]]
+    assert states == ["invalid", "valid"]
+    assert seen == {"total": 2, "advanced": 2}
+
+
+# --- exit 2 for usage errors: choices, ports
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("engine", "serve", "--port", "0", "--backend", "tgi"),
+        ("engine", "serve", "--port", "0", "--dtype", "float16"),
+        ("engine", "make-model", "/nonexistent/m", "--arch", "huge"),
+        ("scenario", "run", "/nonexistent/s.json", "--dataplane", "tq"),
+        ("demo", "--restore-level", "everything"),
+        ("demo", "--sampler", "lifo"),
+        ("demo", "--engine", "tgi"),
+    ],
+)
+def test_a_value_outside_a_choice_is_a_usage_error(args):
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert "is not one of" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("scenario", "run", "/"), "is a directory"),
+        (("env-check", "localhost:8400", "--token", "t"), "give http://host:port"),
+        (("demo", "--interval-s", "0"), "interval_s: Input should be greater than 0"),
+        (("demo", "--deterministic", "--sampler", "windowed"), "cannot use sampler windowed"),
+    ],
+)
+def test_a_bad_argument_found_by_the_command_is_a_usage_error(args, message):
+    result = invoke(*args)
+    assert result.exit_code == 2 and message in result.output
+    assert "Traceback" not in result.output and "errors.pydantic.dev" not in result.output
+
+
+def test_a_model_directory_that_cannot_be_written_is_one_line(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    result = invoke("engine", "make-model", tmp_path / "a-file" / "model")
+    assert result.exit_code == 1
+    assert "cannot write the model under" in one_line_error(result)
+
+
+def test_help_lists_the_choices():
+    wide = {"COLUMNS": "200"}  # each metavar on one line
+    serve = invoke("engine", "serve", "--help", env=wide).output
+    assert "reference|vllm" in serve and "float32|bfloat16" in serve
+    demo = invoke("demo", "--help", env=wide).output
+    assert "prompt_group|sibling|turn|prefix" in demo and "windowed|in_order|weight_fifo" in demo
+
+
+def test_the_dtypes_spelled_in_the_cli_are_the_engines():
+    from rollsafe.cli import engine as cli_engine
+    from rollsafe.engine.vllm.engine import Dtype
+
+    assert get_args(cli_engine.Dtype) == get_args(Dtype)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("engine", "serve", "--port", "99999", "--token", "t"),
+        ("env", "serve", "workplace", "--port", "99999", "--token", "t"),
+        ("server", "--port", "-1"),
+        ("worker", "--run", RUN, "--health-port", "70000"),
+    ],
+)
+def test_a_port_out_of_range_is_a_usage_error(args):
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert "Invalid value for '--" in result.output and "port" in result.output
+
+
+# --- tokens: a variable or a file, never needed on a command line
+
+
+@pytest.fixture
+def served_tokens(monkeypatch) -> list[str]:
+    """`engine serve` with the engine and the server replaced: the token it would serve with."""
+    tokens: list[str] = []
+
+    async def serve(engine, host, port, token):
+        tokens.append(token)
+
+    monkeypatch.setattr("rollsafe.engine.http.serve", serve)
+    monkeypatch.setattr("rollsafe.cli.engine._engine", lambda *args: object())
+    return tokens
+
+
+def test_a_token_file_is_read_stripped_and_beats_the_variable(tmp_path, served_tokens):
+    file = tmp_path / "token"
+    file.write_text("  from-the-file\n")
+    env = {"ROLLSAFE_ENGINE_TOKEN": "from-the-variable"}
+    assert invoke("engine", "serve", "--port", "0", env=env).exit_code == 0
+    assert invoke("engine", "serve", "--port", "0", "--token-file", file, env=env).exit_code == 0
+    assert served_tokens == ["from-the-variable", "from-the-file"]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [("", "is empty"), ("\n \n", "is empty"), (None, "cannot read it")],
+)
+def test_an_empty_or_missing_token_file_is_a_usage_error(tmp_path, served_tokens, content, message):
+    file = tmp_path / "token"
+    if content is not None:
+        file.write_text(content)
+    result = invoke("engine", "serve", "--port", "0", "--token-file", file)
+    assert result.exit_code == 2 and message in one_line_error(result)
+    assert served_tokens == []
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (("engine", "serve", "--port", "0", "--token", "t"), "--token"),
+        (("env", "serve", "workplace", "--port", "0", "--token", "t"), "--token"),
+        (("env-check", "http://127.0.0.1:9", "--token", "t"), "--token"),
+    ],
+)
+def test_a_token_and_a_token_file_together_are_a_usage_error(tmp_path, args, flag):
+    file = tmp_path / "token"
+    file.write_text("t2")
+    engine = ("--engine-url", "http://127.0.0.1:9", "--engine-token", "e")
+    result = invoke(*args, "--token-file", file, *(engine if args[0] != "engine" else ()))
+    assert result.exit_code == 2
+    assert f"give {flag} or {flag}-file, not both" in one_line_error(result)
+    both = invoke(*args, *engine, "--engine-token-file", file) if args[0] == "env-check" else None
+    if both is not None:
+        assert both.exit_code == 2 and "--engine-token-file, not both" in both.stderr
+
+
+def test_no_token_at_all_names_the_variable_and_the_file(served_tokens):
+    result = invoke("engine", "serve", "--port", "0", env={"ROLLSAFE_ENGINE_TOKEN": None})
+    assert result.exit_code == 2
+    line = one_line_error(result)
+    assert "ROLLSAFE_ENGINE_TOKEN" in line and "--token-file" in line
+
+
+# --- worker: the run id first, Ray's absence in one line
+
+
+@pytest.fixture
+def no_worker(monkeypatch):
+    """Fail the test if the worker would start."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the worker started")
+
+    monkeypatch.setattr("rollsafe.workers.checkpoint.run_worker", refuse)
+
+
+def test_worker_checks_the_run_id_before_touching_ray(monkeypatch, no_worker):
+    def refuse(*args):
+        raise AssertionError("Ray was looked for")
+
+    monkeypatch.setattr("rollsafe.cli.doctor.checks.check_ray", refuse)
+    result = invoke("worker", "--run", "not a run id")
+    assert result.exit_code == 2 and "invalid run id" in one_line_error(result)
+
+
+def test_worker_without_ray_says_how_to_start_it(dead_port, no_worker):
+    result = invoke("worker", "--run", RUN, "--ray-address", f"127.0.0.1:{dead_port}")
+    assert result.exit_code == 1
+    line = one_line_error(result)
+    assert f"127.0.0.1:{dead_port}" in line and "ray start --head" in line
+    assert "RAY_ADDRESS" in line
+
+
+def test_worker_turns_rays_own_join_error_into_one_line(monkeypatch):
+    """Ray found by the pre-check but refusing the join: its ConnectionError, in one line."""
+    from rollsafe.cli import app as cli_app
+
+    async def ray_refuses(*args, **kwargs):
+        raise ConnectionError("Could not find any running Ray instance. Please set `--address`")
+
+    monkeypatch.setattr(cli_app, "_ray_problem", lambda address: None)
+    monkeypatch.setattr("rollsafe.workers.checkpoint.run_worker", ray_refuses)
+    monkeypatch.setattr(cli_app, "_ray_joined", lambda: False)
+    result = invoke("worker", "--run", RUN, "--ray-address", "10.0.0.1:6379")
+    assert result.exit_code == 1
+    line = one_line_error(result)
+    assert "cannot join Ray at 10.0.0.1:6379: Could not find any running Ray instance" in line
+    assert "--address`" not in line and "ray start --head" in line
+    # Once Ray was joined, the same error is not Ray's join: it keeps its traceback.
+    monkeypatch.setattr(cli_app, "_ray_joined", lambda: True)
+    joined = invoke("worker", "--run", RUN, "--ray-address", "10.0.0.1:6379")
+    assert isinstance(joined.exception, ConnectionError)
+
+
+# --- snapshot now, restore, inspect: Temporal's absence in one line; --json
+
+
+def test_temporal_unreachable_is_one_line_naming_the_address(dead_port):
+    env = {**NO_PROFILE, "TEMPORAL_ADDRESS": f"127.0.0.1:{dead_port}"}
+    for args in (("inspect", RUN), ("snapshot", "now", RUN), ("restore", RUN, "--json")):
+        result = invoke(*args, env=env)
+        assert result.exit_code == 1, (args, result.output)
+        line = one_line_error(result)
+        assert f"127.0.0.1:{dead_port}" in line and "TEMPORAL_ADDRESS" in line
+        assert result.stdout == ""
+
+
+@pytest.mark.parametrize("args", [("inspect",), ("snapshot", "now"), ("restore",)])
+def test_a_bad_run_id_is_refused_before_connecting(monkeypatch, args):
+    async def refuse(*args, **kwargs):
+        raise AssertionError("connected")
+
+    monkeypatch.setattr("rollsafe.temporal.connect.connect", refuse)
+    result = invoke(*args, "no/such run")
+    assert result.exit_code == 2 and "invalid run id" in one_line_error(result)
+
+
+class FakeCheckpointer:
+    """The SDK's Checkpointer with the answers a test sets; records what it was asked."""
+
+    outcome = None
+    plan = None
+    error: Exception | None = None
+    workers_present = True
+    asked: ClassVar[list] = []
+
+    def __init__(self, run_id, *, client):
+        self.run_id = run_id
+
+    async def workers(self):
+        from rollsafe.temporal.pollers import WorkerPresence
+
+        age = 1.0 if self.workers_present else None
+        return WorkerPresence(
+            task_queue=f"rollsafe.{self.run_id}", pollers=1, newest_poll_age_s=age, seen_within_s=90
+        )
+
+    async def snapshot_now(self, timeout=None):  # noqa: ASYNC109 - the SDK's signature
+        self.asked.append(("snapshot_now", timeout))
+        if self.error is not None:
+            raise self.error
+        return self.outcome
+
+    async def restore(self, restore_id, weight_versions=None):
+        self.asked.append(("restore", restore_id, weight_versions))
+        return self.plan
+
+
+@pytest.fixture
+def checkpointer(monkeypatch):
+    async def connect(*args, **kwargs):
+        return object()
+
+    monkeypatch.setattr("rollsafe.temporal.connect.connect", connect)
+    fake = type("Fake", (FakeCheckpointer,), {"asked": []})
+    monkeypatch.setattr("rollsafe.client.Checkpointer", fake)
+    return fake
+
+
+def outcome(status: str, reason: str = ""):
+    from rollsafe.core.phases import PublishedSnapshotInfo
+    from rollsafe.workflows.models import SnapshotOutcome
+
+    published = PublishedSnapshotInfo(
+        name="00000004-rollout",
+        path="/snaps/00000004-rollout",
+        checkpoint_id=f"{RUN}.rollout.00000004",
+        manifest_sha256="0" * 64,
+        weight_version=7,
+        loader_position=40,
+    )
+    return SnapshotOutcome(
+        checkpoint_id=f"{RUN}.rollout.00000004",
+        seq=4,
+        status=status,
+        reason=reason,
+        published=published if status == "published" else None,
+    )
+
+
+def test_snapshot_now_prints_the_outcome_and_fails_unless_published(checkpointer):
+    from rollsafe.workflows.models import SnapshotOutcome
+
+    checkpointer.outcome = outcome("published")
+    done = invoke("snapshot", "now", RUN, "--timeout", "30", "--json")
+    assert done.exit_code == 0, done.output
+    assert SnapshotOutcome.model_validate_json(done.stdout) == checkpointer.outcome
+    assert checkpointer.asked == [("snapshot_now", 30.0)]
+    checkpointer.outcome = outcome("skipped", "trainer_state_changed: step 9 committed")
+    skipped = invoke("snapshot", "now", RUN)
+    assert skipped.exit_code == 1
+    assert "snapshot 4 skipped: trainer_state_changed: step 9 committed" in skipped.stdout
+
+
+def test_snapshot_now_without_a_supervisor_is_one_line(checkpointer):
+    from rollsafe.errors import SupervisorNotRunning
+
+    checkpointer.error = SupervisorNotRunning(f"run {RUN!r} has no checkpoint supervisor")
+    result = invoke("snapshot", "now", RUN)
+    assert result.exit_code == 1
+    assert "has no checkpoint supervisor" in one_line_error(result)
+
+
+def test_restore_passes_its_id_and_weight_versions_and_prints_the_plan(checkpointer):
+    from rollsafe.core.phases import RestorePlan
+
+    checkpointer.plan = RestorePlan(
+        snapshot="00000004-rollout",
+        checkpoint_id=f"{RUN}.rollout.00000004",
+        skipped={"00000005-rollout": "not accepted: weight version 9"},
+        loader_position=40,
+        weight_version=7,
+        ready=[3],
+        partial={},
+        released_claims=[],
+        redispatch=[],
+    )
+    args = ("restore", RUN, "--restore-id", "r1", "--weight-version", "7", "--weight-version", "9")
+    result = invoke(*args, "--json")
+    assert result.exit_code == 0, result.output
+    assert RestorePlan.model_validate_json(result.stdout) == checkpointer.plan
+    assert checkpointer.asked == [("restore", "r1", [7, 9])]
+    text = invoke("restore", RUN)  # a fresh id, printed so a retry can reuse it
+    (_, minted, _) = checkpointer.asked[-1]
+    assert minted.startswith("cli-") and f"restore id {minted}" in text.stdout
+    assert "00000005-rollout refused: not accepted: weight version 9" in text.stdout
+
+
+def test_a_run_no_worker_serves_is_warned_on_stderr(checkpointer):
+    checkpointer.workers_present = False
+    checkpointer.outcome = outcome("published")
+    result = invoke("snapshot", "now", RUN, "--json")
+    assert result.exit_code == 0
+    assert "no checkpoint worker polls task queue 'rollsafe.cli-run'" in result.stderr
+    json.loads(result.stdout)  # the warning stays off stdout
+
+
+def test_inspect_json_is_the_view(monkeypatch):
+    from rollsafe.cli.inspection import RunView
+
+    async def connect(*args, **kwargs):
+        return object()
+
+    async def inspect_run(client, run_id):
+        return RunView(run_id=run_id, supervisor="absent")
+
+    monkeypatch.setattr("rollsafe.temporal.connect.connect", connect)
+    monkeypatch.setattr("rollsafe.cli.inspection.inspect_run", inspect_run)
+    result = invoke("inspect", RUN, "--json")
+    assert result.exit_code == 0, result.output
+    assert RunView.model_validate_json(result.stdout) == RunView(run_id=RUN, supervisor="absent")
+
+
+def test_verify_of_missing_evidence_is_a_usage_error_with_nothing_on_stdout(tmp_path):
+    result = invoke("verify", tmp_path / "nowhere", "--json")
+    assert result.exit_code == 2 and result.stdout == ""
+    one_line_error(result)

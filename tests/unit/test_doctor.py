@@ -213,6 +213,20 @@ def test_a_ray_client_port_that_accepts_is_ok(silent_port: int) -> None:
     assert check.status is Status.OK and str(silent_port) in check.detail
 
 
+def test_without_the_node_count_a_gcs_that_accepts_is_ok_at_once(
+    silent_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `rollsafe worker` checks before ray.init: the connect, and no GCS client."""
+
+    def refuse(*args: Any) -> str:
+        raise AssertionError("asked the GCS")
+
+    monkeypatch.setattr(doctor_checks, "_node_count", refuse)
+    check = check_ray(f"127.0.0.1:{silent_port}", 1.0, count_nodes=False)
+    assert check.status is Status.OK
+    assert check.detail == f"GCS at 127.0.0.1:{silent_port} accepts connections"
+
+
 # -- snapshot storage ------------------------------------------------------------------------
 
 

@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict
 
 from rollsafe.cli.doctor.checks import DoctorCheck, Status, check_ray, check_storage
 from rollsafe.cli.doctor.temporal import DEFAULT_MAX_SKEW_S, temporal_checks
+from rollsafe.cli.exits import EXIT_CODES, ExitCode
+from rollsafe.cli.options import JsonOption
 from rollsafe.temporal.connect import ConnectionSettings
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -65,7 +67,7 @@ def print_report(report: DoctorReport) -> None:
 def register_doctor_command(app: typer.Typer) -> None:
     """Add ``doctor`` to the ``rollsafe`` command."""
 
-    @app.command("doctor")
+    @app.command("doctor", epilog=EXIT_CODES)
     def doctor_command(
         ray_address: Annotated[
             str | None,
@@ -89,7 +91,7 @@ def register_doctor_command(app: typer.Typer) -> None:
         timeout_s: Annotated[
             float, typer.Option(min=0.1, help="limit on each network call, in seconds")
         ] = DEFAULT_TIMEOUT_S,
-        as_json: Annotated[bool, typer.Option("--json", help="one JSON object, no table")] = False,
+        as_json: JsonOption = False,
     ) -> None:
         """Verify a deployment: Temporal (found as `rollsafe worker` finds it: TEMPORAL_ADDRESS,
         TEMPORAL_NAMESPACE, TLS and API-key variables, or a temporal config profile) answers,
@@ -97,7 +99,7 @@ def register_doctor_command(app: typer.Typer) -> None:
         with this machine's; Ray answers; the snapshot root (a directory or a bucket) takes
         an atomic publish.
 
-        Exit 0: no check FAILED (skipped ones are fine). 1: a check FAILED (named, with its fix).
+        Fails (1) when a check FAILED (named, with its fix); skipped ones are fine.
         """
         report = asyncio.run(
             run_doctor(
@@ -111,4 +113,4 @@ def register_doctor_command(app: typer.Typer) -> None:
             sys.stdout.write(report.model_dump_json() + "\n")
         else:
             print_report(report)
-        raise typer.Exit(0 if report.ok else 1)
+        raise typer.Exit(int(ExitCode.OK if report.ok else ExitCode.FAILURE))

@@ -83,9 +83,11 @@ def _ray_fix(where: str) -> str:
     )
 
 
-def check_ray(address: str | None, timeout_s: float) -> DoctorCheck:
+def check_ray(address: str | None, timeout_s: float, *, count_nodes: bool = True) -> DoctorCheck:
     """A TCP connect to the cluster (no ``ray.init``: the doctor joins nothing), then, for a
-    GCS address, the number of alive nodes from the GCS itself."""
+    GCS address and ``count_nodes``, the number of alive nodes from the GCS itself (a process
+    about to ``ray.init`` passes False: it needs the connect only, and no GCS client of its own
+    beside Ray's)."""
     if not address:
         return skipped(RAY, "no --ray-address or RAY_ADDRESS: workers use the local cluster")
     if address.strip() == "local":
@@ -111,6 +113,8 @@ def check_ray(address: str | None, timeout_s: float) -> DoctorCheck:
         )
     if scheme == "ray":  # a Ray Client server: its port answers, nothing more to ask cheaply
         return ok(RAY, f"Ray Client at {host}:{port} accepts connections")
+    if not count_nodes:
+        return ok(RAY, f"GCS at {host}:{port} accepts connections")
     return ok(RAY, f"GCS at {host}:{port} accepts connections; {_node_count(address, timeout_s)}")
 
 

@@ -1,0 +1,81 @@
+"""How every ``rollsafe`` command ends: its exit code, and one line on stderr when it fails.
+
+The codes (documented once, in docs/operations.md, "Exit codes"):
+
+- 0: the command did what it was asked;
+- 1: a runtime failure: a dependency unreachable, a snapshot that does not verify, a check
+  that fails, an error raised while doing the work;
+- 2: a usage error only: a bad flag or argument, a malformed file the user gave
+  (:class:`~rollsafe.errors.InvalidInput`, or a pydantic ``ValidationError`` of the options).
+  click's own usage errors (unknown option, bad choice, port out of range) exit 2 too.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import NoReturn
+
+import typer
+from pydantic import ValidationError
+
+from rollsafe.errors import InvalidInput, TemporalUnavailable
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    FAILURE = 1
+    USAGE = 2
+
+
+# Each command's help ends with this, so the table stays in one place.
+EXIT_CODES = (
+    "Exit codes: 0 success, 1 runtime failure, 2 usage error (docs/operations.md, 'Exit codes')."
+)
+
+# What to do about an error the command cannot fix itself, appended to its line. Temporal's
+# address comes from the environment, never a flag: the fix names the variables.
+TEMPORAL_FIX = (
+    "start a server (`rollsafe server`) or point TEMPORAL_ADDRESS (and TEMPORAL_NAMESPACE) at yours"
+)
+RAY_FIX = "start Ray (`ray start --head`) or pass --ray-address / RAY_ADDRESS"
+
+
+def exit_code_for(error: BaseException) -> ExitCode:
+    """2 for the user's own bad input, 1 for anything that went wrong while doing the work."""
+    if isinstance(error, InvalidInput | ValidationError):
+        return ExitCode.USAGE
+    return ExitCode.FAILURE
+
+
+def _describe(error: BaseException) -> str:
+    """The error as one line: pydantic's own text spans several, with a link per error."""
+    if isinstance(error, ValidationError):
+        return "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" if e["loc"] else e["msg"]
+            for e in error.errors()
+        )
+    return str(error)
+
+
+def _fix_for(error: BaseException) -> str | None:
+    if isinstance(error, TemporalUnavailable):
+        return TEMPORAL_FIX
+    return None
+
+
+def fail(error: BaseException | str, code: ExitCode | None = None) -> NoReturn:
+    """Print ``error: <what failed>`` (and the fix, when one is known) as one line on stderr
+    and exit with ``code`` (default: :func:`exit_code_for` the error; 1 for a plain message).
+    No traceback: what the user needs is what failed and what to do."""
+    fix = None if isinstance(error, str) else _fix_for(error)
+    what = error if isinstance(error, str) else _describe(error)
+    line = f"error: {what}" + (f" (fix: {fix})" if fix else "")
+    typer.echo(line, err=True)
+    if code is None:
+        code = ExitCode.FAILURE if isinstance(error, str) else exit_code_for(error)
+    raise typer.Exit(int(code)) from None
+
+
+def usage_error(message: str) -> NoReturn:
+    """A bad flag or argument this command found itself (click finds the others)."""
+    fail(InvalidInput(message))
