@@ -53,6 +53,7 @@ from rollsafe.core.config import (
 )
 from rollsafe.core.ids import validate_run_id
 from rollsafe.errors import InvalidInput
+from rollsafe.http.bearer import ENGINE_TOKEN_ENV, ENV_TOKEN_ENV, read_token_file
 from rollsafe.temporal.connect import ConnectionSettings
 from rollsafe.workflows.models import PhaseOptions, SupervisorConfig
 
@@ -64,9 +65,6 @@ NESTED = "__"
 CONFIG_ENV = "ROLLSAFE_CONFIG"  # a YAML file of settings
 SECTION = "rollsafe"  # the section read from a framework's whole config file
 DEFAULT = "default"
-# Where the environment and engine servers read their bearer tokens (rollsafe env/engine serve).
-ENV_TOKEN_ENV = "ROLLSAFE_ENV_TOKEN"
-ENGINE_TOKEN_ENV = "ROLLSAFE_ENGINE_TOKEN"
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 LogFormat = Literal["text", "json"]
@@ -333,15 +331,10 @@ class Settings(BaseSettings):
 
 def _token(path: Path | None, variable: str, environ: Mapping[str, str]) -> str:
     if path is not None:
-        try:
-            token = path.read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise InvalidInput(f"cannot read the token file {path}: {exc.strerror}") from None
-        where = f"the token file {path}"
-    else:
-        token, where = environ.get(variable, "").strip(), f"the variable {variable}"
+        return read_token_file(path, "participants: the token file")
+    token = environ.get(variable, "").strip()
     if not token:
-        raise InvalidInput(f"participants: no bearer token in {where}")
+        raise InvalidInput(f"participants: no bearer token in the variable {variable}")
     return token
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from rollsafe.engine.loop import HOLD_ENV, HoldRule
 from rollsafe.engine.model import ModelConfig
+from rollsafe.http.bearer import ENGINE_TOKEN_ENV, ENV_TOKEN_ENV
 from rollsafe.http.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
 from rollsafe.reference.rl.controller import Endpoints
 from rollsafe.reference.rl.policy import HfModel, PolicyModel
-from rollsafe.settings import ENGINE_TOKEN_ENV, ENV_TOKEN_ENV
 
 SERVER_START_S = 60.0
 ENGINE_START_S = 240.0  # vLLM: import it and load the model, on a busy 2-core machine

@@ -19,6 +19,7 @@ from typing import Annotated
 import typer
 
 from rollsafe.cli.checkpointing import register_checkpointing_commands
+from rollsafe.cli.config import register_config_commands
 from rollsafe.cli.doctor import register_doctor_command
 from rollsafe.cli.engine import register_engine_commands
 from rollsafe.cli.env import register_env_commands
@@ -233,6 +234,7 @@ register_engine_commands(app)
 register_env_commands(app)
 register_run_commands(app)
 register_doctor_command(app)
+register_config_commands(app)
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -41,14 +41,16 @@ async def _warn_without_workers(checkpointer: Checkpointer) -> None:
 
 
 def against_temporal(work: Callable[[Client], Awaitable[T]]) -> T:
-    """``work`` with a client connected the standard way. Every failure, the server unreachable
-    included: one line naming it, and its exit code."""
+    """``work`` with a client connected as the settings say (Temporal's own config, with the
+    settings' ``temporal:`` section on top). Every failure, the server unreachable included:
+    one line naming it, and its exit code."""
     from temporalio.service import RPCError
 
+    from rollsafe.settings import Settings
     from rollsafe.temporal.connect import connect
 
     async def main() -> T:
-        return await work(await connect())
+        return await work(await connect(Settings.load().connection()))
 
     try:
         return asyncio.run(main())

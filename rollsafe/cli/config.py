@@ -9,6 +9,9 @@ from typing import Annotated
 
 import typer
 
+from rollsafe.cli.exits import EXIT_CODES, fail
+from rollsafe.cli.options import JsonOption
+from rollsafe.errors import RollsafeError
 from rollsafe.settings import CONFIG_ENV
 
 
@@ -18,7 +21,7 @@ def register_config_commands(app: typer.Typer) -> None:
     )
     app.add_typer(config_cli, name="config")
 
-    @config_cli.command("show")
+    @config_cli.command("show", epilog=EXIT_CODES)
     def config_show(
         file: Annotated[
             Path | None,
@@ -28,9 +31,7 @@ def register_config_commands(app: typer.Typer) -> None:
                 f"the file {CONFIG_ENV} names",
             ),
         ] = None,
-        as_json: Annotated[
-            bool, typer.Option("--json", help="print a JSON list of {key, value, source}")
-        ] = False,
+        as_json: JsonOption = False,
     ) -> None:
         """Every setting rollsafe reads (environment variables ROLLSAFE_*, TEMPORAL_*,
         RAY_ADDRESS, and the settings file), its value, and where it came from: default,
@@ -41,7 +42,10 @@ def register_config_commands(app: typer.Typer) -> None:
 
         from rollsafe.settings import Settings
 
-        rows = Settings.load(file=file).effective()
+        try:
+            rows = Settings.load(file=file).effective()
+        except RollsafeError as exc:
+            fail(exc)
         if as_json:
             typer.echo(json.dumps([row.model_dump(mode="json") for row in rows], indent=2))
             return

@@ -10,9 +10,10 @@ import typer
 
 from rollsafe.cli.exits import EXIT_CODES, fail
 from rollsafe.cli.options import PortOption
-from rollsafe.cli.tokens import ENGINE_TOKEN_ENV, required_token, token_file_option, token_option
+from rollsafe.cli.tokens import required_token, token_file_option, token_option
 from rollsafe.engine.vllm.models import Arch
 from rollsafe.errors import InvalidInput, RollsafeError
+from rollsafe.http.bearer import ENGINE_TOKEN_ENV
 
 if TYPE_CHECKING:
     from rollsafe.engine.http import ClosableEngine

@@ -11,8 +11,6 @@ import typer
 from rollsafe.cli.exits import EXIT_CODES, ExitCode, fail, usage_error
 from rollsafe.cli.options import JsonOption, PortOption
 from rollsafe.cli.tokens import (
-    ENGINE_TOKEN_ENV,
-    ENV_TOKEN_ENV,
     required_token,
     resolve_token,
     token_file_option,
@@ -26,6 +24,7 @@ from rollsafe.env.serve import (
     serve,
 )
 from rollsafe.errors import RollsafeError
+from rollsafe.http.bearer import ENGINE_TOKEN_ENV, ENV_TOKEN_ENV
 
 if TYPE_CHECKING:
     from rollsafe.env.hooks import EnvironmentHooks

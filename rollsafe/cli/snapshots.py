@@ -140,7 +140,7 @@ def _print_table(listing: SnapshotListing) -> None:
 
 def list_command(
     run: RunArgument,
-    root: Annotated[str, typer.Option(envvar=ROOT_ENV, help=ROOT_HELP)],
+    root: Annotated[str | None, typer.Option(envvar=ROOT_ENV, help=ROOT_HELP)] = None,
     verify: Annotated[
         bool, typer.Option(help="hash every file of every snapshot (--no-verify: names only)")
     ] = True,
@@ -151,7 +151,11 @@ def list_command(
     On object storage each one is downloaded to a temporary directory to be verified (with a
     progress bar on a terminal); nothing is written to the bucket. Fails (1) when no snapshot
     verifies."""
+    from rollsafe.settings import Settings
+
     try:
+        # Without --root or the variable: the settings file's snapshot_root (ROLLSAFE_CONFIG).
+        root = root if root is not None else Settings.load().require_snapshot_root()
         listing = read_listing(root, validate_run_id(run), verify)
     except RollsafeError as exc:
         fail(exc)

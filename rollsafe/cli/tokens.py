@@ -11,9 +11,8 @@ from typing import Any
 import typer
 
 from rollsafe.errors import InvalidInput
+from rollsafe.http.bearer import read_token_file
 
-ENGINE_TOKEN_ENV = "ROLLSAFE_ENGINE_TOKEN"
-ENV_TOKEN_ENV = "ROLLSAFE_ENV_TOKEN"
 _VISIBLE = "a command line is visible to other users: prefer the variable or a file"
 
 
@@ -38,18 +37,6 @@ def _from_command_line(ctx: typer.Context, param: str) -> bool:
     return source is not None and source.name == "COMMANDLINE"
 
 
-def _read(path: Path, flag: str) -> str:
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-        raise InvalidInput(f"{flag} {path}: cannot read it: {why}") from None
-    token = text.strip()
-    if not token:
-        raise InvalidInput(f"{flag} {path} is empty")
-    return token
-
-
 def resolve_token(
     ctx: typer.Context, param: str, value: str | None, file: Path | None, *, flag: str, envvar: str
 ) -> str | None:
@@ -60,7 +47,7 @@ def resolve_token(
     if file is not None:
         if value is not None and _from_command_line(ctx, param):
             raise InvalidInput(f"give {flag} or {flag}-file, not both")
-        return _read(file, f"{flag}-file")
+        return read_token_file(file, f"{flag}-file")
     if value is not None and not value.strip():
         raise InvalidInput(f"{flag} (or {envvar}) must not be empty")
     return value

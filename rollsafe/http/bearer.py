@@ -5,11 +5,32 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from rollsafe.errors import InvalidInput
+
 Handler = Callable[[Request], Awaitable[Response]]
+
+# The variables the engine and environment servers (and their clients) read their tokens from.
+ENGINE_TOKEN_ENV = "ROLLSAFE_ENGINE_TOKEN"
+ENV_TOKEN_ENV = "ROLLSAFE_ENV_TOKEN"
+
+
+def read_token_file(path: Path, what: str) -> str:
+    """The token in the file at ``path``, surrounding whitespace stripped; InvalidInput naming
+    ``what`` (e.g. ``--token-file``) when it cannot be read or is empty."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise InvalidInput(f"{what} {path}: cannot read it: {why}") from None
+    token = text.strip()
+    if not token:
+        raise InvalidInput(f"{what} {path} is empty")
+    return token
 
 
 def token_matches(authorization: bytes, token: str) -> bool:

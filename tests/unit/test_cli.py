@@ -733,3 +733,32 @@ def test_verify_of_missing_evidence_is_a_usage_error_with_nothing_on_stdout(tmp_
     result = invoke("verify", tmp_path / "nowhere", "--json")
     assert result.exit_code == 2 and result.stdout == ""
     one_line_error(result)
+
+
+def test_config_show_names_each_value_and_its_source(tmp_path: Path, monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from rollsafe.cli.app import app
+
+    settings = tmp_path / "train.yaml"
+    settings.write_text("trainer: {lr: 1e-5}\nrollsafe:\n  run: {group_size: 8}\n")
+    monkeypatch.setenv("ROLLSAFE_CONFIG", str(settings))
+    monkeypatch.setenv("ROLLSAFE_RUN_ID", "shown")
+    monkeypatch.setenv("TEMPORAL_API_KEY", "sekrit-key")
+    shown = CliRunner().invoke(app, ["config", "show", "--json"])
+    assert shown.exit_code == 0, shown.output
+    rows = {row["key"]: row for row in json.loads(shown.stdout)}
+    assert rows["run_id"] == {"key": "run_id", "value": "shown", "source": "env ROLLSAFE_RUN_ID"}
+    assert rows["run.group_size"]["source"] == f"file {settings}"
+    assert rows["snapshots.keep_latest_k"]["source"] == "default"
+    assert rows["temporal.api_key"] == {
+        "key": "temporal.api_key",
+        "value": "**********",
+        "source": "env TEMPORAL_API_KEY",
+    }
+    assert "sekrit" not in shown.output
+
+    monkeypatch.setenv("ROLLSAFE_SNAPSHOTS__KEEP", "3")
+    refused = CliRunner().invoke(app, ["config", "show"])
+    assert refused.exit_code == 2
+    assert "unknown key 'snapshots.keep' (from env ROLLSAFE_SNAPSHOTS__KEEP)" in refused.output
