@@ -10,11 +10,16 @@ from pathlib import Path
 from rollsafe.engine.loop import HOLD_ENV, HoldRule
 from rollsafe.engine.model import ModelConfig
 from rollsafe.http.bearer import ENGINE_TOKEN_ENV, ENV_TOKEN_ENV
-from rollsafe.http.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
+from rollsafe.http.served import (
+    ENGINE_BANNER,
+    ENV_BANNER,
+    START_TIMEOUT_S,
+    ServedProcess,
+    start_served,
+)
 from rollsafe.reference.rl.controller import Endpoints
 from rollsafe.reference.rl.policy import HfModel, PolicyModel
 
-SERVER_START_S = 60.0
 ENGINE_START_S = 240.0  # vLLM: import it and load the model, on a busy 2-core machine
 
 
@@ -78,7 +83,7 @@ class RunServers:
         banner: str,
         name: str,
         env: Mapping[str, str],
-        timeout_s: float = SERVER_START_S,
+        timeout_s: float = START_TIMEOUT_S,
     ) -> ServedProcess:
         logs = self.logs / f"{name}-{self.generation}"
         server = start_served(args, banner, logs, env=env, timeout_s=timeout_s)

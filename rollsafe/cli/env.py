@@ -16,6 +16,7 @@ from rollsafe.cli.tokens import (
     token_file_option,
     token_option,
 )
+from rollsafe.env.participant import LEASE_GRACE_S, TOOL_WAIT_S
 from rollsafe.env.serve import (
     HooksFactory,
     ServeContext,
@@ -120,10 +121,10 @@ def env_serve(
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     lease_grace_s: Annotated[
         float, typer.Option(help="a checkpoint's lease runs this long past its deadline")
-    ] = 30.0,
+    ] = LEASE_GRACE_S,
     tool_wait_s: Annotated[
         float, typer.Option(help="how long a prepare waits for tool calls to end")
-    ] = 5.0,
+    ] = TOOL_WAIT_S,
     faults: Annotated[
         str,
         typer.Option(

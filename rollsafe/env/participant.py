@@ -49,6 +49,12 @@ _CAPTURED: dict[str, wire.Activity] = {"boundary": "boundary", "generating": "ge
 RESTORE_READING = register("env.restore.reading")[0]
 
 
+# A checkpoint's lease runs this long past its deadline before the instance resumes by itself.
+LEASE_GRACE_S = 30.0
+# How long a prepare waits for the tool calls in flight to end.
+TOOL_WAIT_S = 5.0
+
+
 class Participant:
     """The checkpoint protocol for one environment instance (see the module docstring)."""
 
@@ -57,8 +63,8 @@ class Participant:
         instance: str,
         env: EnvironmentHooks,
         *,
-        lease_grace_s: float = 30.0,
-        tool_wait_s: float = 5.0,
+        lease_grace_s: float = LEASE_GRACE_S,
+        tool_wait_s: float = TOOL_WAIT_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.instance = instance

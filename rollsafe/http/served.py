@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 SERVER_KEEPALIVE_S = 5
 CLIENT_KEEPALIVE_S = 2.0
 
+START_TIMEOUT_S = 60.0  # how long a server may take to print that it listens
+
 ENGINE_BANNER = r"rollsafe engine serving {kind} on (http://\S+)"
 ENV_BANNER = r"rollsafe env serving {name} {instance} on (http://\S+)"
 
@@ -79,7 +81,7 @@ class ServedProcess:
                 command, stdout=stdout, stderr=stderr, env={**os.environ, **(env or {})}
             )
 
-    def wait_listening(self, banner: str, timeout_s: float = 60.0) -> ServedProcess:
+    def wait_listening(self, banner: str, timeout_s: float = START_TIMEOUT_S) -> ServedProcess:
         """Wait for the line matching ``banner`` (its group 1 is the URL); stop the process
         and raise :class:`ServerDidNotStart` if it exits or the time runs out."""
         pattern = re.compile(banner)
@@ -118,7 +120,7 @@ def start_served(
     banner: str,
     logs: Path,
     env: Mapping[str, str] | None = None,
-    timeout_s: float = 60.0,
+    timeout_s: float = START_TIMEOUT_S,
 ) -> ServedProcess:
     """Start ``rollsafe ARGS`` and wait until it listens."""
     return ServedProcess(rollsafe_command(*args), logs, env).wait_listening(banner, timeout_s)
