@@ -10,16 +10,22 @@ killed worker's phase is retried within seconds, and a cancelled phase (abort) i
 the next beat. A phase that runs while its checkpoint holds admission closed also renews the
 admission lease with every beat: a worker that dies stops renewing, and the gate reopens by
 itself once the lease runs out (rollsafe.core.gate).
+
+Each phase activity logs its outcome on ``temporalio.activity.logger`` (the activity's
+workflow id, attempt and task queue ride along in ``temporal_activity``): one INFO line when
+it is done (phase, checkpoint, replayed or not, seconds), one WARNING line when it fails (the
+error type, and whether a retry may help).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
 from rollsafe.activities.controllers import ControllerResolver
 from rollsafe.activities.errors import to_application_error
@@ -47,7 +53,6 @@ WORKER_POINTS = register(
     *(f"worker.phase.{phase.value}.{when}" for phase in PHASES for when in ("before", "after"))
 )
 T = TypeVar("T")
-log = logging.getLogger(__name__)
 Beat = Callable[[], Awaitable[object]]
 
 
@@ -74,7 +79,58 @@ async def _beat(on_beat: Beat, detail: str) -> None:
     try:
         await asyncio.wait_for(on_beat(), HEARTBEAT_EVERY_S)
     except (RollsafeError, TimeoutError) as exc:
-        log.warning("%s: renewing the admission lease failed: %s", detail, exc)
+        activity.logger.warning("%s: renewing the admission lease failed: %s", detail, exc)
+
+
+def _failure(error: BaseException) -> tuple[str, bool]:
+    """The error's type as Temporal records it, and whether Temporal retries it: a rollsafe
+    error arrives here as an ApplicationError named after its class (invariant errors are
+    non-retryable); anything else is retried."""
+    if isinstance(error, ApplicationError):
+        return error.type or "ApplicationError", not error.non_retryable
+    return type(error).__name__, True
+
+
+def log_phase_done(spec: SnapshotSpec, result: PhaseResult, seconds: float) -> None:
+    activity.logger.info(
+        "phase %s of %s %s in %.3f s: %s",
+        result.phase.value,
+        spec.checkpoint_id,
+        "replayed (stored result)" if result.replayed else "done",
+        seconds,
+        result.summary,
+        extra={
+            "run_id": spec.run_id,
+            "checkpoint_id": spec.checkpoint_id,
+            "phase": result.phase.value,
+            "replayed": result.replayed,
+            "seconds": round(seconds, 6),
+        },
+    )
+
+
+def log_phase_failed(
+    spec: SnapshotSpec, phase: Phase, error: BaseException, seconds: float
+) -> None:
+    error_type, transient = _failure(error)
+    activity.logger.warning(
+        "phase %s of %s failed after %.3f s (%s): %s: %s",
+        phase.value,
+        spec.checkpoint_id,
+        seconds,
+        "transient: Temporal retries it" if transient else "not transient: not retried",
+        error_type,
+        error,
+        extra={
+            "run_id": spec.run_id,
+            "checkpoint_id": spec.checkpoint_id,
+            "phase": phase.value,
+            "replayed": False,
+            "seconds": round(seconds, 6),
+            "error_type": error_type,
+            "transient": transient,
+        },
+    )
 
 
 class SnapshotActivities:
@@ -88,10 +144,17 @@ class SnapshotActivities:
             controller = self._resolve(request.spec.run_id)
             spec = request.spec
             renew = (lambda: controller.renew_admission(spec)) if holds_admission(phase) else None
-            with phase_span(spec.run_id, spec.checkpoint_id, spec.seq, phase.value):
-                fault_point(f"worker.phase.{phase.value}.before")
-                result = await _heartbeating(controller.run_phase(request), phase.value, renew)
-                fault_point(f"worker.phase.{phase.value}.after")
+            started = time.monotonic()
+            try:
+                with phase_span(spec.run_id, spec.checkpoint_id, spec.seq, phase.value):
+                    fault_point(f"worker.phase.{phase.value}.before")
+                    call = controller.run_phase(request)
+                    result = await _heartbeating(call, phase.value, renew)
+                    fault_point(f"worker.phase.{phase.value}.after")
+            except Exception as exc:  # a cancellation (abort) is not a failure: not logged
+                log_phase_failed(spec, phase, exc, time.monotonic() - started)
+                raise
+            log_phase_done(spec, result, time.monotonic() - started)
             return result
 
         run.__name__ = f"phase_{phase.value}"
@@ -102,7 +165,14 @@ class SnapshotActivities:
 
         @activity.defn(name=ABORT_ACTIVITY)
         async def abort_snapshot(spec: SnapshotSpec) -> PhaseResult:
-            return await _heartbeating(resolve(spec.run_id).abort(spec), ABORT_ACTIVITY)
+            result = await _heartbeating(resolve(spec.run_id).abort(spec), ABORT_ACTIVITY)
+            activity.logger.info(
+                "snapshot %s %s",
+                spec.checkpoint_id,
+                result.summary,
+                extra={"run_id": spec.run_id, "checkpoint_id": spec.checkpoint_id},
+            )
+            return result
 
         @activity.defn(name=NEXT_SEQ_ACTIVITY)
         async def next_snapshot_seq(run_id: str) -> int:

@@ -4,7 +4,8 @@ Every phase is an activity named after it (so `temporal workflow describe` shows
 a stuck snapshot as its pending activity) and keyed by ``(checkpoint_id, phase)`` on the
 controller side, so a retried or re-run activity has its effect once. ``resume`` runs on every
 exit path: success, failure, abort and cancellation. From ``capture`` on, an abort answers
-"too late".
+"too late". Each snapshot ends with one line on ``workflow.logger`` (not while a history
+replays): published as which snapshot, skipped and why, or failed with the error's type.
 """
 
 from __future__ import annotations
@@ -62,6 +63,43 @@ PARTICIPANT_PHASES = frozenset(
         Phase.COMMIT_ENVS,
     }
 )
+
+
+def log_outcome(run_id: str, outcome: SnapshotOutcome) -> SnapshotOutcome:
+    """The snapshot's one line: INFO published or skipped, WARNING failed."""
+    fields = {
+        "run_id": run_id,
+        "checkpoint_id": outcome.checkpoint_id,
+        "seq": outcome.seq,
+        "status": outcome.status,
+    }
+    if outcome.status == "published":
+        name = outcome.published.name if outcome.published is not None else "?"
+        workflow.logger.info(
+            "snapshot %s published as %s", outcome.checkpoint_id, name, extra=fields
+        )
+    elif outcome.status == "skipped":
+        workflow.logger.info(
+            "snapshot %s skipped: %s",
+            outcome.checkpoint_id,
+            outcome.reason,
+            extra={**fields, "reason": outcome.reason},
+        )
+    else:
+        workflow.logger.warning(
+            "snapshot %s failed (%s): %s: %s",
+            outcome.checkpoint_id,
+            "transient" if outcome.transient else "not transient",
+            outcome.error_type,
+            outcome.reason,
+            extra={
+                **fields,
+                "reason": outcome.reason,
+                "error_type": outcome.error_type,
+                "transient": outcome.transient,
+            },
+        )
+    return outcome
 
 
 def _retry(options: PhaseOptions) -> RetryPolicy:
@@ -136,11 +174,12 @@ class RolloutSnapshot:
                 outcome = self._outcome(request, "failed", reason, error_type)
                 outcome = outcome.model_copy(update={"transient": transient})
         except (asyncio.CancelledError, CancelledError):
+            workflow.logger.info("snapshot %s cancelled: resuming", spec.checkpoint_id)
             await self._compensate(request, discard=True)
             raise
         if outcome is not None:
             await self._compensate(request, discard=True)
-            return outcome
+            return log_outcome(spec.run_id, outcome)
         # The park window ends as soon as the state is captured: resume before publish.
         await self._compensate(request, discard=False)
         try:
@@ -148,10 +187,9 @@ class RolloutSnapshot:
         except ActivityError as exc:
             error_type, transient = failure_type(exc)
             failed = self._outcome(request, "failed", str(exc.cause or exc), error_type)
-            return failed.model_copy(update={"transient": transient})
-        return self._outcome(request, "published").model_copy(
-            update={"published": published.published}
-        )
+            return log_outcome(spec.run_id, failed.model_copy(update={"transient": transient}))
+        done = self._outcome(request, "published")
+        return log_outcome(spec.run_id, done.model_copy(update={"published": published.published}))
 
     async def _run_phase(self, request: SnapshotInput, phase: Phase) -> PhaseResult:
         self._phase, self._phase_started_at = phase, workflow.time()

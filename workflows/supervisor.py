@@ -7,6 +7,11 @@ and hands them to every snapshot, whose retention keeps the newest snapshot at e
 Transient failures are counted across snapshots; after ``max_consecutive_failures`` in a row,
 or at once on an invariant failure, the supervisor fails with a typed error the trainer's
 next SDK call sees. Continues as new before its history grows large.
+
+Each snapshot's outcome is logged by its own workflow; the supervisor adds its tally on
+``workflow.logger`` (not while a history replays): DEBUG after a published or skipped
+snapshot, WARNING after a failure (how many in a row, of how many allowed), ERROR when it gives
+up.
 """
 
 from __future__ import annotations
@@ -132,21 +137,40 @@ class SnapshotSupervisor:
         config, state = self._config, self._state
         assert config is not None
         state.last_outcome = outcome
+        fields = {"run_id": config.run_id, "checkpoint_id": outcome.checkpoint_id}
         if outcome.status != "failed":
             state.consecutive_failures = 0
             if outcome.status == "published":
                 state.published += 1
             else:
                 state.skipped += 1
+            workflow.logger.debug(
+                "run %s: snapshot %s %s (published %d, skipped %d, failed %d)",
+                config.run_id,
+                outcome.checkpoint_id,
+                outcome.status,
+                state.published,
+                state.skipped,
+                state.failed,
+                extra=fields,
+            )
             return
         state.failed += 1
         if not outcome.transient:
+            workflow.logger.error(
+                "run %s: snapshot %s failed with an invariant error (%s): the supervisor stops",
+                config.run_id,
+                outcome.checkpoint_id,
+                outcome.error_type,
+                extra={**fields, "error_type": outcome.error_type},
+            )
             raise ApplicationError(
                 f"snapshot {outcome.checkpoint_id} failed: {outcome.error_type}: {outcome.reason}",
                 type=outcome.error_type,
                 non_retryable=True,
             )
         state.consecutive_failures += 1
+        self._log_failures_in_a_row(outcome, config.max_consecutive_failures)
         if state.consecutive_failures >= config.max_consecutive_failures:
             raise ApplicationError(
                 f"{state.consecutive_failures} snapshots in a row failed; last: "
@@ -154,6 +178,27 @@ class SnapshotSupervisor:
                 type=TOO_MANY_FAILURES,
                 non_retryable=True,
             )
+
+    def _log_failures_in_a_row(self, outcome: SnapshotOutcome, allowed: int) -> None:
+        assert self._config is not None
+        in_a_row = self._state.consecutive_failures
+        gives_up = in_a_row >= allowed
+        log = workflow.logger.error if gives_up else workflow.logger.warning
+        log(
+            "run %s: snapshot %s failed (%s), %d in a row of %d allowed%s",
+            self._config.run_id,
+            outcome.checkpoint_id,
+            outcome.error_type,
+            in_a_row,
+            allowed,
+            ": the supervisor stops" if gives_up else "",
+            extra={
+                "run_id": self._config.run_id,
+                "checkpoint_id": outcome.checkpoint_id,
+                "error_type": outcome.error_type,
+                "consecutive_failures": in_a_row,
+            },
+        )
 
     @workflow.signal
     def trainer_checkpoint_saved(self, step: int) -> None:

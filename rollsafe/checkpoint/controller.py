@@ -42,6 +42,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
+from rollsafe.checkpoint.outcomes import (
+    log_aborted,
+    log_phase,
+    log_phase_failure,
+    log_restore,
+    log_restore_failure,
+)
 from rollsafe.checkpoint.participants import (
     ENVS_DIR,
     NOTHING_TO_DO,
@@ -295,6 +302,13 @@ class Controller:
         self.effects: dict[str, int] = {str(key): 0 for key in (*PHASES, ABORT)}
         self._restores: dict[str, RestorePlan] = {}
         metrics.configure_metrics()  # where the instruments record: OTEL_METRICS_EXPORTER
+        if self._awaiting_restore:
+            log.info(
+                "run %s has published snapshots: this controller awaits its restore "
+                "(work and snapshots are refused until then)",
+                store.run_id,
+                extra={"run_id": store.run_id},
+            )
 
     # ---- checkpoint phases -----------------------------------------------------------------
 
@@ -303,14 +317,22 @@ class Controller:
         record = self._record(spec)
         with record.locks[phase]:
             if (stored := record.results.get(phase)) is not None:
-                return stored.model_copy(update={"replayed": True})
+                replayed = stored.model_copy(update={"replayed": True})
+                log_phase(spec, replayed, 0.0)
+                return replayed
             if record.aborted is not None and phase is not Phase.RESUME:
                 raise CheckpointRefused(
                     f"checkpoint {spec.checkpoint_id} was aborted: {phase} refused"
                 )
             fault_point(f"phase.{phase}.before")
-            with metrics.timed_phase(spec.run_id, phase):
-                result = self._run(request, record)
+            started = time.monotonic()
+            try:
+                with metrics.timed_phase(spec.run_id, phase):
+                    result = self._run(request, record)
+            except Exception as exc:
+                log_phase_failure(spec, phase, exc, time.monotonic() - started)
+                raise
+            log_phase(spec, result, time.monotonic() - started)
             fault_point(f"phase.{phase}.after")
             record.results[phase] = result
             return result
@@ -341,6 +363,7 @@ class Controller:
             record.aborted = phase_result(
                 spec, Phase.RESUME, f"aborted: {discarded}; {resumed}admission {change.detail}"
             )
+            log_aborted(spec, record.aborted)
             return record.aborted
 
     def _run(self, request: PhaseRequest, record: CheckpointRecord) -> PhaseResult:
@@ -499,7 +522,24 @@ class Controller:
         refused while a checkpoint is open. On failure the current state is kept."""
         with self._meta:
             if (plan := self._restores.get(request.restore_id)) is not None:
+                log.info(
+                    "run %s restore %s replayed: the plan of its first call",
+                    request.run_id,
+                    request.restore_id,
+                    extra={"run_id": request.run_id, "restore_id": request.restore_id},
+                )
                 return plan
+        started = time.monotonic()
+        try:
+            plan = self._restore(request)
+        except Exception as exc:
+            log_restore_failure(request, exc, time.monotonic() - started)
+            raise
+        log_restore(request, plan, time.monotonic() - started)
+        return plan
+
+    def _restore(self, request: RestoreRequest) -> RestorePlan:
+        with self._meta:
             if self._open is not None:
                 raise CheckpointRefused(
                     f"restore {request.restore_id}: checkpoint {self._open.spec.checkpoint_id} "

@@ -16,6 +16,7 @@ and staged): what a restore needs to bring the episodes back as attempt n + 1.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -51,6 +52,18 @@ from rollsafe.snapshot import SnapshotReader
 
 RECORD_FILE = "participants.json"
 ENVS_DIR = "envs"
+LISTED = 10  # episodes or calls named in one log line; the rest are counted
+log = logging.getLogger(__name__)
+
+
+def _few(items: Sequence[object]) -> str:
+    """The first LISTED items, and how many more: a log line stays one line."""
+    named = ", ".join(map(str, items[:LISTED]))
+    return named + (f" and {len(items) - LISTED} more" if len(items) > LISTED else "")
+
+
+def _ref(ref: EpisodeRef) -> str:
+    return f"{ref.rollout_id}#{ref.attempt}"
 
 
 class ParticipantOptions(BaseModel):
@@ -208,6 +221,8 @@ class Participants:
         if not by_instance:
             return 0
         counts = self.loop.run(self.fleet.retire_all(by_instance))
+        for name, count in sorted(counts.items()):
+            log.debug("instance %s retired %d abandoned attempts", name, count)
         return sum(counts.values())
 
     def prepare(self, checkpoint_id: str) -> FleetPrepared:
@@ -225,6 +240,7 @@ class Participants:
                 f"now refuse this checkpoint id; take the snapshot again ({exc})"
             ) from exc
         self._state(checkpoint_id).prepared = prepared
+        _log_prepared(prepared)
         return prepared
 
     def drain(self, checkpoint_id: str) -> list[EpisodeRef]:
@@ -238,6 +254,16 @@ class Participants:
 
         stragglers = self.loop.run(wait())
         self._state(checkpoint_id).stragglers = stragglers
+        if stragglers:
+            log.warning(
+                "checkpoint %s: %d replies still out after the %g s drain, left out of the "
+                "snapshot (their rollouts restart after a restore): %s",
+                checkpoint_id,
+                len(stragglers),
+                self.options.drain_timeout_s,
+                _few([_ref(ref) for ref in stragglers]),
+                extra={"checkpoint_id": checkpoint_id, "stragglers": len(stragglers)},
+            )
         return stragglers
 
     def cut(
@@ -258,6 +284,7 @@ class Participants:
         skipped = tuple(call for call, level in generating if level != RestoreLevel.PREFIX)
         cut = cut.model_copy(update={"skipped": skipped})
         self._state(checkpoint_id).cut = cut
+        _log_cut(checkpoint_id, cut)
         return cut
 
     def commit(
@@ -275,6 +302,7 @@ class Participants:
         dest = snapshot_dir.resolve() / ENVS_DIR
         committed = self.loop.run(self.fleet.commit_all(checkpoint_id, scope, dest))
         state.committed = committed
+        _log_committed(committed)
         cut = state.cut or _NO_CUT
         return ParticipantsRecord(
             committed=committed,
@@ -297,6 +325,12 @@ class Participants:
                 await asyncio.gather(*(e.release(frozen) for e in self.engines.values()))
 
         self.loop.run(resume_all())
+        log.debug(
+            "checkpoint %s: %d instances resumed, %d cut calls released",
+            checkpoint_id,
+            len(self.fleet.names),
+            len(frozen),
+        )
         if frozen:
             drop_staged(dataplane)
         self._checkpoints.pop(checkpoint_id, None)  # kept until done: a retry releases too
@@ -331,6 +365,10 @@ class Participants:
         )
         if restored.ok:
             self._handed_back[restore_id] = sum(len(p.tokens) for p in prefixes.values())
+            for name, refs in sorted(restored.restored.items()):
+                log.debug(
+                    "restore %s: instance %s restored %d episodes", restore_id, name, len(refs)
+                )
         return restored
 
     def resume_restored(self, restore_id: str) -> int:
@@ -418,6 +456,60 @@ class Participants:
 
 
 _NO_CUT = StagedCut(staged={}, refused=(), handoffs=0)
+
+
+def _log_prepared(prepared: FleetPrepared) -> None:
+    """Per instance: what it parked (DEBUG), and episodes it could not park, which restart."""
+    cid = prepared.checkpoint_id
+    for name, inventory in sorted(prepared.instances.items()):
+        log.debug("checkpoint %s: instance %s parked %d episodes", cid, name, len(inventory.parked))
+        if inventory.restarts:
+            log.info(
+                "checkpoint %s: instance %s could not park %d episodes (they restart): %s",
+                cid,
+                name,
+                len(inventory.restarts),
+                _few([_ref(ref) for ref in inventory.restarts]),
+                extra={"checkpoint_id": cid, "instance": name, "restarts": len(inventory.restarts)},
+            )
+
+
+def _log_cut(checkpoint_id: str, cut: StagedCut) -> None:
+    """Calls an engine could not cut lose their generated tokens (they restart at the turn):
+    a WARNING; calls not cut because there was nothing to lose: DEBUG."""
+    lost = [r for r in cut.refused if r.reason not in metrics.SKIPPED_REFUSALS]
+    harmless = len(cut.refused) - len(lost)
+    log.debug(
+        "checkpoint %s: %d calls cut, %d skipped (coarser level), %d not started or done",
+        checkpoint_id,
+        len(cut.staged),
+        len(cut.skipped),
+        harmless,
+    )
+    if lost:
+        log.warning(
+            "checkpoint %s: %d generation calls could not be cut and restart from their turn: %s",
+            checkpoint_id,
+            len(lost),
+            _few([f"{r.call_id} ({r.reason}{': ' + r.detail if r.detail else ''})" for r in lost]),
+            extra={"checkpoint_id": checkpoint_id, "refused_calls": len(lost)},
+        )
+
+
+def _log_committed(committed: FleetCommitted) -> None:
+    """An instance that exported less than its scope: those episodes restart."""
+    cid = committed.checkpoint_id
+    for name, commit in sorted(committed.instances.items()):
+        if commit.missing:
+            log.warning(
+                "checkpoint %s: instance %s did not export %d episodes of its scope (they "
+                "restart): %s",
+                cid,
+                name,
+                len(commit.missing),
+                _few([_ref(ref) for ref in commit.missing]),
+                extra={"checkpoint_id": cid, "instance": name, "missing": len(commit.missing)},
+            )
 
 
 Outcome = tuple[str, dict[str, int]]

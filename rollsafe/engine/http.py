@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Annotated, Any, Literal, Protocol, TypeVar
 
@@ -24,6 +25,7 @@ import torch
 import uvicorn
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -52,8 +54,11 @@ from rollsafe.http import bearer
 from rollsafe.http.bearer import Handler
 from rollsafe.http.client import http_client
 from rollsafe.http.served import listening_url, server_config
+from rollsafe.http.tracing import ServerSpans
+from rollsafe.observability.tracing import configure_tracing
 
 M = TypeVar("M", bound=BaseModel)
+log = logging.getLogger(__name__)
 NDJSON = "application/x-ndjson"
 HEARTBEAT_S = 10.0
 _JSON = {"content-type": "application/json"}
@@ -208,7 +213,9 @@ def engine_app(engine: Engine, token: str, *, heartbeat_s: float = HEARTBEAT_S) 
             Route("/v1/cut", guarded(cut), methods=["POST"]),
             Route("/v1/release", guarded(release), methods=["POST"]),
             Route("/v1/weights", guarded(weights), methods=["POST"]),
-        ]
+        ],
+        # A span per request, the caller's child (when tracing is configured).
+        middleware=[Middleware(ServerSpans)],
     )
 
 
@@ -226,17 +233,23 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             kind = (await self.engine.info()).kind
-            print(f"rollsafe engine serving {kind} on {listening_url(self)}", flush=True)
+            url = listening_url(self)
+            print(f"rollsafe engine serving {kind} on {url}", flush=True)
+            log.info("engine %s serving on %s", kind, url)
 
     async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        log.info("engine stopping: in-flight calls end with EngineUnavailable")
         # Engine first: in-flight streams end with an error line (EngineUnavailable at the
         # client) instead of holding the graceful shutdown open, frozen calls forever.
         await self.engine.close()
         await super().shutdown(sockets)
+        log.info("engine stopped")
 
 
 async def serve(engine: ClosableEngine, host: str, port: int, token: str) -> None:
-    """Serve ``engine`` until SIGINT/SIGTERM, then close it. Prints one line once listening."""
+    """Serve ``engine`` until SIGINT/SIGTERM, then close it. Prints one line once listening.
+    Spans per request go where ``OTEL_TRACES_EXPORTER`` says."""
+    configure_tracing()
     app = engine_app(engine, token)
     config = server_config(app, host, port, lifespan="off")
     try:

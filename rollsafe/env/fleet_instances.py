@@ -74,6 +74,17 @@ class Instances:
         return done, failed
 
     def summary(self, op: str, failed: Mapping[str, Exception]) -> Exception:
+        """One error for the failures, after one log line per failing instance (which one,
+        refusing or unreachable, and why)."""
+        for name, exc in sorted(failed.items()):
+            log.warning(
+                "%s failed on environment instance %s: %s: %s",
+                op,
+                name,
+                type(exc).__name__,
+                exc,
+                extra={"op": op, "instance": name, "error_type": type(exc).__name__},
+            )
         return failures_summary(op, failed, len(self.names))
 
     async def aclose(self) -> None:

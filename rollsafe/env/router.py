@@ -25,6 +25,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -33,6 +34,7 @@ from rollsafe.env import protocol as wire
 from rollsafe.env.participant import Participant
 from rollsafe.errors import InvalidInput, InvariantError, ParticipantRefused, TransientError
 from rollsafe.http.bearer import Handler, guarded
+from rollsafe.http.tracing import ServerSpans
 
 M = TypeVar("M", bound=BaseModel)
 log = logging.getLogger(__name__)
@@ -118,7 +120,10 @@ def router_routes(participant: Participant, token: str) -> list[Route]:
 
 
 def participant_app(participant: Participant, token: str) -> Starlette:
-    """A Starlette app serving ``participant``; its lifespan runs the lease watcher."""
+    """A Starlette app serving ``participant``; its lifespan runs the lease watcher. Each
+    request gets a server span, the caller's child, when tracing is configured (an app of
+    your own mounting :func:`router_routes` adds :class:`~rollsafe.http.tracing.ServerSpans`
+    itself)."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -128,4 +133,8 @@ def participant_app(participant: Participant, token: str) -> Starlette:
         finally:
             await participant.aclose()
 
-    return Starlette(routes=router_routes(participant, token), lifespan=lifespan)
+    return Starlette(
+        routes=router_routes(participant, token),
+        lifespan=lifespan,
+        middleware=[Middleware(ServerSpans)],
+    )

@@ -14,6 +14,7 @@ once the server listens: ``rollsafe env serving <name> <instance> on http://host
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -26,7 +27,9 @@ from rollsafe.engine.protocol import Engine
 from rollsafe.env.hooks import EnvironmentHooks
 from rollsafe.errors import InvalidInput
 from rollsafe.http.served import listening_url, server_config
+from rollsafe.observability.tracing import configure_tracing
 
+log = logging.getLogger(__name__)
 Asgi = Callable[..., Any]  # an ASGI application
 
 
@@ -84,6 +87,12 @@ class _Server(uvicorn.Server):
         if self.started:
             url = listening_url(self)
             print(f"rollsafe env serving {self.name} {self.instance} on {url}", flush=True)
+            log.info("environment %s instance %s serving on %s", self.name, self.instance, url)
+
+    async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        log.info("environment instance %s stopping", self.instance)
+        await super().shutdown(sockets)
+        log.info("environment instance %s stopped", self.instance)
 
 
 async def serve(
@@ -106,6 +115,7 @@ async def serve(
 
     if not token:
         raise InvalidInput("an environment server needs a non-empty token")
+    configure_tracing()  # spans per request go where OTEL_TRACES_EXPORTER says
     name = instance or default_instance(hooks.name)
     participant = Participant(name, hooks, lease_grace_s=lease_grace_s, tool_wait_s=tool_wait_s)
     app: Asgi = participant_app(participant, token)

@@ -3,9 +3,15 @@ takes, what the generation cut did, how many bytes a snapshot wrote, and what a 
 
 ``OTEL_METRICS_EXPORTER`` picks the exporter, like ``OTEL_TRACES_EXPORTER`` for tracing
 (:mod:`rollsafe.observability.tracing`): ``none`` (the default: recording is the API's no-op
-until asked for), ``console``, or ``otlp`` (OTLP over HTTP; endpoint and headers from the standard
-``OTEL_EXPORTER_OTLP_*`` variables). Export is periodic (``OTEL_METRIC_EXPORT_INTERVAL``,
-default 60 s) and flushed when the process exits.
+until asked for), ``console``, or ``otlp`` (``http/protobuf`` or ``grpc``, endpoint and headers
+from the standard ``OTEL_EXPORTER_OTLP_*`` variables: :mod:`rollsafe.observability.otlp`).
+Export is periodic (``OTEL_METRIC_EXPORT_INTERVAL``, default 60 s) and flushed when the process
+exits.
+
+Temporal's own SDK metrics (``temporal_*``: polls, task latencies, slots, requests) go to the
+same collector when the exporter is ``otlp``: :func:`temporal_runtime` is the Temporal
+``Runtime`` every client of this process is connected with
+(:func:`rollsafe.temporal.connect.connect`), and workers built from a client inherit it.
 
 Every instrument is recorded where :class:`~rollsafe.checkpoint.controller.Controller` runs (the
 controller's process: the Ray actor, or a worker's local controller), which is why the
@@ -25,28 +31,31 @@ reasons (:data:`rollsafe.engine.protocol.RefusalReason`):
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from opentelemetry import metrics
 
 from rollsafe.core.phases import Phase, RestorePlan
-from rollsafe.errors import InvalidInput
+from rollsafe.observability import otlp
 
 if TYPE_CHECKING:  # the SDK is imported only when metrics are configured
     from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader
+    from temporalio.runtime import OpenTelemetryConfig, Runtime
 
     from rollsafe.core.gate import GateChange
     from rollsafe.engine.staging import StagedCut
     from rollsafe.snapshot import SnapshotManifest
 
-EXPORTER_ENV = "OTEL_METRICS_EXPORTER"
-CHOICES = ("none", "console", "otlp")
+EXPORTER_ENV = otlp.exporter_variable("metrics")
+CHOICES = otlp.EXPORTERS
+# Temporal's metric names start with this (its own default, spelled out: the docs name it).
+TEMPORAL_PREFIX = "temporal_"
 RUN_ID = "rollsafe.run_id"
 SKIPPED_REFUSALS = frozenset({"unknown_call", "no_tokens"})
 # Seconds, from a millisecond gate flip to a drain that hits its timeout: the SDK's default
@@ -100,19 +109,7 @@ PREFIX_TOKENS = _meter.create_counter(
 
 def exporter_from_env(environ: Mapping[str, str] | None = None) -> MetricExporter | None:
     """The exporter ``OTEL_METRICS_EXPORTER`` names (None for ``none``)."""
-    env = os.environ if environ is None else environ
-    name = env.get(EXPORTER_ENV, "none").strip().lower() or "none"
-    if name == "none":
-        return None
-    if name == "console":
-        from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
-
-        return ConsoleMetricExporter()
-    if name == "otlp":
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-
-        return OTLPMetricExporter()
-    raise InvalidInput(f"{EXPORTER_ENV}={name!r}: expected one of {', '.join(CHOICES)}")
+    return otlp.metric_exporter(environ)
 
 
 def configure_metrics(reader: MetricReader | None = None) -> bool:
@@ -131,12 +128,67 @@ def configure_metrics(reader: MetricReader | None = None) -> bool:
                 return False
             from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-            reader = PeriodicExportingMetricReader(exporter)
+            # The interval read here, not by the reader: Temporal's runtime uses the same one.
+            interval_ms = otlp.export_interval_s() * 1000
+            reader = PeriodicExportingMetricReader(exporter, export_interval_millis=interval_ms)
         from opentelemetry.sdk.metrics import MeterProvider
 
+        # The SDK's default resource: OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES.
         metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
         _configured = True
         return True
+
+
+# ---- Temporal's SDK metrics -------------------------------------------------------------
+
+_runtime_lock = threading.Lock()
+_runtime: Runtime | None = None
+_runtime_made = False
+
+
+def temporal_metrics_config(
+    environ: Mapping[str, str] | None = None,
+) -> OpenTelemetryConfig | None:
+    """Where Temporal's core exports its metrics: the collector rollsafe's own metrics go to
+    (endpoint, protocol, headers, interval, temporality read as the Python exporter reads
+    them); None unless ``OTEL_METRICS_EXPORTER=otlp`` (``console`` has no Temporal
+    counterpart). Durations are exported in seconds, like rollsafe's histograms."""
+    if otlp.exporter_name("metrics", environ) != "otlp":
+        return None
+    from temporalio.runtime import OpenTelemetryConfig, OpenTelemetryMetricTemporality
+
+    temporality = (
+        OpenTelemetryMetricTemporality.DELTA
+        if otlp.delta_temporality(environ)
+        else OpenTelemetryMetricTemporality.CUMULATIVE
+    )
+    return OpenTelemetryConfig(
+        url=otlp.metrics_endpoint(environ),
+        headers=otlp.headers("metrics", environ),
+        metric_periodicity=timedelta(seconds=otlp.export_interval_s(environ)),
+        metric_temporality=temporality,
+        durations_as_seconds=True,
+        http=otlp.protocol("metrics", environ) == otlp.HTTP_PROTOBUF,
+    )
+
+
+def temporal_runtime() -> Runtime | None:
+    """The Temporal ``Runtime`` this process's clients use: one, made on first use and kept
+    (each Runtime is a thread pool of its own, and its exporter would count from zero again),
+    exporting to the OTLP collector; None, Temporal's default runtime, unless
+    ``OTEL_METRICS_EXPORTER=otlp``. Its resource (``service.name``, attributes) comes from
+    ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES``, read by Temporal's core itself."""
+    global _runtime, _runtime_made
+    with _runtime_lock:
+        if not _runtime_made:
+            config = temporal_metrics_config()
+            if config is not None:
+                from temporalio.runtime import Runtime, TelemetryConfig
+
+                telemetry = TelemetryConfig(metrics=config, metric_prefix=TEMPORAL_PREFIX)
+                _runtime = Runtime(telemetry=telemetry)
+            _runtime_made = True
+        return _runtime
 
 
 # ---- recording (called by the controller) -----------------------------------------------

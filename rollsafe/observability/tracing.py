@@ -2,15 +2,17 @@
 OTel environment says.
 
 ``OTEL_TRACES_EXPORTER`` picks the exporter: ``none`` (the default here: tracing costs nothing
-until asked for), ``console``, or ``otlp`` (OTLP over HTTP; endpoint and headers from the
-standard ``OTEL_EXPORTER_OTLP_*`` variables). Workflow and activity spans come from Temporal's
-contrib plugin on the client (workers built from that client inherit it); each phase adds a
-``rollsafe.phase`` span with run, snapshot and phase attributes.
+until asked for), ``console``, or ``otlp`` (``http/protobuf`` or ``grpc`` as
+``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` / ``OTEL_EXPORTER_OTLP_PROTOCOL`` say; endpoint and
+headers from the standard ``OTEL_EXPORTER_OTLP_*`` variables): :mod:`rollsafe.observability.otlp`.
+Workflow and activity spans come from Temporal's contrib plugin on the client (workers built
+from that client inherit it); each phase adds a ``rollsafe.phase`` span with run, snapshot and
+phase attributes; the environment and engine servers add a server span per request, a child of
+the caller's (:mod:`rollsafe.http.tracing`).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,26 +20,14 @@ from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import SpanProcessor
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.util.types import AttributeValue
 
-from rollsafe.errors import InvalidInput
+from rollsafe.observability.otlp import exporter_variable, span_exporter
 
-EXPORTER_ENV = "OTEL_TRACES_EXPORTER"
+EXPORTER_ENV = exporter_variable("traces")
 _lock = threading.Lock()
 _configured = False
-
-
-def _exporter(name: str) -> SpanExporter | None:
-    if name == "none":
-        return None
-    if name == "console":
-        return ConsoleSpanExporter()
-    if name == "otlp":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        return OTLPSpanExporter()
-    raise InvalidInput(f"{EXPORTER_ENV}={name!r}: expected none, console or otlp")
 
 
 def configure_tracing(processor: SpanProcessor | None = None) -> bool:
@@ -49,13 +39,15 @@ def configure_tracing(processor: SpanProcessor | None = None) -> bool:
         if _configured:
             return True
         if processor is None:
-            exporter = _exporter(os.environ.get(EXPORTER_ENV, "none").strip().lower())
+            exporter = span_exporter()
             if exporter is None:
                 return False
             processor = BatchSpanProcessor(exporter)
         from temporalio.contrib.opentelemetry import create_tracer_provider
 
-        provider = create_tracer_provider()  # replay-safe: no duplicate spans on replay
+        # Replay-safe: no duplicate spans on replay. Its resource is the SDK's default one
+        # (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES).
+        provider = create_tracer_provider()
         provider.add_span_processor(processor)
         trace.set_tracer_provider(provider)
         _configured = True

@@ -57,6 +57,9 @@ from rollsafe.snapshot.store import (
     FaultHook,
     PublishedSnapshot,
     SnapshotStore,
+    log_published,
+    log_retention,
+    log_selected,
     refuse_other_checkpoint,
 )
 
@@ -110,7 +113,9 @@ class RemoteSnapshotStore(SnapshotStore):
                 reasons[name] = str(exc)
                 continue
             problem = self._latest_problem(name, digest)
-            return SnapshotReader(path, manifest, digest, reasons, problem)
+            return log_selected(
+                self.run_id, SnapshotReader(path, manifest, digest, reasons, problem)
+            )
         if (problem := self._latest_problem(None, None)) is not None:
             reasons[_fs.LATEST_NAME] = problem
         raise NoValidSnapshot(f"{self.url}/{self.run_id}/{_fs.SNAPSHOTS_DIR}", reasons)
@@ -275,7 +280,7 @@ class RemoteSnapshotStore(SnapshotStore):
         self._point_latest_remote(name, manifest, digest)
         self._hit("before_retention")
         self._retain_remote(anchors)
-        return PublishedSnapshot(local, manifest, digest, reused=False)
+        return log_published(self.run_id, PublishedSnapshot(local, manifest, digest, reused=False))
 
     def _reuse_remote(
         self,
@@ -294,7 +299,7 @@ class RemoteSnapshotStore(SnapshotStore):
         draft.discard()
         self._point_latest_remote(name, found, digest)
         self._retain_remote(anchors)
-        return PublishedSnapshot(path, found, digest, reused=True)
+        return log_published(self.run_id, PublishedSnapshot(path, found, digest, reused=True))
 
     def _keep_local(self, draft: SnapshotDraft, name: str) -> Path:
         """The uploaded draft becomes the cached copy of the snapshot (no second download
@@ -329,6 +334,7 @@ class RemoteSnapshotStore(SnapshotStore):
                     self._remote(pointers.CLAIMS_DIR, pointers.seq_file(seq)),
                 ],
             )
+            log_retention(self.run_id, [name], self.keep_latest_k, anchors)
         if plan.cut is not None:
             kept = {seq for seq, name in names if name in plan.keep}
             for folder in (pointers.CLAIMS_DIR, pointers.POINTERS_DIR):

@@ -17,6 +17,7 @@ that is being verified.
 from __future__ import annotations
 
 import builtins
+import logging
 import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from rollsafe.snapshot.select import (
 )
 
 FaultHook = Callable[[str], None]
+log = logging.getLogger(__name__)
 # Named points inside publish where a test can crash the process (docs/design.md section 12).
 FAULT_POINTS = ("before_manifest", "before_rename", "before_latest", "before_retention")
 _MAX_CHECKPOINT_ID = 512
@@ -94,7 +96,7 @@ class SnapshotStore:
     def select(self, accept: Accept | None = None) -> SnapshotReader:
         """Newest snapshot that fully verifies and that ``accept`` returns None for; raises
         NoValidSnapshot with one reason per refused candidate. Never changes the disk."""
-        return select_snapshot(self.run_dir, self.run_id, accept)
+        return log_selected(self.run_id, select_snapshot(self.run_dir, self.run_id, accept))
 
     def list(self, *, verify: bool = True) -> list[SnapshotEntry]:
         return list_entries(self.run_dir, self.run_id, verify=verify)
@@ -199,7 +201,7 @@ class SnapshotStore:
             self._point_latest(final.name, manifest, digest)
             self._hit("before_retention")
             self._retain(anchors)
-        return PublishedSnapshot(final, manifest, digest, reused=False)
+        return log_published(self.run_id, PublishedSnapshot(final, manifest, digest, reused=False))
 
     def _commit(self, draft: SnapshotDraft, manifest: SnapshotManifest, final: Path) -> str:
         try:
@@ -232,6 +234,7 @@ class SnapshotStore:
             ) from None
         refuse_other_checkpoint(existing.name, found, manifest)
         draft.discard()
+        log_published(self.run_id, PublishedSnapshot(existing, found, digest, reused=True))
         if found.seq == max(self._published_seqs()):
             pointer = _latest_or_none(self.run_dir)
             if pointer is None or (pointer.snapshot, pointer.manifest_sha256) != (
@@ -262,7 +265,9 @@ class SnapshotStore:
             self._published(), self._readable_weight_version, self.keep_latest_k, anchors
         )
         doomed = [self.snapshots_dir / name for name in plan.delete]
-        self._to_trash([p for p in doomed if p.is_dir() and not p.is_symlink()], delete=False)
+        doomed = [p for p in doomed if p.is_dir() and not p.is_symlink()]
+        self._to_trash(doomed, delete=False)
+        log_retention(self.run_id, [p.name for p in doomed], self.keep_latest_k, anchors)
 
     def _readable_weight_version(self, name: str) -> int | None:
         """The weight version in ``name``'s manifest; None if it does not read back as the
@@ -315,6 +320,67 @@ class SnapshotStore:
     def _hit(self, point: str) -> None:
         if self._fault is not None:
             self._fault(point)
+
+
+# ---- log lines: what operators look for in a store's life ------------------------------------
+
+
+def log_published(run_id: str, published: PublishedSnapshot) -> PublishedSnapshot:
+    """One line per publish (``reused``: an earlier attempt of the same checkpoint had)."""
+    manifest = published.manifest
+    size = sum(entry.bytes for entry in manifest.files.values())
+    log.info(
+        "run %s %s snapshot %s (checkpoint %s, weight version %d, %d files, %d bytes)",
+        run_id,
+        "reused the earlier publish of" if published.reused else "published",
+        published.name,
+        manifest.checkpoint_id,
+        manifest.weight_version,
+        len(manifest.files),
+        size,
+        extra={
+            "run_id": run_id,
+            "snapshot": published.name,
+            "checkpoint_id": manifest.checkpoint_id,
+            "reused": published.reused,
+            "bytes": size,
+        },
+    )
+    return published
+
+
+def log_retention(
+    run_id: str, deleted: builtins.list[str], keep_latest_k: int, anchors: Collection[int]
+) -> None:
+    for name in deleted:
+        log.info(
+            "run %s retention deleted snapshot %s (keeping the newest %d and the newest at "
+            "each of %d anchors)",
+            run_id,
+            name,
+            keep_latest_k,
+            len(anchors),
+            extra={"run_id": run_id, "snapshot": name},
+        )
+
+
+def log_selected(run_id: str, reader: SnapshotReader) -> SnapshotReader:
+    """Each newer candidate a restore passed over, and why: one that was refused for damage
+    is a WARNING, one not accepted (no trainer checkpoint at its weight version) INFO."""
+    for name, why in reader.skipped.items():
+        level = logging.INFO if why.startswith("not accepted") else logging.WARNING
+        log.log(
+            level,
+            "run %s: snapshot %s passed over: %s",
+            run_id,
+            name,
+            why,
+            extra={"run_id": run_id, "snapshot": name},
+        )
+    if reader.latest_problem is not None:
+        log.warning("run %s: %s", run_id, reader.latest_problem, extra={"run_id": run_id})
+    log.debug("run %s: selected snapshot %s", run_id, reader.name)
+    return reader
 
 
 def _latest_or_none(run_dir: Path) -> LatestPointer | None:

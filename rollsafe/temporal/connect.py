@@ -20,6 +20,7 @@ from temporalio.envconfig import ClientConfigProfile, DataSource
 from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 
 from rollsafe.errors import InvalidInput, TemporalUnavailable
+from rollsafe.observability.metrics import temporal_runtime
 from rollsafe.observability.tracing import client_plugins
 
 # 127.0.0.1 rather than the CLI's "localhost": localhost may resolve to ::1 first, where the
@@ -168,10 +169,17 @@ async def connect(
     may come back), ``InvalidInput`` for unreadable TLS files, refused credentials or an
     unknown namespace. ``check_namespace=False`` skips the namespace check (``rollsafe
     doctor`` reports an unreachable server and a missing namespace as two findings).
+
+    Telemetry follows the standard ``OTEL_*`` variables: spans through Temporal's tracing
+    plugin (``OTEL_TRACES_EXPORTER``), and with ``OTEL_METRICS_EXPORTER=otlp`` the SDK's own
+    metrics through one Temporal runtime per process, to the collector rollsafe's metrics go
+    to (:func:`rollsafe.observability.metrics.temporal_runtime`; workers built from this
+    client inherit it). A bad value there is an ``InvalidInput`` naming the variable.
     """
     if settings is None:
         settings = ConnectionSettings.from_environment()
     where = f"Temporal server at {settings.address} (namespace {settings.namespace!r})"
+    plugins, runtime = client_plugins(), temporal_runtime()
     try:
         client = await asyncio.wait_for(
             Client.connect(
@@ -181,7 +189,8 @@ async def connect(
                 tls=_tls_config(settings),
                 rpc_metadata=settings.grpc_meta,
                 data_converter=pydantic_data_converter,
-                plugins=client_plugins(),
+                plugins=plugins,
+                runtime=runtime,  # None: Temporal's default runtime
             ),
             timeout_s,
         )

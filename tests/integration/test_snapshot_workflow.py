@@ -3,6 +3,9 @@ this process (the Ray actor and killed-worker tests live in test_checkpoint_cras
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import pytest
 from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
@@ -219,3 +222,65 @@ async def test_a_cancelled_snapshot_still_resumes_and_discards_its_draft(harness
     assert status.gate_open and status.open_checkpoint is None
     assert status.effects["resume"] == 1 and status.effects["abort"] == 1
     assert harness.store.list() == []
+
+
+def _lines(caplog: pytest.LogCaptureFixture, logger: str, **fields: object) -> list[Any]:
+    """Records of ``logger`` carrying every one of ``fields`` with that value."""
+    return [
+        r
+        for r in caplog.records
+        if r.name == logger and all(getattr(r, k, _MISSING) == v for k, v in fields.items())
+    ]
+
+
+_MISSING = object()
+
+
+async def test_each_phase_and_the_outcome_are_logged_once(harness, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="temporalio")
+    async with harness.worker():
+        outcome = await harness.snapshot()
+    assert outcome.status == "published"
+    phases = [r for r in _lines(caplog, "temporalio.activity") if hasattr(r, "phase")]
+    assert [r.phase for r in phases] == [p.value for p in PHASES]  # one INFO line each
+    for line in phases:
+        assert line.levelno == logging.INFO and line.replayed is False and line.seconds >= 0
+        assert line.checkpoint_id == outcome.checkpoint_id
+        assert line.temporal_activity["activity_type"] == line.phase
+    [done] = _lines(caplog, "temporalio.workflow", status="published")
+    assert outcome.published is not None and outcome.published.name in done.getMessage()
+    assert done.temporal_workflow["workflow_type"] == "RolloutSnapshot"
+
+
+async def test_failures_are_logged_with_their_type_and_transience(harness, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="temporalio")
+    arm("phase.capture.before", "raise")
+    async with harness.worker():
+        handle = await harness.start_supervisor(max_consecutive_failures=1)
+        outcome = await handle.execute_update(SnapshotSupervisor.snapshot_now)
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+    attempts = _lines(caplog, "temporalio.activity", phase="capture")
+    assert len(attempts) == 3  # the harness's retry_attempts (FAST_RETRY)
+    assert all(r.levelno == logging.WARNING for r in attempts)
+    assert all((r.error_type, r.transient) == ("InjectedFault", True) for r in attempts)
+    [failed] = _lines(caplog, "temporalio.workflow", status="failed")
+    assert failed.levelno == logging.WARNING and failed.error_type == "InjectedFault"
+    assert failed.checkpoint_id == outcome.checkpoint_id and failed.transient is True
+    [gave_up] = _lines(caplog, "temporalio.workflow", consecutive_failures=1)
+    assert gave_up.levelno == logging.ERROR and "the supervisor stops" in gave_up.getMessage()
+
+
+async def test_a_restore_is_logged_by_its_workflow(harness, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="temporalio")
+    async with harness.worker():
+        assert (await harness.snapshot()).status == "published"
+        plan = await harness.client.execute_workflow(
+            RestoreRun.run,
+            RestoreRequest(run_id=harness.run_id, restore_id="r-logged"),
+            id=restore_workflow_id(harness.run_id, "r-logged"),
+            task_queue=harness.task_queue,
+        )
+    [line] = _lines(caplog, "temporalio.workflow", restore_id="r-logged")
+    assert line.levelno == logging.INFO and line.snapshot == plan.snapshot
+    assert f"{len(plan.ready)} groups ready" in line.getMessage()
