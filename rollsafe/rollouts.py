@@ -76,7 +76,7 @@ class SyncRollouts:
         it) from ``settings`` (default: :meth:`Settings.load`): its run id, snapshot root,
         data plane and ``run:`` section, with ``run`` keywords (``group_size=8``) on top.
         Joins Ray at ``settings.ray_address`` if this process has not. A run that already has
-        snapshots gets a controller that awaits its restore (:attr:`awaiting_restore`) unless
+        snapshots gets a controller that awaits its restore (:meth:`awaiting_restore`) unless
         ``start_over``."""
         import ray
 
@@ -100,7 +100,6 @@ class SyncRollouts:
 
     # ---- what the run owes -----------------------------------------------------------------
 
-    @property
     def awaiting_restore(self) -> bool:
         """True for a fresh controller of a run that has snapshots: it takes no work until
         :meth:`rollsafe.Checkpointer.restore` ran (or it started over)."""

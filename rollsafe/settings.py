@@ -65,6 +65,7 @@ NESTED = "__"
 CONFIG_ENV = "ROLLSAFE_CONFIG"  # a YAML file of settings
 SECTION = "rollsafe"  # the section read from a framework's whole config file
 DEFAULT = "default"
+_MASK = "**********"  # how a secret shows (pydantic's own SecretStr mask)
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 LogFormat = Literal["text", "json"]
@@ -111,6 +112,7 @@ class ParticipantsSection(BaseModel):
 
     envs: dict[str, str] = {}  # instance name -> URL of its `rollsafe env serve`
     engines: dict[str, str] = {}  # engine name -> URL of its `rollsafe engine serve`
+    # A token file, when given, is read instead of the variable.
     env_token_file: Path | None = None  # default: the variable ROLLSAFE_ENV_TOKEN
     engine_token_file: Path | None = None  # default: the variable ROLLSAFE_ENGINE_TOKEN
 
@@ -247,6 +249,19 @@ class Settings(BaseSettings):
             for key, source in origins.items()
             if not key.startswith("temporal.") or key == "temporal.profile"
         ]
+        for what, path, variable in (
+            ("env", self.participants.env_token_file, ENV_TOKEN_ENV),
+            ("engine", self.participants.engine_token_file, ENGINE_TOKEN_ENV),
+        ):
+            present = path is not None or bool(environ.get(variable, "").strip())
+            source = f"file {path}" if path is not None else f"env {variable}"
+            rows.append(
+                EffectiveSetting(
+                    key=f"participants.{what}_token",
+                    value=_MASK if present else None,
+                    source=source if present else "not set",
+                )
+            )
         connection = self.connection(env=env)
         for name in ConnectionSettings.model_fields:
             key = f"temporal.{name}"
@@ -386,6 +401,18 @@ def _plain_item(item: Any) -> Any:
     return list(item)
 
 
+def _sections(model: type[BaseModel], prefix: str = "") -> set[str]:
+    """The dotted paths of the nested models (``run``, ``snapshots``, ...): a layer's mapping
+    there is merged key by key. Any other mapping (``participants.envs``) is one value, which
+    a higher layer replaces whole."""
+    found: set[str] = set()
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            found |= {f"{prefix}{name}", *_sections(annotation, f"{prefix}{name}.")}
+    return found
+
+
 def _merge(
     into: dict[str, Any],
     layer: Mapping[str, Any],
@@ -395,7 +422,8 @@ def _merge(
 ) -> None:
     for key, value in layer.items():
         where = (*path, key)
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
+        section = ".".join(where) in _SECTIONS
+        if section and isinstance(value, dict) and isinstance(into.get(key), dict):
             _merge(into[key], value, source, origins, where)
             continue
         into[key] = value
@@ -403,14 +431,12 @@ def _merge(
 
 
 def _record(origins: dict[str, str], path: tuple[str, ...], value: Any, source: str) -> None:
-    if isinstance(value, dict):
+    dotted = ".".join(path)
+    if dotted in _SECTIONS and isinstance(value, dict):
         for key, item in value.items():
             _record(origins, (*path, key), item, source)
         return
-    dotted = ".".join(path)
-    if source == "env":
-        source = f"env {_env_name(path)}"
-    origins[dotted] = source
+    origins[dotted] = f"env {_env_name(path)}" if source == "env" else source
 
 
 def _env_name(path: tuple[str, ...]) -> str:
@@ -457,3 +483,6 @@ def _leaves(model: BaseModel, prefix: str = "") -> list[str]:
         else:
             keys.append(f"{prefix}{name}")
     return keys
+
+
+_SECTIONS = _sections(Settings)

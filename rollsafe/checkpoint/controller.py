@@ -723,10 +723,10 @@ class Controller:
         """Dispatch one attempt through the admission gate, in the same step that marks it
         DISPATCHED; None when the gate is closed (the attempt stays RESERVED, spends nothing).
         ``owner``: the environment instance it runs on (default: :meth:`instance_for`)."""
-        if owner is None:
-            owner = self.instance_for(idx, i)
         with self.changing("dispatch"), self.gate.admission() as admitted:
-            return self.state.dispatch(idx, i, owner) if admitted else None
+            if not admitted:
+                return None
+            return self.state.dispatch(idx, i, owner or self._placed(idx, i))
 
     def seal(self, idx: int, i: int, attempt: int, row: Row) -> bool:
         """Commit rollout ``i`` of group ``idx`` (its dispatched ``attempt``): ``row`` is its
@@ -774,11 +774,14 @@ class Controller:
         episode (a restored episode continues there), else round robin over the participants'
         instances; None for a run without participants."""
         with self.barrier:
-            owner = self.state.ledger.owner(idx, i)
-            placement = idx * self.state.config.group_size + i
+            return self._placed(idx, i)
+
+    def _placed(self, idx: int, i: int) -> str | None:
+        """:meth:`instance_for`, with the barrier held."""
+        owner = self.state.ledger.owner(idx, i)
         if owner is not None or self.participants is None:
             return owner
-        return self.participants.instance_for(placement)
+        return self.participants.instance_for(idx * self.state.config.group_size + i)
 
     def owed(self) -> list[OwedRollout]:
         """Every rollout handed out and not sealed, each with the environment instance that

@@ -25,6 +25,7 @@ import uvicorn
 
 from rollsafe.engine.protocol import Engine
 from rollsafe.env.hooks import EnvironmentHooks
+from rollsafe.env.participant import LEASE_GRACE_S, TOOL_WAIT_S
 from rollsafe.errors import InvalidInput
 from rollsafe.http.served import listening_url, server_config
 from rollsafe.observability.tracing import configure_tracing
@@ -102,8 +103,8 @@ async def serve(
     port: int,
     token: str,
     instance: str | None = None,
-    lease_grace_s: float = 30.0,
-    tool_wait_s: float = 5.0,
+    lease_grace_s: float = LEASE_GRACE_S,
+    tool_wait_s: float = TOOL_WAIT_S,
     wrap: Callable[[Asgi], Asgi] | None = None,
 ) -> None:
     """Serve ``hooks`` on ``host:port`` (0: any free port, named in the printed line) behind

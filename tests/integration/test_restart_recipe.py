@@ -93,7 +93,7 @@ async def test_the_restart_recipe_restores_every_owed_group(
         # The restarted trainer starts its controller with the same call as the first time.
         rollouts = SyncRollouts.start(settings(run_id, root), start_over=start_over)
         try:
-            assert rollouts.awaiting_restore is not start_over
+            assert rollouts.awaiting_restore() is not start_over
             before = snapshot_tree(root)
             # The supervisor outlived the crash: its periodic snapshots come before the restore.
             periodic = [await ckpt.snapshot_now() for _ in range(2)]

@@ -334,6 +334,9 @@ class FlakyParticipants:
     def __init__(self) -> None:
         self.resumes: list[str] = []
 
+    def instance_for(self, placement: int) -> str:
+        return "w0"
+
     def resume(self, checkpoint_id: str, dataplane: object) -> str:
         self.resumes.append(checkpoint_id)
         if len(self.resumes) == 1:

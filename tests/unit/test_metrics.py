@@ -217,6 +217,7 @@ class FakeParticipants:
 
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
+        self.instance_for = lambda placement: "w0"  # every episode on one instance
         self.cut_result = StagedCut(
             staged={"c1": 7, "c2": 3},
             refused=(

@@ -118,7 +118,7 @@ def test_a_restore_leaves_owed_exactly_what_was_not_sealed(tmp_path: Path) -> No
 
     restarted = Controller(CONFIG, tmp_path)  # a fresh process: awaits its restore
     again = SyncRollouts(restarted)
-    assert again.awaiting_restore
+    assert again.awaiting_restore()
     with pytest.raises(AwaitingRestore):
         again.handout_next(1)
     plan = restarted.restore(RestoreRequest(run_id=RUN, restore_id="r1"))

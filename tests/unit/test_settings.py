@@ -151,3 +151,27 @@ def test_effective_masks_secrets() -> None:
     rows = {row.key: row for row in settings.effective(env={})}
     assert rows["temporal.api_key"].value == "**********"
     assert "sekrit" not in repr(settings) and "sekrit" not in str(settings.effective(env={}))
+
+
+def test_a_mapping_value_is_replaced_whole_by_a_higher_layer(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text("participants:\n  envs: {a: 'http://a:1', b: 'http://b:1'}\n")
+    from_file = Settings.load(file=path, env={})
+    assert from_file.origins()["participants.envs"] == f"file {path}"
+    env = {"ROLLSAFE_PARTICIPANTS__ENVS": '{"c": "http://c:1"}'}
+    settings = Settings.load(file=path, env=env)
+    assert settings.participants.envs == {"c": "http://c:1"}  # not merged with the file's
+    assert settings.origins()["participants.envs"] == "env ROLLSAFE_PARTICIPANTS__ENVS"
+
+
+def test_effective_shows_the_participants_tokens_masked_with_their_source(tmp_path: Path) -> None:
+    token = tmp_path / "engine.token"
+    settings = Settings.load({"participants": {"engine_token_file": str(token)}}, env={})
+    rows = {row.key: row for row in settings.effective(env={"ROLLSAFE_ENV_TOKEN": "sekrit"})}
+    assert (rows["participants.env_token"].value, rows["participants.env_token"].source) == (
+        "**********",
+        "env ROLLSAFE_ENV_TOKEN",
+    )
+    assert rows["participants.engine_token"].source == f"file {token}"
+    unset = {row.key: row for row in Settings.load(env={}).effective(env={})}
+    assert unset["participants.env_token"].source == "not set"
