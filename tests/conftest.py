@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import struct
 from collections.abc import Callable, Iterator
@@ -11,8 +12,27 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from temporalio import activity, workflow
 
 from rollsafe.dataplane import BACKENDS, DataPlane, make_dataplane
+from rollsafe.observability.logs import LOGGERS
+
+
+@pytest.fixture(autouse=True)
+def _restore_loggers() -> Iterator[None]:
+    """configure_logging (every long-running command calls it) changes process-wide loggers:
+    put them back after each test, so caplog keeps seeing rollsafe's records."""
+    saved = [
+        (logger, list(logger.handlers), logger.level, logger.propagate)
+        for logger in map(logging.getLogger, LOGGERS)
+    ]
+    details = (workflow.logger.workflow_info_on_message, activity.logger.activity_info_on_message)
+    yield
+    for logger, handlers, level, propagate in saved:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        logger.propagate = propagate
+    workflow.logger.workflow_info_on_message, activity.logger.activity_info_on_message = details
 
 
 def _sha(data: bytes) -> str:

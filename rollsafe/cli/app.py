@@ -24,7 +24,13 @@ from rollsafe.cli.doctor import register_doctor_command
 from rollsafe.cli.engine import register_engine_commands
 from rollsafe.cli.env import register_env_commands
 from rollsafe.cli.exits import EXIT_CODES, RAY_FIX, fail
-from rollsafe.cli.options import JsonOption, RunArgument
+from rollsafe.cli.options import (
+    JsonOption,
+    LogFormatOption,
+    LogLevelOption,
+    RunArgument,
+    start_logging,
+)
 from rollsafe.cli.run import register_run_commands
 from rollsafe.cli.server import server_command
 from rollsafe.cli.snapshots import register_snapshot_commands
@@ -167,6 +173,8 @@ def worker_command(
             "cancelled and retried elsewhere (0: cancel at once)",
         ),
     ] = 0.0,
+    log_level: LogLevelOption = None,
+    log_format: LogFormatOption = None,
 ) -> None:
     """Start a checkpoint worker. Connects to Temporal the standard way (TEMPORAL_ADDRESS,
     TEMPORAL_NAMESPACE, TLS and API-key variables, or a temporal config profile). SIGTERM or
@@ -178,6 +186,7 @@ def worker_command(
 
     try:
         validate_run_id(run)  # before joining anything: a typo is not worth a wait
+        start_logging(log_level, log_format)
     except RollsafeError as exc:
         fail(exc)
     if (problem := _ray_problem(ray_address)) is not None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 import typer
 
 from rollsafe.cli.exits import EXIT_CODES, fail
-from rollsafe.cli.options import PortOption
+from rollsafe.cli.options import LogFormatOption, LogLevelOption, PortOption, start_logging
 from rollsafe.cli.tokens import required_token, token_file_option, token_option
 from rollsafe.engine.vllm.models import Arch
 from rollsafe.errors import InvalidInput, RollsafeError
@@ -55,6 +55,8 @@ def engine_serve(
     max_model_len: Annotated[
         int | None, typer.Option(help="vllm: longest prompt + max_tokens (default: model's)")
     ] = None,
+    log_level: LogLevelOption = None,
+    log_format: LogFormatOption = None,
 ) -> None:
     """Serve an engine until SIGINT/SIGTERM. Prints one line, `rollsafe engine serving
     <dense|moe> on http://host:port`, once listening (vLLM: after loading the model)."""
@@ -66,6 +68,7 @@ def engine_serve(
         secret = required_token(
             ctx, "token", token, token_file, flag="--token", envvar=ENGINE_TOKEN_ENV
         )
+        start_logging(log_level, log_format)
         engine = _engine(backend, model, seed, dtype, max_model_len)
     except RollsafeError as exc:
         fail(exc)

@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from rollsafe.cli.exits import EXIT_CODES, ExitCode, fail, usage_error
-from rollsafe.cli.options import JsonOption, PortOption
+from rollsafe.cli.options import (
+    JsonOption,
+    LogFormatOption,
+    LogLevelOption,
+    PortOption,
+    start_logging,
+)
 from rollsafe.cli.tokens import (
     required_token,
     resolve_token,
@@ -135,6 +141,8 @@ def env_serve(
     max_tokens: Annotated[
         int, typer.Option(min=1, help="workplace: tokens each policy call generates")
     ] = 12,
+    log_level: LogLevelOption = None,
+    log_format: LogFormatOption = None,
 ) -> None:
     """Serve an environment's checkpoint protocol and /episodes/run until SIGINT/SIGTERM: the
     built-in NAME, or your own hooks (--hooks). Prints one line, `rollsafe env serving <name>
@@ -151,6 +159,7 @@ def env_serve(
         if (problem := _engine_problem(name, engine_url, engine_secret)) is not None:
             usage_error(problem)
         switches = parse_faults(faults)
+        start_logging(log_level, log_format)
         served: dict[str, Any] = {
             "host": host,
             "port": port,

@@ -10,10 +10,11 @@ import typer
 from pydantic import BaseModel, ConfigDict
 
 from rollsafe.cli.exits import EXIT_CODES, ExitCode, fail
-from rollsafe.cli.options import JsonOption
+from rollsafe.cli.options import JsonOption, LogFormatOption, start_logging
 from rollsafe.core.config import RestoreLevelName, SamplerName
 from rollsafe.errors import RollsafeError
 from rollsafe.evidence.verify import Check
+from rollsafe.settings import LogLevel
 
 
 class VerifyReport(BaseModel):
@@ -104,6 +105,15 @@ def register_run_commands(app: typer.Typer) -> None:
                 "or vllm (vLLM serving a tiny dense model built in --out; slower to start)"
             ),
         ] = "reference",
+        log_level: Annotated[
+            LogLevel | None,
+            typer.Option(
+                "--log-level",
+                case_sensitive=False,
+                help="the demo prints its own progress: its logs default to WARNING",
+            ),
+        ] = None,
+        log_format: LogFormatOption = None,
     ) -> None:
         """Run the reference RL run on every real part (Temporal, Ray, engine and environment
         servers, a checkpoint worker), inject faults, restore, and verify the evidence.
@@ -113,6 +123,7 @@ def register_run_commands(app: typer.Typer) -> None:
         from rollsafe.reference.rl.demo_options import DEFAULT_FAULTS, DemoOptions, Fault
 
         try:
+            start_logging(log_level or "WARNING", log_format)
             chosen = () if no_faults else tuple(fault if fault else DEFAULT_FAULTS)
             options = DemoOptions(
                 out=out,

@@ -15,6 +15,7 @@ from typing import Annotated, Final
 import typer
 
 from rollsafe.cli.exits import exit_code_for, fail
+from rollsafe.cli.options import LogFormatOption, LogLevelOption, start_logging
 from rollsafe.errors import RollsafeError
 from rollsafe.temporal.devserver import DevServer
 
@@ -32,6 +33,8 @@ def server_command(
     ] = 7233,
     ip: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
     namespace: Annotated[str, typer.Option(help="namespace to create")] = "default",
+    log_level: LogLevelOption = None,
+    log_format: LogFormatOption = None,
 ) -> None:
     """Run a Temporal dev server with rollsafe's search attributes until Ctrl-C or SIGTERM.
 
@@ -39,6 +42,7 @@ def server_command(
     dir in use is a usage error (2)."""
     server = DevServer(state_dir, port=port, ip=ip, namespace=namespace)
     try:
+        start_logging(log_level, log_format)
         code = asyncio.run(_serve(server))
     except RollsafeError as exc:
         # The message alone: the fix fail() gives for TemporalUnavailable is this command.

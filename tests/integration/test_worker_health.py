@@ -9,6 +9,7 @@ process exits 0. A second worker then finishes the snapshot from workflow histor
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -224,8 +225,9 @@ async def test_healthz_serves_while_polling_and_turns_503_while_a_sigterm_drains
 ) -> None:
     client: Client = await connect(server.settings())
     worker = workers.make().start(
-        "--health-port", "0", "--health-host", "127.0.0.1", "--drain-timeout", "30"
-    )
+        "--health-port", "0", "--health-host", "127.0.0.1", "--drain-timeout", "30",
+        "--log-format", "json",
+    )  # fmt: skip
     found = await worker.line(HEALTH_LINE)
     assert isinstance(found, re.Match)
     port = int(found.group(1))
@@ -278,6 +280,14 @@ async def test_healthz_serves_while_polling_and_turns_503_while_a_sigterm_drains
     assert await worker.exited() == 0, worker.describe()
     # Drained: the phase in flight finished on the draining worker, first attempt.
     assert (await completed_by(handle))[Phase.CAPTURE.value] == (1, worker.pid)
+    # --log-format json: the phases it ran are log lines, one JSON object each.
+    logged = [
+        json.loads(line)
+        for line in worker.log_path.read_text().splitlines()
+        if line.startswith("{")
+    ]
+    phases = [entry for entry in logged if entry.get("phase") == Phase.CAPTURE.value]
+    assert phases and all(entry["level"] == "INFO" for entry in phases), logged[-5:]
 
     # Another worker on the queue finishes the snapshot from history; capture is not redone.
     successor = workers.make().start()

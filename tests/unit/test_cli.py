@@ -762,3 +762,28 @@ def test_config_show_names_each_value_and_its_source(tmp_path: Path, monkeypatch
     refused = CliRunner().invoke(app, ["config", "show"])
     assert refused.exit_code == 2
     assert "unknown key 'snapshots.keep' (from env ROLLSAFE_SNAPSHOTS__KEEP)" in refused.output
+
+
+@pytest.mark.parametrize("command", [["worker", "--run", "r"], ["engine", "serve", "--port", "0"]])
+def test_long_running_commands_take_log_flags_with_choices(command: list[str]) -> None:
+    from typer.testing import CliRunner
+
+    from rollsafe.cli.app import app
+
+    wrong = CliRunner().invoke(app, [*command, "--log-level", "verbose"])
+    assert wrong.exit_code == 2 and "verbose" in wrong.output
+    wrong = CliRunner().invoke(app, [*command, "--log-format", "xml"])
+    assert wrong.exit_code == 2 and "xml" in wrong.output
+
+
+def test_log_settings_are_checked_before_a_worker_starts(monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from rollsafe.cli.app import app
+
+    monkeypatch.setenv("ROLLSAFE_TELEMETRY__LOG_FORMAT", "xml")
+    refused = CliRunner().invoke(app, ["worker", "--run", "r"])
+    assert refused.exit_code == 2
+    assert "telemetry.log_format" in refused.output and "ROLLSAFE_TELEMETRY__LOG_FORMAT" in (
+        refused.output
+    )

@@ -8,7 +8,6 @@ import io
 import json
 import logging
 import re
-from collections.abc import Iterator
 from datetime import datetime
 from enum import Enum
 from pathlib import Path
@@ -30,22 +29,6 @@ from rollsafe.settings import TelemetrySection
 TEXT_LINE = re.compile(
     r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR) ([\w.]+): (.*)$"
 )
-
-
-@pytest.fixture(autouse=True)
-def _restore_loggers() -> Iterator[None]:
-    """configure_logging changes process-wide loggers: put them back as they were."""
-    saved = [
-        (logger, list(logger.handlers), logger.level, logger.propagate)
-        for logger in map(logging.getLogger, LOGGERS)
-    ]
-    details = (workflow.logger.workflow_info_on_message, activity.logger.activity_info_on_message)
-    yield
-    for logger, handlers, level, propagate in saved:
-        logger.handlers[:] = handlers
-        logger.setLevel(level)
-        logger.propagate = propagate
-    workflow.logger.workflow_info_on_message, activity.logger.activity_info_on_message = details
 
 
 def lines(stream: io.StringIO) -> list[str]:
