@@ -120,14 +120,15 @@ async def run(args: argparse.Namespace) -> None:
                 path = trainer.save(version + 1)
                 await rollouts.commit_step(groups)
                 await ckpt.train_step_committed(version)
-                await ckpt.trainer_checkpoint_saved(version + 1, path)
-                outcome = await ckpt.snapshot_now(timeout=120)
+                # Its anchored snapshot, awaited: sure of one at every trainer checkpoint.
+                outcome = await ckpt.trainer_checkpoint_saved(version + 1, path, wait=True)
+                assert outcome is not None
                 print(
                     f"[step {version}] trained {groups}; snapshot {outcome.status} at weight "
                     f"version {version + 1}",
                     flush=True,
                 )
-            await ckpt.stop()
+            await ckpt.stop(wait=True)  # the worker in this process lets the supervisor end
             print(f"[done] {args.steps} steps, {len(trainer.history)} groups trained", flush=True)
     finally:
         for task in running.values():

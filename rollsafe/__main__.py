@@ -1,3 +1,3 @@
-from rollsafe.cli.app import app
+from rollsafe.cli.app import main
 
-app(prog_name="rollsafe")
+main()

@@ -203,16 +203,36 @@ class Checkpointer:
             except (RPCError, TimeoutError) as exc:  # a look, not the step's business
                 log.debug("run %s: looking for workers failed: %s", self.run_id, exc)
 
-    async def trainer_checkpoint_saved(self, step: int, path: str) -> None:
+    # `timeout`: as snapshot_now's.
+    async def trainer_checkpoint_saved(
+        self,
+        step: int,
+        path: str,
+        *,
+        wait: bool = False,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> SnapshotOutcome | None:
         """The trainer saved a checkpoint of weight version ``step`` (the number of optimizer
         steps committed; the controller's weight version goes up by one per committed step):
         ask for a snapshot anchored to it, and hold it as an anchor, so retention keeps the
         newest snapshot at that weight version until :meth:`trainer_checkpoint_removed`.
-        ``path`` is kept in :attr:`saved_checkpoints` on this side only."""
+        ``path`` is kept in :attr:`saved_checkpoints` on this side only.
+
+        ``wait=False``: one signal, returns None; the anchored snapshot is skipped if a step
+        commits before it captures. ``wait=True``: returns that snapshot's outcome (call it
+        before the next step commits to be sure of a snapshot at ``step``); after
+        ``timeout`` seconds :class:`CheckpointTimeout`, as :meth:`snapshot_now`."""
         step = _step(step)
-        await self._notify(SnapshotSupervisor.trainer_checkpoint_saved, step)
+        outcome = None
+        if wait:
+            outcome = await self._update(
+                SnapshotSupervisor.trainer_checkpoint_snapshot, timeout, step
+            )
+        else:
+            await self._notify(SnapshotSupervisor.trainer_checkpoint_saved, step)
         self.saved_checkpoints[step] = path
         self._anchors = {*(self._anchors or ()), step}
+        return outcome
 
     async def trainer_checkpoint_removed(self, step: int) -> None:
         """The trainer deleted its checkpoint of weight version ``step``: retention no longer
@@ -229,16 +249,7 @@ class Checkpointer:
         ``timeout`` seconds raises :class:`CheckpointTimeout`; a request that reached the
         supervisor is not withdrawn: that snapshot still runs, and its outcome later shows in
         ``status().supervisor.state.last_outcome``."""
-        handle = await self._supervisor()
-        try:
-            return await _within(timeout, handle.execute_update(SnapshotSupervisor.snapshot_now))
-        except TimeoutError:
-            raise CheckpointTimeout(
-                f"run {self.run_id!r}: snapshot_now did not finish within {timeout:g} s"
-            ) from None
-        except (RPCError, WorkflowUpdateFailedError):
-            await self._running(handle)  # raises the supervisor's own error if it closed
-            raise
+        return await self._update(SnapshotSupervisor.snapshot_now, timeout)
 
     async def status(self) -> CheckpointerStatus:
         """The workers the server sees on the run's task queue and, when one answers within
@@ -270,9 +281,20 @@ class Checkpointer:
             await self._connected(), self.task_queue, self.worker_seen_within_s
         )
 
-    async def stop(self) -> None:
-        """End the run's periodic snapshots (the supervisor finishes its current one first)."""
+    # `timeout`: as snapshot_now's.
+    async def stop(self, *, wait: bool = False, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        """End the run's periodic snapshots: the supervisor finishes its current one first.
+        ``wait=True``: return once it has ended (a worker must serve the run meanwhile, e.g.
+        :meth:`worker` in this process); :class:`CheckpointTimeout` after ``timeout``."""
         await self._notify(SnapshotSupervisor.stop)
+        if not wait:
+            return
+        try:
+            await _within(timeout, self._handle().result())
+        except TimeoutError:
+            raise CheckpointTimeout(
+                f"run {self.run_id!r}: the supervisor did not end within {timeout:g} s"
+            ) from None
 
     async def restore(
         self, restore_id: str, weight_versions: Sequence[int] | None = None
@@ -340,6 +362,26 @@ class Checkpointer:
         handle = self._handle()
         await self._running(handle)
         return handle
+
+    # `timeout`: the public calls' keyword, passed on.
+    async def _update(
+        self,
+        update: Any,
+        timeout: float | None,  # noqa: ASYNC109
+        *args: Any,
+    ) -> SnapshotOutcome:
+        """Run a supervisor update that answers with a snapshot's outcome, within ``timeout``."""
+        handle = await self._supervisor()
+        try:
+            outcome: SnapshotOutcome = await _within(timeout, handle.execute_update(update, *args))
+        except TimeoutError:
+            raise CheckpointTimeout(
+                f"run {self.run_id!r}: the snapshot did not finish within {timeout:g} s"
+            ) from None
+        except (RPCError, WorkflowUpdateFailedError):
+            await self._running(handle)  # raises the supervisor's own error if it closed
+            raise
+        return outcome
 
     async def _notify(self, signal: Any, *args: Any) -> None:
         """Signal the supervisor within ``notify_timeout_s``. Only a refusal costs a
@@ -450,8 +492,11 @@ class SyncCheckpointer:
     def train_step_committed(self, step: int) -> None:
         self.loop.run(self.checkpointer.train_step_committed(step))
 
-    def trainer_checkpoint_saved(self, step: int, path: str) -> None:
-        self.loop.run(self.checkpointer.trainer_checkpoint_saved(step, path))
+    def trainer_checkpoint_saved(
+        self, step: int, path: str, *, wait: bool = False, timeout: float | None = None
+    ) -> SnapshotOutcome | None:
+        saved = self.checkpointer.trainer_checkpoint_saved(step, path, wait=wait, timeout=timeout)
+        return self.loop.run(saved)
 
     def trainer_checkpoint_removed(self, step: int) -> None:
         self.loop.run(self.checkpointer.trainer_checkpoint_removed(step))
@@ -465,8 +510,8 @@ class SyncCheckpointer:
     def workers(self) -> WorkerPresence:
         return self.loop.run(self.checkpointer.workers())
 
-    def stop(self) -> None:
-        self.loop.run(self.checkpointer.stop())
+    def stop(self, *, wait: bool = False, timeout: float | None = None) -> None:
+        self.loop.run(self.checkpointer.stop(wait=wait, timeout=timeout))
 
     def restore(self, restore_id: str, weight_versions: Sequence[int] | None = None) -> RestorePlan:
         return self.loop.run(self.checkpointer.restore(restore_id, weight_versions))

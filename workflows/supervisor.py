@@ -52,7 +52,8 @@ class SnapshotSupervisor:
         self._state = SupervisorState()
         self._requests: deque[tuple[int, str, int | None]] = deque()  # (ticket, kind, anchor)
         self._tickets = 0
-        self._outcomes: dict[int, SnapshotOutcome] = {}
+        self._outcomes: dict[int, SnapshotOutcome] = {}  # of the tickets an update waits on
+        self._awaited: set[int] = set()
         self._running: int | None = None
         self._stop = False
         self._taken = 0  # snapshots taken by this run of the workflow (not carried over)
@@ -130,7 +131,8 @@ class SnapshotSupervisor:
             )
         finally:
             self._running = None
-        self._outcomes[ticket] = outcome
+        if ticket in self._awaited:
+            self._outcomes[ticket] = outcome
         self._record(outcome)
 
     def _record(self, outcome: SnapshotOutcome) -> None:
@@ -204,8 +206,22 @@ class SnapshotSupervisor:
     def trainer_checkpoint_saved(self, step: int) -> None:
         """A trainer checkpoint of weight version ``step``: an anchored snapshot, and an
         anchor retention keeps a snapshot for until the checkpoint is removed."""
-        self._enqueue("trainer", step)
+        self._anchor(step)
+
+    @workflow.update
+    async def trainer_checkpoint_snapshot(self, step: int) -> SnapshotOutcome:
+        """:meth:`trainer_checkpoint_saved`, answered with its anchored snapshot's outcome."""
+        return await self._outcome_of(self._anchor(step))
+
+    def _anchor(self, step: int) -> int:
         self._state.anchors = sorted({*self._state.anchors, step})
+        return self._enqueue("trainer", step)
+
+    async def _outcome_of(self, ticket: int) -> SnapshotOutcome:
+        self._awaited.add(ticket)
+        await workflow.wait_condition(lambda: ticket in self._outcomes)
+        self._awaited.discard(ticket)
+        return self._outcomes.pop(ticket)
 
     @workflow.signal
     def trainer_checkpoint_removed(self, step: int) -> None:
@@ -236,9 +252,7 @@ class SnapshotSupervisor:
 
     @workflow.update
     async def snapshot_now(self) -> SnapshotOutcome:
-        ticket = self._enqueue("rollout", None)
-        await workflow.wait_condition(lambda: ticket in self._outcomes)
-        return self._outcomes.pop(ticket)
+        return await self._outcome_of(self._enqueue("rollout", None))
 
     @workflow.signal
     def stop(self) -> None:

@@ -23,7 +23,7 @@ from rollsafe.cli.config import register_config_commands
 from rollsafe.cli.doctor import register_doctor_command
 from rollsafe.cli.engine import register_engine_commands
 from rollsafe.cli.env import register_env_commands
-from rollsafe.cli.exits import EXIT_CODES, RAY_FIX, fail
+from rollsafe.cli.exits import EXIT_CODES, RAY_FIX, fail, run_command
 from rollsafe.cli.options import (
     JsonOption,
     LogFormatOption,
@@ -247,4 +247,4 @@ register_config_commands(app)
 
 
 def main() -> None:  # pragma: no cover - console entry point
-    app()
+    run_command(lambda: app(prog_name="rollsafe"))

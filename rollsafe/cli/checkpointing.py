@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
-from rollsafe.cli.exits import EXIT_CODES, ExitCode, fail
+from rollsafe.cli.exits import EXIT_CODES, ExitCode, fail, temporal_client_made
 from rollsafe.cli.options import JsonOption, RunArgument
 from rollsafe.cli.progress import progress
 from rollsafe.core.ids import validate_run_id
@@ -50,7 +50,9 @@ def against_temporal(work: Callable[[Client], Awaitable[T]]) -> T:
     from rollsafe.temporal.connect import connect
 
     async def main() -> T:
-        return await work(await connect(Settings.load().connection()))
+        client = await connect(Settings.load().connection())
+        temporal_client_made()
+        return await work(client)
 
     try:
         return asyncio.run(main())

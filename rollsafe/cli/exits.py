@@ -12,6 +12,9 @@ The codes (documented once, in docs/operations.md, "Exit codes"):
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Callable
 from enum import IntEnum
 from typing import NoReturn
 
@@ -79,3 +82,32 @@ def fail(error: BaseException | str, code: ExitCode | None = None) -> NoReturn:
 def usage_error(message: str) -> NoReturn:
     """A bad flag or argument this command found itself (click finds the others)."""
     fail(InvalidInput(message))
+
+
+# Set by a command that made a Temporal client (it lives until the process ends).
+_temporal_client_made = False
+
+
+def temporal_client_made() -> None:
+    """This process made a Temporal client: :func:`run_command` then ends it without the
+    interpreter's teardown. The client's Rust threads can call into a finalizing interpreter,
+    which aborts it (exit 134, ``Fatal Python error: PyGILState_Release``: temporalio
+    sdk-python#300), after the command has done its work and printed its result."""
+    global _temporal_client_made
+    _temporal_client_made = True
+
+
+def run_command(main: Callable[[], object]) -> NoReturn:
+    """Run the ``rollsafe`` command (``main``: the typer app, which exits with its code) and
+    exit with that code; skips the teardown after a Temporal client (see above)."""
+    try:
+        main()
+        code: object = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    status = code if isinstance(code, int) else (0 if code is None else 1)
+    if not _temporal_client_made:
+        sys.exit(status)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

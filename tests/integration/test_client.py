@@ -10,7 +10,12 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from temporalio.client import Client, Interceptor, OutboundInterceptor
+from temporalio.client import (
+    Client,
+    Interceptor,
+    OutboundInterceptor,
+    WorkflowExecutionStatus,
+)
 
 from rollsafe.client import Checkpointer, SyncCheckpointer
 from rollsafe.core.phases import Phase
@@ -298,3 +303,20 @@ async def test_the_sync_sdk_makes_the_same_calls_with_the_same_errors(harness, s
             status = await asyncio.to_thread(ckpt.status)
             assert status.supervisor is not None and status.supervisor.state.published >= 1
             await asyncio.to_thread(ckpt.stop)
+
+
+async def test_a_waited_trainer_checkpoint_is_one_snapshot_at_its_version(harness) -> None:
+    """trainer_checkpoint_saved(wait=True) answers with the anchored snapshot itself: no
+    second snapshot is needed to be sure of one at the checkpoint's weight version; stop with
+    wait returns once the supervisor has ended."""
+    async with harness.worker():
+        ckpt = await checkpointer(harness).start()
+        outcome = await ckpt.trainer_checkpoint_saved(0, "/ckpt/v0", wait=True, timeout=60)
+        assert outcome is not None and outcome.status == "published", outcome
+        assert outcome.published is not None and outcome.published.weight_version == 0
+        assert ckpt.saved_checkpoints == {0: "/ckpt/v0"}
+        status = await supervisor_status(ckpt)
+        assert (status.state.published, status.state.anchors) == (1, [0])
+        await ckpt.stop(wait=True, timeout=60)
+        handle = harness.client.get_workflow_handle(ckpt.workflow_id)
+        assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED

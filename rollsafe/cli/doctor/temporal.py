@@ -25,6 +25,7 @@ from temporalio.common import SearchAttributeKey
 from temporalio.service import RPCError, RPCStatusCode
 
 from rollsafe.cli.doctor.checks import DoctorCheck, Status, failed, ok, skipped
+from rollsafe.cli.exits import temporal_client_made
 from rollsafe.errors import InvalidInput, RollsafeError
 from rollsafe.temporal.connect import DEFAULT_NAMESPACE, ConnectionSettings, connect
 from rollsafe.temporal.search_attributes import ALL
@@ -173,6 +174,7 @@ async def _reach(
 ) -> tuple[DoctorCheck, Client | None]:
     try:
         client = await connect(settings, timeout_s=timeout_s, check_namespace=False)
+        temporal_client_made()
         info = await client.workflow_service.get_system_info(
             GetSystemInfoRequest(), timeout=timedelta(seconds=timeout_s)
         )
