@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from rollsafe.checkpoint.actor import NAMESPACE, actor_name
+from rollsafe.engine.loop import HoldRule
 from rollsafe.evidence.files import Evidence, FaultRecord
 from rollsafe.evidence.verify import Check, verify
 from rollsafe.faults import ENV_VAR
@@ -46,6 +47,7 @@ from rollsafe.reference.rl.demo_faults import (
     worker_fault_spec,
 )
 from rollsafe.reference.rl.demo_options import DEMO_CALL_TOKENS, INSTANCES, DemoOptions
+from rollsafe.reference.rl.policy import HfModel
 from rollsafe.reference.rl.progress import SnapshotWatch, write_timeline
 from rollsafe.reference.rl.run import ReferenceRun, run_config
 from rollsafe.reference.rl.servers import RunServers
@@ -174,11 +176,18 @@ class Demo:
             max_consecutive_failures=10,
         )
 
+    def _crash_hold(self, step: int | None) -> HoldRule | None:
+        """The reference engine holds the crash step's calls after their first token until a
+        cut freezes them, so the snapshot before the crash is sure to cut calls mid-generation
+        (the restore then resumes them from their prefixes) instead of hoping to catch some.
+        vLLM has no such instrument: there the snapshot is taken while calls are active."""
+        if step is None or isinstance(self.settings.model, HfModel):
+            return None
+        return HoldRule(from_weight_version=step, once=False)
+
     def _make_model(self) -> None:
         """--engine vllm: the tiny Hugging Face model the engine serves and the trainer
         trains, built here (nothing can be downloaded), the run's seed its weights'."""
-        from rollsafe.reference.rl.policy import HfModel
-
         model = self.settings.model
         if isinstance(model, HfModel):
             from rollsafe.engine.vllm.models import ModelSpec, make_model
@@ -230,7 +239,8 @@ class Demo:
             stack.callback(servers.stop)
             self._make_model()
             stack.callback(self.stop_workers)
-            endpoints = servers.start()
+            step_to_crash = crash_step(self.faults.get("run"))
+            endpoints = servers.start(hold=self._crash_hold(step_to_crash))
             self.say(
                 f"[start] Temporal {dev.address}, Ray, engine, {len(INSTANCES)} environments "
                 f"({self.elapsed():.1f}s)"
@@ -243,7 +253,6 @@ class Demo:
             run = ReferenceRun(self.settings, endpoints, self.work, self.options.out, controller)
             run.listener = CheckpointerListener(checkpointer)
             stack.enter_context(self.worker_watch(env))
-            step_to_crash = crash_step(self.faults.get("run"))
             with SnapshotWatch(
                 self.temporal, self.settings.run_id, self.t0_unix, self.say
             ) as watch:
@@ -297,7 +306,8 @@ class Demo:
                     )
                 )
             if step == crash_step:
-                snapshot_mid_generation(run, checkpointer, self.say, self.elapsed)
+                held = self._crash_hold(crash_step) is not None
+                snapshot_mid_generation(run, checkpointer, self.say, self.elapsed, held=held)
                 raise _Crash
 
         while run.step < run.settings.steps:

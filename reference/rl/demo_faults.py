@@ -34,13 +34,22 @@ def crash_step(run_fault: Fault | None) -> int | None:
     return int(run_fault.where[4:]) - 1 if run_fault else None
 
 
-def snapshot_mid_generation(run: ReferenceRun, checkpointer: Any, say: Say, elapsed: Clock) -> None:
-    """Snapshots while the step's calls generate, until one cut a call (a few tries: a
-    snapshot that parks every episode between two calls cuts nothing). The trainer first
-    checkpoints its current weights if it has not: only an anchored snapshot is restored."""
+def snapshot_mid_generation(
+    run: ReferenceRun, checkpointer: Any, say: Say, elapsed: Clock, *, held: bool = False
+) -> None:
+    """Snapshots while the step's calls generate, until one cut a call. ``held``: the engine
+    holds the step's calls (``HoldRule``) until a cut, so the first snapshot after one is held
+    cuts it; otherwise a few tries (a snapshot that parks every episode between two calls cuts
+    nothing). The trainer first checkpoints its current weights if it has not: only an
+    anchored snapshot is restored."""
     run.anchor_now()
-    deadline = time.monotonic() + 10
-    while run.loop.run(run.engine.info()).active == 0 and time.monotonic() < deadline:
+
+    def generating() -> bool:
+        info = run.loop.run(run.engine.info())
+        return info.held > 0 if held else info.active > 0
+
+    deadline = time.monotonic() + 30
+    while not generating() and time.monotonic() < deadline:
         time.sleep(0.01)
     for _ in range(4):
         outcome = asyncio.run(checkpointer.snapshot_now(timeout=120))

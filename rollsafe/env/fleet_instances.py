@@ -18,7 +18,7 @@ from typing import TypeVar
 from rollsafe.env.client import EnvClient
 from rollsafe.env.fleet_rules import FleetPrepared, failures_summary
 from rollsafe.env.protocol import RenewRequest
-from rollsafe.errors import InvalidInput
+from rollsafe.errors import EnvUnavailable, InvalidInput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -140,10 +140,17 @@ async def stop_task(task: asyncio.Task[None]) -> None:
 
 
 async def until_idle(client: EnvClient, give_up: float, first_s: float) -> None:
-    """Poll status with backoff until the instance is idle or ``give_up`` passes."""
+    """Poll status with backoff until the instance is idle or ``give_up`` passes. An instance
+    that cannot answer for now (:class:`EnvUnavailable`: its checkpoint endpoints failing while
+    it is parked) is asked again: a lost controller's lease resumes it by itself."""
     delay = first_s
     while True:
         await asyncio.sleep(max(min(delay, give_up - time.monotonic()), 0.0))
-        if (await client.status()).phase == "idle" or time.monotonic() >= give_up:
+        try:
+            idle = (await client.status()).phase == "idle"
+        except EnvUnavailable as exc:
+            log.debug("waiting for %s to be idle: %s", client.base_url, exc)
+            idle = False
+        if idle or time.monotonic() >= give_up:
             return
         delay = min(delay * 2, MAX_POLL_S)

@@ -538,3 +538,19 @@ async def test_fleet_refuses_unknown_instances_and_unsafe_names() -> None:
         with pytest.raises(InvalidInput, match="env-q"):
             await fleet.run_episode("env-q", RunEpisode(episode=ref(1)))
     assert a.calls == []
+
+
+async def test_run_episode_waits_through_a_parked_instance_that_cannot_answer_for_now() -> None:
+    a = FakeInstance("env-a")
+    a.phase, a.idle_after_polls = "prepared", 1
+    down = [refuse(503, "EnvUnavailable", "injected fault: unavailable")]
+
+    async def once(request: httpx.Request) -> httpx.Response | None:
+        return await down.pop()(request) if down else None
+
+    a.faults["status"] = once
+    run = RunEpisode(episode=ref(1), task={"prompt": "p"})
+    async with fleet_of(a) as fleet:
+        result = await fleet.run_episode("env-a", run, parked_retry_s=0.01)
+    assert result.episode == ref(1)
+    assert len(a.bodies("status")) == 2 and len(a.bodies("run")) == 2
