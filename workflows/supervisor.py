@@ -31,7 +31,6 @@ with workflow.unsafe.imports_passed_through():
         SnapshotOutcome,
         SupervisorConfig,
         SupervisorInput,
-        SupervisorState,
         SupervisorStatus,
     )
     from rollsafe.workflows.snapshot import (
@@ -47,9 +46,13 @@ TOO_MANY_FAILURES = "TooManyConsecutiveSnapshotFailures"
 
 @workflow.defn(name="SnapshotSupervisor")
 class SnapshotSupervisor:
-    def __init__(self) -> None:
-        self._config: SupervisorConfig | None = None
-        self._state = SupervisorState()
+    # @workflow.init: the state exists before any handler runs. A signal or update that
+    # arrives with the workflow's first task is handled before run() starts; a state set up
+    # in run() would then overwrite what it did (an anchor it added was lost that way).
+    @workflow.init
+    def __init__(self, request: SupervisorInput) -> None:
+        self._config: SupervisorConfig | None = request.config
+        self._state = request.state.model_copy(deep=True)
         self._requests: deque[tuple[int, str, int | None]] = deque()  # (ticket, kind, anchor)
         self._tickets = 0
         self._outcomes: dict[int, SnapshotOutcome] = {}  # of the tickets an update waits on
@@ -60,8 +63,7 @@ class SnapshotSupervisor:
 
     @workflow.run
     async def run(self, request: SupervisorInput) -> None:
-        config = self._config = request.config
-        self._state = request.state.model_copy(deep=True)
+        config = request.config
         for step in self._state.pending_anchors:
             self._enqueue("trainer", step)
         workflow.upsert_search_attributes(

@@ -29,8 +29,9 @@ from rollsafe.errors import (
 from rollsafe.faults import arm, disarm_all
 from rollsafe.settings import Settings
 from rollsafe.testing.waiting import eventually_async, holding
-from rollsafe.workflows.models import PhaseOptions
+from rollsafe.workflows.models import PhaseOptions, SupervisorInput
 from rollsafe.workflows.snapshot import TRAINER_STATE_CHANGED, RolloutSnapshot
+from rollsafe.workflows.supervisor import SnapshotSupervisor
 
 FAST = PhaseOptions(retry_initial_s=0.05, retry_maximum_s=0.2, retry_attempts=3)
 
@@ -320,3 +321,22 @@ async def test_a_waited_trainer_checkpoint_is_one_snapshot_at_its_version(harnes
         await ckpt.stop(wait=True, timeout=60)
         handle = harness.client.get_workflow_handle(ckpt.workflow_id)
         assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
+
+
+async def test_a_notice_that_starts_the_supervisor_is_not_lost(harness) -> None:
+    """A signal delivered with the supervisor's start (signal-with-start, as a restarted
+    trainer's held anchors are) is handled before run() begins: the supervisor's state must
+    already exist then, or run() would overwrite what the signal did."""
+    ckpt = checkpointer(harness)
+    async with harness.worker():
+        await harness.client.start_workflow(
+            SnapshotSupervisor.run,
+            SupervisorInput(config=ckpt.config),
+            id=ckpt.workflow_id,
+            task_queue=ckpt.task_queue,
+            start_signal="trainer_checkpoint_saved",
+            start_signal_args=[0],
+        )
+        await eventually_async(lambda: _published(ckpt, 1), what="the anchored snapshot")
+        assert (await supervisor_status(ckpt)).state.anchors == [0]
+        await ckpt.stop()
