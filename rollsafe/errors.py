@@ -26,6 +26,7 @@
     │   │   ├── NoValidSnapshot        no candidate verified; one reason per candidate
     │   │   └── RowMismatch            a restored row differs from what was sealed
     │   ├── SchemaMismatch
+    │   ├── JournalCorrupt             a journal segment that is not one, or not this run's
     │   ├── LedgerInvariantViolation
     │   │   ├── IllegalTransition      names the rollout/group and both states
     │   │   └── SealConflict           a second seal with different content
@@ -147,6 +148,11 @@ class RowMismatch(SnapshotCorrupt):
         self.sibling = sibling
         self.key = key
         super().__init__(f"group {group} rollout {sibling} ({key}): {detail}")
+
+
+class JournalCorrupt(InvariantError):
+    """A journal segment that cannot be read: not a journal, another format version, another
+    run's, or a header that does not match its checksum."""
 
 
 class SchemaMismatch(InvariantError):
