@@ -86,6 +86,8 @@ class RunSection(BaseModel):
     sampler: SamplerName = _default(RunConfig, "sampler")
     staleness_window: int = Field(default=_default(RunConfig, "staleness_window"), ge=0)
     restore_level: RestoreLevelName = _default(RunConfig, "restore_level")
+    journal: bool = _default(RunConfig, "journal")  # a durable journal between snapshots
+    journal_flush_ms: float = Field(default=_default(RunConfig, "journal_flush_ms"), gt=0)
 
 
 class SnapshotsSection(BaseModel):

@@ -70,7 +70,7 @@ from rollsafe.core.phases import (
     SnapshotSpec,
     holds_admission,
 )
-from rollsafe.core.run_state import Captured, RunState
+from rollsafe.core.run_state import JOURNAL_POSITION, Captured, ReplayJournal, RunState
 from rollsafe.dataplane import Row, make_dataplane
 from rollsafe.engine.staging import drop_staged
 from rollsafe.errors import (
@@ -82,6 +82,7 @@ from rollsafe.errors import (
     SnapshotLost,
 )
 from rollsafe.faults import fault_point, register
+from rollsafe.journal.run import RunJournal
 from rollsafe.observability import metrics
 from rollsafe.snapshot import (
     FAULT_POINTS,
@@ -89,9 +90,11 @@ from rollsafe.snapshot import (
     PublishedSnapshot,
     SnapshotDraft,
     SnapshotStore,
+    accept_at_or_below,
     accept_weight_versions,
 )
 from rollsafe.snapshot.location import open_snapshot_store
+from rollsafe.snapshot.select import Accept
 
 if TYPE_CHECKING:
     from rollsafe.settings import Settings
@@ -230,7 +233,14 @@ class Controller:
             fault_hook=_store_fault,
         )
         state = RunState(config, make_dataplane(dataplane))
-        self._assemble(state, store, participants, start_over=start_over, clock=clock)
+        journal = (
+            RunJournal.for_store(store, flush_ms=config.journal_flush_ms)
+            if config.journal
+            else None
+        )
+        self._assemble(
+            state, store, participants, start_over=start_over, clock=clock, journal=journal
+        )
 
     @classmethod
     def from_settings(
@@ -261,10 +271,14 @@ class Controller:
         *,
         start_over: bool = False,
         clock: Clock = time.monotonic,
+        journal: RunJournal | None = None,
     ) -> Controller:
-        """A controller around ``state`` and ``store`` (of the same run)."""
+        """A controller around ``state`` and ``store`` (of the same run); ``journal``: the
+        run's journal (none by default here)."""
         controller = cls.__new__(cls)
-        controller._assemble(state, store, participants, start_over=start_over, clock=clock)
+        controller._assemble(
+            state, store, participants, start_over=start_over, clock=clock, journal=journal
+        )
         return controller
 
     def _assemble(
@@ -275,6 +289,7 @@ class Controller:
         *,
         start_over: bool,
         clock: Clock,
+        journal: RunJournal | None,
     ) -> None:
         if store.run_id != state.config.run_id:
             raise InvalidInput(
@@ -288,6 +303,10 @@ class Controller:
         self._awaiting_restore = not start_over and any(
             entry.state in _PUBLISHED_STATES for entry in store.list(verify=False)
         )
+        # The run's changes between snapshots (docs/journal.md); None: the journal is off.
+        self.journal = journal
+        if journal is not None and not self._awaiting_restore:
+            journal.start(state)  # else the restore attaches it, after replaying it
         # Held by capture and by every call that changes the controller's state
         # (rollsafe.checkpoint.actor.Controller), so a capture sees the run standing still.
         self.barrier = threading.Lock()
@@ -482,6 +501,7 @@ class Controller:
                     )
                 if entry.draft.path.exists():  # else an earlier attempt renamed it, then failed
                     done = entry.captured
+                    self._journal_durable(done)
                     published = entry.draft.publish(
                         weight_version=done.weight_version,
                         loader_position=done.loader_position,
@@ -496,9 +516,35 @@ class Controller:
             published = self._find_published(spec)
         if entry is not None:  # this process wrote the draft (also if a failed try renamed it)
             metrics.record_capture_bytes(spec.run_id, published.manifest)
+            self._compact_journal(spec)
         info = published_info(published)
         how = "reused the earlier publish of" if published.reused else "published"
         return phase_result(spec, Phase.PUBLISH, f"{how} {info.name}", info.counts, info)
+
+    def _journal_durable(self, captured: Captured) -> None:
+        """A snapshot never names a journal position the journal may not hold."""
+        position = captured.counts.get(JOURNAL_POSITION)
+        if position is not None and self.journal is not None:
+            self.journal.wait_durable(position)
+
+    def _compact_journal(self, spec: SnapshotSpec) -> None:
+        """After a publish: delete the journal segments every retained snapshot covers. A
+        failure costs disk only (the segments stay until the next publish), never the
+        snapshot."""
+        if self.journal is None:
+            return
+        try:
+            with self.barrier:  # a restore may not swap the journal's segment meanwhile
+                deleted = self.journal.compact(self.store)
+        except Exception as exc:
+            log.warning(
+                "checkpoint %s: journal compaction failed (%s: %s); retried at the next publish",
+                spec.checkpoint_id,
+                type(exc).__name__,
+                exc,
+            )
+            return
+        log.debug("checkpoint %s: %d journal segments compacted", spec.checkpoint_id, deleted)
 
     def _find_published(self, spec: SnapshotSpec) -> PublishedSnapshot:
         """The snapshot an earlier attempt published for this checkpoint, verified where it
@@ -550,6 +596,7 @@ class Controller:
             if self.participants is not None
             else (None, [])
         )
+        accept, replayer = self._restore_target(request.weight_versions)
         with self.barrier:
             current = self.state
             fresh = make_dataplane(current.dataplane.name)
@@ -558,16 +605,23 @@ class Controller:
                     current.config,
                     self.store,
                     fresh,
-                    accept=accept_weight_versions(request.weight_versions),
+                    accept=accept,
                     environments=environments,
+                    journal=replayer,
                 )
             except BaseException:
                 fresh.clear()  # a remote data plane would keep a half-import forever
+                if self.journal is not None:
+                    self.journal.abandon_restore()
                 if self.participants is not None and outcomes and outcomes[-1].ok:
                     self.participants.abandon_restore(request.restore_id, outcomes[-1])
                 raise
+            if self.journal is not None:  # its restart written, durable, before anyone is told
+                self.journal.resume()
             self.state = restored
             current.dataplane.clear()  # replaced by the snapshot's rows
+        if self.journal is not None and self.journal.replayed is not None:
+            plan = plan.model_copy(update={"journal": self.journal.replayed.summary()})
         drop_staged(restored.dataplane)  # the environments hold what they needed of them
         if self.participants is not None and outcomes and outcomes[-1].ok:
             # (A failed environment restore was undone and resumed by the fleet itself.)
@@ -578,6 +632,18 @@ class Controller:
             self._restores[request.restore_id] = plan
             self._awaiting_restore = False
         return plan
+
+    def _restore_target(
+        self, weight_versions: Sequence[int] | None
+    ) -> tuple[Accept | None, ReplayJournal | None]:
+        """Which snapshots a restore may use, and the journal replay after it. Without the
+        journal only a snapshot at a weight version the trainer holds will do; with it, any
+        snapshot at or below the newest of them, brought forward by the journal with the
+        steps past those weights rolled back."""
+        if self.journal is None:
+            return accept_weight_versions(weight_versions), None
+        target = max(weight_versions) if weight_versions else None
+        return accept_at_or_below(target), self.journal.replayer(target)
 
     def next_seq(self) -> int:
         """A seq no snapshot of this run has used: above every published one and every
@@ -606,13 +672,25 @@ class Controller:
         return self.gate.renew(spec.checkpoint_id)
 
     @contextmanager
-    def changing(self, what: str) -> Iterator[None]:
+    def changing(self, what: str, *, durable: bool = True) -> Iterator[None]:
         """The capture barrier, for a call that changes the run's state: refused while the
-        controller awaits its restore."""
+        controller awaits its restore. With the journal, returns once the change's records
+        are durable (the barrier released meanwhile: others append to the same batch);
+        ``durable=False``: a change whose loss costs nothing (a dispatch lost in a crash
+        leaves its rollout reserved at the same attempt: it is dispatched again)."""
         with self.barrier:
             with self._meta:
                 self._check_fence(what)
+            before = self._journal_position()
             yield
+            after = self._journal_position()
+        if durable and after != before and self.journal is not None and after is not None:
+            # Told only once durable: a change acknowledged is never lost (docs/journal.md).
+            self.journal.wait_durable(after)
+
+    def _journal_position(self) -> int | None:
+        sink = self.state.journal
+        return sink.last_id if sink is not None else None
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -723,7 +801,7 @@ class Controller:
         """Dispatch one attempt through the admission gate, in the same step that marks it
         DISPATCHED; None when the gate is closed (the attempt stays RESERVED, spends nothing).
         ``owner``: the environment instance it runs on (default: :meth:`instance_for`)."""
-        with self.changing("dispatch"), self.gate.admission() as admitted:
+        with self.changing("dispatch", durable=False), self.gate.admission() as admitted:
             if not admitted:
                 return None
             return self.state.dispatch(idx, i, owner or self._placed(idx, i))

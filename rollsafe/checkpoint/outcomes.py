@@ -82,6 +82,7 @@ def log_restore(request: RestoreRequest, plan: RestorePlan, seconds: float) -> N
         "redispatch": len(plan.redispatch),
         "refused_snapshots": len(plan.skipped),
         "environments_failed": len(plan.environments_failed),
+        "journal_records": plan.journal.records if plan.journal else 0,
     }
     log.info(
         "run %s restore %s: restored %s (checkpoint %s, weight version %d, loader position %d) "
@@ -103,6 +104,14 @@ def log_restore(request: RestoreRequest, plan: RestorePlan, seconds: float) -> N
             **counts,
         },
     )
+    if plan.journal is not None and plan.journal.stop is not None:
+        log.warning(
+            "run %s restore %s: the journal stopped at %s; nothing after it was applied",
+            request.run_id,
+            request.restore_id,
+            plan.journal.stop,
+            extra={"run_id": request.run_id, "restore_id": request.restore_id},
+        )
     for instance, why in sorted(plan.environments_failed.items()):
         log.warning(
             "run %s restore %s: instance %s could not restore its episodes (they restart): %s",

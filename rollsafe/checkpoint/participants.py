@@ -30,7 +30,13 @@ from rollsafe.checkpoint.loop import LoopThread
 from rollsafe.core.ids import EpisodeId, RolloutId
 from rollsafe.core.ledger import Retirement
 from rollsafe.core.phases import Phase, SnapshotSpec
-from rollsafe.core.run_state import EnvironmentsRestored, RestoreEnvironments, RunState
+from rollsafe.core.run_state import (
+    Changed,
+    EnvironmentsRestored,
+    RestoreEnvironments,
+    RunState,
+    unchanged,
+)
 from rollsafe.core.states import RestoreLevel
 from rollsafe.dataplane import DataPlane
 from rollsafe.engine.http import EngineClient
@@ -344,11 +350,16 @@ class Participants:
         snapshot_dir: Path,
         record: ParticipantsRecord,
         dataplane: DataPlane,
+        changed: Changed = unchanged,
     ) -> FleetRestored:
         """Bring the committed episodes back as attempt n + 1 on their instances, with the
-        staged prefixes of their cut calls (read from the restored data plane). All or
-        nothing: on failure no instance keeps any (see :class:`FleetRestored`)."""
-        scope = {name: list(c.committed) for name, c in record.committed.instances.items()}
+        staged prefixes of their cut calls (read from the restored data plane), but those the
+        journal ``changed`` since (sealed, restarted, or their group gone). All or nothing: on
+        failure no instance keeps any (see :class:`FleetRestored`)."""
+        scope = {
+            name: [ref for ref in c.committed if not changed(to_episode(ref))]
+            for name, c in record.committed.instances.items()
+        }
         prefixes = load_prefixes(dataplane, record.staged) if record.staged else {}
 
         as_json = {call: p.model_dump(mode="json") for call, p in prefixes.items()}
@@ -401,11 +412,13 @@ class Participants:
         (as n + 2) rather than failing the restore (docs/design.md section 6)."""
         outcomes: list[FleetRestored] = []
 
-        def restore(reader: SnapshotReader, dataplane: DataPlane) -> EnvironmentsRestored:
+        def restore(
+            reader: SnapshotReader, dataplane: DataPlane, changed: Changed
+        ) -> EnvironmentsRestored:
             if RECORD_FILE not in reader.manifest.files:
                 return EnvironmentsRestored({})
             record = reader.read_json(RECORD_FILE, ParticipantsRecord)
-            outcome = self.restore(restore_id, reader.path, record, dataplane)
+            outcome = self.restore(restore_id, reader.path, record, dataplane, changed)
             outcomes.append(outcome)
             if not outcome.ok:
                 refused = frozenset(_previous(ref) for ref in outcome.restarts)

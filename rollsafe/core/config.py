@@ -14,6 +14,9 @@ DataplaneName = Literal["memory", "transferqueue"]
 
 # Retention: the newest snapshots kept (besides those at the trainer's anchors).
 KEEP_LATEST_K = 2
+# The journal's group commit: a batch is written and synced at most this long after its first
+# record (chosen from bench/journal_bench.py; docs/journal.md, "The loss window").
+JOURNAL_FLUSH_MS = 2.0
 
 
 class RunConfig(BaseModel):
@@ -26,6 +29,9 @@ class RunConfig(BaseModel):
     staleness_window: int = Field(default=1, ge=0)
     # The finest level a group may restore at; each group records its own at handout.
     restore_level: RestoreLevelName = "sibling"
+    # Append every change to a durable journal between snapshots (docs/journal.md).
+    journal: bool = True
+    journal_flush_ms: float = Field(default=JOURNAL_FLUSH_MS, gt=0, le=10_000)
 
     @field_validator("run_id")
     @classmethod

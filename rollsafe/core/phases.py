@@ -115,6 +115,19 @@ class PartialGroup(BaseModel):
     regenerate: list[int]  # siblings to generate again
 
 
+class JournalReplayed(BaseModel):
+    """What a restore replayed from the journal after its snapshot (docs/journal.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    covered: int  # the snapshot's journal position: records up to it were already in it
+    records: int  # records applied after it
+    last_id: int  # the last record applied or covered
+    rolled_back_groups: list[int] = Field(default_factory=list)  # commits past the weights
+    # Where reading stopped (a torn tail after a crash, or a corrupt record), if it did.
+    stop: str | None = None
+
+
 class RestorePlan(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -132,6 +145,7 @@ class RestorePlan(BaseModel):
     # Instances that could not restore their episodes, and why: those episodes restart from
     # scratch (the next attempt but one) instead of resuming.
     environments_failed: dict[str, str] = Field(default_factory=dict)
+    journal: JournalReplayed | None = None  # None: restored without a journal
 
 
 class RestoreRequest(BaseModel):
@@ -141,4 +155,6 @@ class RestoreRequest(BaseModel):
     restore_id: str  # idempotency key: a retried restore returns the first plan
     # Weight versions the trainer holds checkpoints of: only a snapshot taken at one of them
     # is restored (its rows and the trainer's weights must describe the same steps). None: any.
+    # With the journal, the newest of them is restored to: a snapshot at or below it, then
+    # the journal, steps committed past it rolled back.
     weight_versions: tuple[int, ...] | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 from rollsafe.core.buffer import ReplayIndex, make_sampler
 from rollsafe.core.capture import (
@@ -28,7 +29,7 @@ from rollsafe.core.config import RunConfig
 from rollsafe.core.ids import EpisodeId
 from rollsafe.core.ledger import Ledger
 from rollsafe.core.phases import PartialGroup, RestorePlan
-from rollsafe.core.states import GroupState, RestoreLevel
+from rollsafe.core.states import GroupState, RecordKind, RestoreLevel
 from rollsafe.dataplane import DataPlane, Row, row_digest
 from rollsafe.dataplane.protocol import DataPlaneManifest
 from rollsafe.errors import (
@@ -49,6 +50,8 @@ from rollsafe.snapshot import (
 )
 
 ROLLOUT_PARTITION = "rollouts"
+# The manifest's count naming the last journal record a snapshot covers.
+JOURNAL_POSITION = "journal_position"
 # Inside a capture, after the state files and before the data-plane export.
 CAPTURE_MID = register("phase.capture.state_written")[0]
 _VERIFY_BATCH = 1024
@@ -75,9 +78,47 @@ class EnvironmentsRestored:
     errors: Mapping[str, str] = field(default_factory=dict)  # instance -> why it failed
 
 
-# Restores a snapshot's environment episodes, given the snapshot and the data plane it was
-# just loaded into (the staged prefixes are read from it).
-RestoreEnvironments = Callable[[SnapshotReader, DataPlane], EnvironmentsRestored]
+# Whether the journal changed an episode's rollout after the snapshot (Replay.changed).
+Changed = Callable[[EpisodeId], bool]
+# Restores a snapshot's environment episodes, given the snapshot, the data plane it was just
+# loaded into (the staged prefixes are read from it) and the episodes the journal changed.
+RestoreEnvironments = Callable[[SnapshotReader, DataPlane, Changed], EnvironmentsRestored]
+# Brings a restored snapshot's state forward by the journal after it and attaches the journal
+# the run goes on appending to (rollsafe.journal.run.RunJournal.replayer).
+ReplayJournal = Callable[["RunState", SnapshotReader], "Replay"]
+
+
+def unchanged(_: EpisodeId) -> bool:
+    """No journal: nothing changed after the snapshot."""
+    return False
+
+
+class JournalSink(Protocol):
+    """Where a run state's changes are appended (:class:`rollsafe.journal.run.RunJournal`)."""
+
+    def append(self, kind: RecordKind, meta: Mapping[str, Any], row: Row | None = None) -> int:
+        """Append one record (not durable yet); its id."""
+        ...
+
+    @property
+    def last_id(self) -> int:
+        """The id of the last record appended."""
+        ...
+
+    def wait_durable(self, record_id: int) -> None:
+        """Return once record ``record_id`` (and every one before it) is durable."""
+        ...
+
+
+class Replay(Protocol):
+    """What a journal replay tells the rest of the restore (rollsafe.journal.replay)."""
+
+    rolled_back: list[int]  # ids of commit records not applied (newer than the weights)
+
+    def changed(self, episode: EpisodeId) -> bool:
+        """Whether the journal changed this episode's rollout after the snapshot (sealed,
+        restarted, or its group left the run since): the environments do not restore it."""
+        ...
 
 
 class RunState:
@@ -90,6 +131,12 @@ class RunState:
         self.level = RestoreLevel.parse(config.restore_level)
         self.loader_position = 0
         self.weight_version = 0
+        # Each change below is appended here once it is made (None: no journal).
+        self.journal: JournalSink | None = None
+
+    def _log(self, kind: RecordKind, meta: Mapping[str, Any], row: Row | None = None) -> None:
+        if self.journal is not None:
+            self.journal.append(kind, meta, row)
 
     # ---- the run ---------------------------------------------------------------------------
 
@@ -108,6 +155,7 @@ class RunState:
             self.index.reserve(idx, self.weight_version)
             self.ledger.reserve_group(idx, self.level)
         self.loader_position = max(groups) + 1
+        self._log(RecordKind.HANDOUT, {"groups": [int(idx) for idx in groups]})
 
     def row_key(self, idx: int, i: int) -> str:
         return self.ledger.rollout_id(idx, i).key
@@ -115,6 +163,8 @@ class RunState:
     def dispatch(self, idx: int, i: int, owner: str | None = None) -> EpisodeId:
         episode = self.ledger.dispatch(idx, i, owner)
         self.index.start(idx, self.weight_version)
+        meta = {"group": int(idx), "sibling": int(i), "attempt": episode.attempt, "owner": owner}
+        self._log(RecordKind.DISPATCH, meta)
         return episode
 
     def seal(self, idx: int, i: int, attempt: int, row: Row) -> bool:
@@ -125,10 +175,13 @@ class RunState:
         self.dataplane.put(ROLLOUT_PARTITION, {self.row_key(idx, i): row})
         self.ledger.seal(idx, i, attempt, digest)
         self.index.set_sealed(idx, len(self.ledger.sealed(idx)))
+        meta = {"group": int(idx), "sibling": int(i), "attempt": int(attempt)}
+        self._log(RecordKind.SEAL, meta, row)
         return True
 
     def claim(self, groups: Sequence[int], step: int) -> None:
         self.index.claim(groups, step)
+        self._log(RecordKind.CLAIM, {"groups": [int(idx) for idx in groups], "step": int(step)})
 
     def commit_step(self, groups: Sequence[int]) -> None:
         """An optimizer step trained ``groups`` and committed: they leave the run for good,
@@ -141,11 +194,13 @@ class RunState:
             self._drop(idx, keys[idx])
         self.sampler.committed(self.index, groups)
         self.weight_version += 1
+        self._log(RecordKind.COMMIT, {"groups": [int(idx) for idx in groups]})
 
     def evict(self, idx: int) -> None:
         keys = self._sealed_keys(idx)
         self.index.evict(idx)
         self._drop(idx, keys)
+        self._log(RecordKind.EVICT, {"group": int(idx)})
 
     def claimed_rows(self, groups: Sequence[int]) -> dict[int, list[Row]]:
         """The sealed rows of ``groups``, each group's in sibling order: groups claimed by a
@@ -180,6 +235,7 @@ class RunState:
                 f"weight version {version} is older than the current {self.weight_version}"
             )
         self.weight_version = version
+        self._log(RecordKind.WEIGHT_VERSION, {"version": int(version)})
 
     def select(self) -> list[int]:
         return self.sampler.select(self.index, self.weight_version, self.config.groups_per_step)
@@ -209,6 +265,8 @@ class RunState:
         # Leaving the block without publishing (any error) discards the draft.
         with store.begin(kind, checkpoint_id, seq) as draft:
             captured = self.write_snapshot(draft)
+            if self.journal is not None:  # never name a position the journal may not hold
+                self.journal.wait_durable(captured.counts[JOURNAL_POSITION])
             return draft.publish(
                 weight_version=captured.weight_version,
                 loader_position=captured.loader_position,
@@ -231,10 +289,13 @@ class RunState:
                 for f in exported.files
             }
         )
+        counts = {**state.counts(), "sealed_rollouts": sealed}
+        if self.journal is not None:  # the records this snapshot covers (docs/journal.md)
+            counts[JOURNAL_POSITION] = self.journal.last_id
         return Captured(
             weight_version=state.loader.weight_version,
             loader_position=state.loader.position,
-            counts={**state.counts(), "sealed_rollouts": sealed},
+            counts=counts,
         )
 
     def capture(self) -> CapturedState:
@@ -258,12 +319,13 @@ class RunState:
         restored_episodes: Mapping[EpisodeId, str] | None = None,
         accept: Callable[[SnapshotManifest], str | None] | None = None,
         environments: RestoreEnvironments | None = None,
+        journal: ReplayJournal | None = None,
     ) -> tuple[RunState, RestorePlan]:
         """Restore from the newest snapshot that verifies into ``dataplane`` (empty).
 
         ``restored_episodes`` maps each episode an environment restored to its instance;
         ``environments`` restores them itself (``rollsafe.checkpoint.participants``) once the
-        rows verified.
+        rows verified and ``journal`` (if given) replayed the journal after the snapshot.
         The new controller is returned only if every check passed; on any error the snapshot
         directory is unchanged and ``dataplane`` (which may hold imported rows) is discarded
         by the caller.
@@ -272,12 +334,16 @@ class RunState:
         controller = cls(config, dataplane)
         controller._load(reader)
         controller._verify_rows()
+        replayed = journal(controller, reader) if journal is not None else None
+        changed = replayed.changed if replayed is not None else unchanged
         envs = EnvironmentsRestored(dict(restored_episodes or {}))
         if environments is not None:  # after the rows verified: the envs need their prefixes
-            envs = environments(reader, controller.dataplane)
+            envs = environments(reader, controller.dataplane, changed)
             envs = replace(envs, episodes={**(restored_episodes or {}), **envs.episodes})
-        plan = controller._restart(reader, envs)
-        return controller, plan
+        released, partial = controller.restart(envs)
+        if replayed is not None:  # replaying this restore later must decide the same
+            controller._log(RecordKind.RESTART, _restart_meta(envs, replayed.rolled_back))
+        return controller, controller._plan(reader, envs, released, partial)
 
     def _load(self, reader: SnapshotReader) -> None:
         state = CapturedState.read(reader)
@@ -318,7 +384,14 @@ class RunState:
         if idx not in self.ledger or self.ledger.episode(idx, i) != episode:
             raise LedgerInvariantViolation(f"{what} episode {episode} is not owned by the run")
 
-    def _restart(self, reader: SnapshotReader, envs: EnvironmentsRestored) -> RestorePlan:
+    def restartable(self) -> list[int]:
+        """Groups a restart applies its rule to: handed out or generating."""
+        return self.index.in_states(GroupState.RESERVED, GroupState.GENERATING)
+
+    def restart(self, envs: EnvironmentsRestored) -> tuple[list[int], dict[int, PartialGroup]]:
+        """After a restore: release the claims of steps that never committed and apply each
+        restartable group's restore level, given what the environments restored. Returns the
+        released groups and what became of each restarted group."""
         released = self.index.release_claims()
         refused: dict[int, set[int]] = {}
         for episode in envs.refused:
@@ -329,7 +402,7 @@ class RunState:
             self._check_owned(episode, "restored")
             by_group.setdefault(episode.rollout.group.idx, {})[episode.rollout.i] = instance
         partial: dict[int, PartialGroup] = {}
-        for idx in self.index.in_states(GroupState.RESERVED, GroupState.GENERATING):
+        for idx in self.restartable():
             outcome = self.ledger.restart(idx, by_group.pop(idx, None), refused.get(idx, ()))
             if outcome.dropped_rows:
                 self.dataplane.delete(
@@ -346,6 +419,15 @@ class RunState:
                 "environments restored episodes of groups that are not generating: "
                 f"{sorted(by_group)}"
             )
+        return released, partial
+
+    def _plan(
+        self,
+        reader: SnapshotReader,
+        envs: EnvironmentsRestored,
+        released: list[int],
+        partial: dict[int, PartialGroup],
+    ) -> RestorePlan:
         admitted_first = self._generating_first(partial)
         return RestorePlan(
             snapshot=reader.path.name,
@@ -359,3 +441,12 @@ class RunState:
             redispatch=admitted_first,
             environments_failed=dict(envs.errors),
         )
+
+
+def _restart_meta(envs: EnvironmentsRestored, rolled_back: Sequence[int]) -> dict[str, Any]:
+    return {
+        "why": "restore",
+        "rolled_back": list(rolled_back),
+        "episodes": {episode.key: name for episode, name in envs.episodes.items()},
+        "refused": sorted(episode.key for episode in envs.refused),
+    }

@@ -82,3 +82,17 @@ def check_attempt(subject: str, operation: str, current: int, target: AttemptSta
 def check_group(subject: str, operation: str, current: int, target: GroupState) -> None:
     if target not in GROUP_TRANSITIONS[GroupState(current)]:
         raise IllegalTransition(subject, operation, GroupState(current).name, target.name)
+
+
+class RecordKind(IntEnum):
+    """What changed: one operation of the run (:class:`rollsafe.core.run_state.RunState`), or
+    the restart a restore applied (RESTART: abandons, retries, claims released)."""
+
+    HANDOUT = 1
+    DISPATCH = 2
+    SEAL = 3
+    CLAIM = 4
+    COMMIT = 5
+    EVICT = 6
+    RESTART = 7
+    WEIGHT_VERSION = 8

@@ -24,7 +24,8 @@ from rollsafe.core.run_state import ROLLOUT_PARTITION, RunState
 from rollsafe.core.states import AttemptState, GroupState
 from rollsafe.dataplane import DataPlane
 from rollsafe.errors import RollsafeError, RowMismatch, ScenarioError
-from rollsafe.snapshot import SnapshotStore
+from rollsafe.journal.run import RunJournal
+from rollsafe.snapshot import SnapshotStore, accept_at_or_below, accept_weight_versions
 
 SCENARIO_RUN_ID = "scenario"
 Index = Annotated[StrictInt, Field(ge=0)]
@@ -75,6 +76,9 @@ class Crash(_Event):
 
 class Restore(_Event):
     op: Literal["restore"]
+    # The weights the trainer restored: steps trained after them are rolled back (their
+    # groups ready again). None: every step the snapshot (and journal) holds stands.
+    weight_version: Index | None = None
 
 
 Event = Annotated[
@@ -93,6 +97,9 @@ class Scenario(BaseModel):
     staleness_window: Annotated[StrictInt, Field(ge=0)] = 1
     # Extension to the published format: the restore level every group is handed out with.
     restore_level: RestoreLevelName = "sibling"
+    # Extension: the run keeps a journal between checkpoints, so a crash after seals and
+    # without a new checkpoint loses none of them (docs/journal.md). Default: snapshots only.
+    journal: bool = False
     events: list[Event]
 
     def run_config(self) -> RunConfig:
@@ -103,6 +110,7 @@ class Scenario(BaseModel):
             sampler=self.sampler,
             staleness_window=self.staleness_window,
             restore_level=self.restore_level,
+            journal=self.journal,
         )
 
 
@@ -178,6 +186,9 @@ class ScenarioRunner:
         self.store = SnapshotStore(snapshot_dir, SCENARIO_RUN_ID)
         self.make_dataplane = make_dataplane
         self.state: RunState | None = RunState(self.config, make_dataplane())
+        self.journal = self._journal()
+        if self.journal is not None:
+            self.journal.start(self.state)
         self.checkpoint_nonce = uuid.uuid4().hex[:8]
         self.checkpoints = 0
         self.crashed_at: int | None = None
@@ -202,14 +213,26 @@ class ScenarioRunner:
             )
         return self.state
 
+    def _journal(self) -> RunJournal | None:
+        # No background flush: each event is made durable before the next (acknowledged).
+        if not self.scenario.journal:
+            return None
+        return RunJournal.for_store(self.store, flush_ms=None)
+
     def _apply(self, number: int, event: _Event) -> None:
         if isinstance(event, Crash):
             self._live(number, event)
             self.state, self.crashed_at = None, number  # every in-memory object is gone
+            if self.journal is not None:
+                self.journal.close()
+                self.journal = None
         elif isinstance(event, Restore):
-            self._restore()
+            self._restore(event.weight_version)
         else:
-            self._apply_live(self._live(number, event), event)
+            run = self._live(number, event)
+            self._apply_live(run, event)
+            if self.journal is not None:
+                self.journal.wait_durable(self.journal.last_id)
 
     def _apply_live(self, run: RunState, event: _Event) -> None:
         if isinstance(event, Handout):
@@ -228,6 +251,8 @@ class ScenarioRunner:
             self.checkpoints += 1
             checkpoint_id = f"scenario-{self.checkpoint_nonce}-{self.checkpoints}"
             run.checkpoint(self.store, checkpoint_id=checkpoint_id)
+            if self.journal is not None:
+                self.journal.compact(self.store)
 
     def _commit(self, run: RunState, event: Commit) -> None:
         for i in event.rollouts:
@@ -237,9 +262,25 @@ class ScenarioRunner:
             attempt = run.ledger.attempt(event.group, i)
             run.seal(event.group, i, attempt, row_content(event.group, i, attempt))
 
-    def _restore(self) -> None:
+    def _restore(self, weight_version: int | None) -> None:
         self.state = None  # a restore always starts from nothing but the disk
-        state, _plan = RunState.restore(self.config, self.store, self.make_dataplane())
+        if self.journal is not None:
+            self.journal.close()
+        self.journal = self._journal()
+        held = None if weight_version is None else (weight_version,)
+        if self.journal is None:
+            state, _plan = RunState.restore(
+                self.config, self.store, self.make_dataplane(), accept=accept_weight_versions(held)
+            )
+        else:
+            state, _plan = RunState.restore(
+                self.config,
+                self.store,
+                self.make_dataplane(),
+                accept=accept_at_or_below(weight_version),
+                journal=self.journal.replayer(weight_version),
+            )
+            self.journal.resume()
         self._check_rows(state)
         self.state, self.crashed_at = state, None
 

@@ -27,10 +27,10 @@ import struct
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Any, Literal
 
 from rollsafe.core.ids import validate_run_id
+from rollsafe.core.states import RecordKind as RecordKind  # the kinds are the core's
 from rollsafe.dataplane import Row
 from rollsafe.errors import InvalidInput, JournalCorrupt, SnapshotCorrupt
 from rollsafe.snapshot.tensorfile import HashingWriter, read_tensors, write_tensors
@@ -43,19 +43,6 @@ _CRC = struct.Struct("<I")
 _FRAME = struct.Struct("<II")  # body length, crc32(body)
 _BODY = struct.Struct("<QBI")  # record id, kind, meta length
 MAX_BODY = 1 << 30  # a larger length is a corrupt frame, not a record to allocate for
-
-
-class RecordKind(IntEnum):
-    """What changed (docs/design.md's operations; each is one call of the controller)."""
-
-    HANDOUT = 1
-    DISPATCH = 2
-    SEAL = 3
-    CLAIM = 4
-    COMMIT = 5
-    EVICT = 6
-    ABANDON = 7
-    WEIGHT_VERSION = 8
 
 
 @dataclass(frozen=True)

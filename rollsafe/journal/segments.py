@@ -16,11 +16,13 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
+from rollsafe.core.config import JOURNAL_FLUSH_MS
 from rollsafe.dataplane import Row
 from rollsafe.errors import InvalidInput, JournalCorrupt
 from rollsafe.journal.format import (
+    Decoded,
     Record,
     RecordKind,
     Stop,
@@ -31,9 +33,7 @@ from rollsafe.journal.format import (
 )
 
 SUFFIX = ".rsj"
-# Group commit: a batch is written and synced at most this long after its first record. The
-# default is to be chosen from bench/journal_bench.py (issue 20, item 6).
-DEFAULT_FLUSH_MS = 2.0
+DEFAULT_FLUSH_MS = JOURNAL_FLUSH_MS
 
 Fsync = Callable[[int], None]
 
@@ -56,14 +56,10 @@ class JournalWriter:
         fsync: Fsync = os.fsync,
     ) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / segment_name(first_id)
-        if self.path.exists():
-            raise InvalidInput(f"journal segment {self.path} exists: a writer never appends twice")
+        self.directory = directory
+        self.run_id = run_id
         self._fsync = fsync
-        self._file = self.path.open("xb")
-        self._file.write(encode_header(run_id, first_id))
-        self._sync()
-        _sync_directory(directory, fsync)
+        self._file = self._new_segment(first_id)
         self._changed = threading.Condition()
         self._writing = threading.Lock()
         self._buffer: list[bytes] = []
@@ -71,6 +67,7 @@ class JournalWriter:
         self._durable = first_id - 1  # the highest record id written and synced
         self._closed = False
         self.flushes = 0  # batches written (each one fsync)
+        self.segments = 1  # segments this writer opened
         self._flusher: threading.Thread | None = None
         if flush_ms is not None:
             self._flush_s = flush_ms / 1000
@@ -89,7 +86,10 @@ class JournalWriter:
             return record_id
 
     def wait_durable(self, record_id: int, timeout_s: float | None = None) -> bool:
-        """Block until record ``record_id`` is written and synced; False after ``timeout_s``."""
+        """Block until record ``record_id`` is written and synced; False after ``timeout_s``.
+        Without a background flush, flushes what is buffered first."""
+        if self._flusher is None:
+            self.flush()
         with self._changed:
             return self._changed.wait_for(lambda: self._durable >= record_id, timeout_s)
 
@@ -98,24 +98,58 @@ class JournalWriter:
     ) -> int:
         """:meth:`append`, returning once the record is durable (its batch synced)."""
         record_id = self.append(kind, meta, row)
-        if self._flusher is None:
-            self.flush()
         self.wait_durable(record_id)
         return record_id
+
+    @property
+    def last_id(self) -> int:
+        """The id of the last record appended (durable or not); first_id - 1 before any."""
+        with self._changed:
+            return self._next_id - 1
 
     def flush(self) -> None:
         """Write and sync every record buffered now, as one batch."""
         with self._writing:  # batches reach the file in the order they were taken
+            self._flush_locked()
+
+    def rotate(self) -> Path:
+        """Flush, close this segment and go on in a new one starting at the next record id
+        (compaction deletes whole segments only). Returns the new segment's path."""
+        with self._writing:
+            self._flush_locked()
             with self._changed:
-                batch, self._buffer = self._buffer, []
-                last = self._next_id - 1
-            if batch:
-                self._file.write(b"".join(batch))
-                self._sync()
+                first_id = self._next_id
+            self._file.close()
+            self._file = self._new_segment(first_id)
+            self.segments += 1
+            return self.path
+
+    def _flush_locked(self) -> None:
+        with self._changed:
+            batch, self._buffer = self._buffer, []
+            last = self._next_id - 1
+        if batch:
+            self._file.write(b"".join(batch))
+            self._sync()
         with self._changed:
             self.flushes += bool(batch)
             self._durable = max(self._durable, last)
             self._changed.notify_all()
+
+    def _new_segment(self, first_id: int) -> BinaryIO:
+        """A segment holding only its header, durable under its final name. A segment of that
+        name is replaced only when it holds no whole record (a torn tail left by a crash)."""
+        self.path = self.directory / segment_name(first_id)
+        if self.path.exists() and _holds_records(self.path, self.run_id):
+            raise InvalidInput(f"journal segment {self.path} exists: a writer never appends twice")
+        draft = self.path.with_suffix(".tmp")
+        with draft.open("wb") as out:
+            out.write(encode_header(self.run_id, first_id))
+            out.flush()
+            self._fsync(out.fileno())
+        draft.replace(self.path)
+        _sync_directory(self.directory, self._fsync)
+        return self.path.open("ab")
 
     def close(self) -> None:
         """Flush what is buffered and close the segment; idempotent."""
@@ -144,6 +178,17 @@ class JournalWriter:
         self._fsync(self._file.fileno())
 
 
+def _holds_records(path: Path, run_id: str) -> bool:
+    data = path.read_bytes()
+    try:
+        header = decode_header(data, str(path))
+    except JournalCorrupt:
+        return False  # a header torn by a crash: nothing in it was ever durable
+    if header.run_id != run_id:
+        return True  # another run's: never overwritten
+    return bool(decode_records(data, header, str(path)).records)
+
+
 def _sync_directory(directory: Path, fsync: Fsync) -> None:
     """A new segment's name is durable once its folder is synced."""
     descriptor = os.open(directory, os.O_RDONLY)
@@ -153,33 +198,74 @@ def _sync_directory(directory: Path, fsync: Fsync) -> None:
         os.close(descriptor)
 
 
+@dataclass(frozen=True)
+class Segment:
+    path: Path
+    first_id: int
+
+
 @dataclass
 class JournalRead:
     records: list[Record] = field(default_factory=list)
     stop: Stop | None = None
     stopped_in: Path | None = None  # the segment where reading stopped
+    segments: list[Segment] = field(default_factory=list)  # in order, the last one included
+
+    @property
+    def end(self) -> int | None:
+        """The id of the last good record; None for a journal without records."""
+        return self.records[-1].id if self.records else None
 
 
 def read_journal(directory: Path, run_id: str) -> JournalRead:
     """Every record of the run's journal under ``directory``, in order, up to the first torn or
     corrupt record. :class:`JournalCorrupt` for a segment of another run or one that does not
-    follow the one before it (a record missing between them); nothing is changed on disk."""
+    follow the one before it (a record missing between them); nothing is changed on disk.
+
+    Where a segment stopped (torn or corrupt) or ended before the next one starts, only a
+    segment a *restore* opened may follow: it starts with the restore's RESTART record, and
+    the restore read the journal up to that point, so what lies between was never part of the
+    run's history (a torn tail, or records its snapshot covered). Anything else after a stop
+    is refused: reading never skips a bad record to go on with later ones."""
     read = JournalRead()
     expected: int | None = None
+    stopped: tuple[Stop, Path] | None = None
     for path in sorted(directory.glob(f"*{SUFFIX}")):
         data = path.read_bytes()
         header = decode_header(data, str(path))
         if header.run_id != run_id:
             raise JournalCorrupt(f"{path}: a segment of run {header.run_id!r}, not {run_id!r}")
-        if expected is not None and header.first_id != expected:
-            raise JournalCorrupt(
-                f"{path}: starts at record {header.first_id}, the segment before it ends "
-                f"at {expected - 1}"
-            )
         decoded = decode_records(data, header, str(path))
+        follows = expected is None or (header.first_id == expected and stopped is None)
+        if not follows and not _opened_by_restore(decoded, header.first_id, expected):
+            raise _not_following(path, header.first_id, expected, stopped)
+        read.segments.append(Segment(path, header.first_id))
         read.records += decoded.records
-        expected = header.first_id + len(decoded.records)
-        if decoded.stop is not None:
-            read.stop, read.stopped_in = decoded.stop, path
-            break
+        if decoded.records or expected is None:
+            expected = header.first_id + len(decoded.records)
+            stopped = (decoded.stop, path) if decoded.stop is not None else None
+    if stopped is not None:
+        read.stop, read.stopped_in = stopped
     return read
+
+
+def _opened_by_restore(decoded: Decoded, first_id: int, expected: int | None) -> bool:
+    if not decoded.records:
+        return decoded.stop is None  # only a header: a restore that never wrote its record
+    first = decoded.records[0]
+    return expected is not None and first_id >= expected and first.kind == RecordKind.RESTART
+
+
+def _not_following(
+    path: Path, first_id: int, expected: int | None, stopped: tuple[Stop, Path] | None
+) -> JournalCorrupt:
+    if stopped is not None:
+        stop, where = stopped
+        return JournalCorrupt(
+            f"{where}: {stop.reason} record at offset {stop.offset} ({stop.detail}), and "
+            f"{path.name} holds later records (from {first_id}): reading never skips a bad "
+            "record"
+        )
+    return JournalCorrupt(
+        f"{path}: starts at record {first_id}, the segment before it ends at {(expected or 0) - 1}"
+    )

@@ -20,6 +20,7 @@ from rollsafe.snapshot.select import (
     EntryState,
     SnapshotEntry,
     SnapshotReader,
+    accept_at_or_below,
     accept_weight_versions,
     verify_snapshot,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "SnapshotManifest",
     "SnapshotReader",
     "SnapshotStore",
+    "accept_at_or_below",
     "accept_weight_versions",
     "parse_latest",
     "parse_manifest",

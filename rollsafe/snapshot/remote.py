@@ -355,8 +355,15 @@ class RemoteSnapshotStore(SnapshotStore):
             self._to_trash(local, delete=False)
 
     def _remote_weight_version(self, name: str) -> int | None:
+        manifest = self._readable_manifest(name)
+        return manifest.weight_version if manifest is not None else None
+
+    def _names_here(self) -> builtins.list[tuple[int, str]]:
+        return self._names()
+
+    def _readable_manifest(self, name: str) -> SnapshotManifest | None:
         try:
-            return self._read_manifest(name).weight_version
+            return self._read_manifest(name)
         except _Refused:
             return None  # unpublished or damaged
 

@@ -207,6 +207,20 @@ def accept_weight_versions(versions: Collection[int] | None) -> Accept | None:
     return accept
 
 
+def accept_at_or_below(version: int | None) -> Accept | None:
+    """Accepts a snapshot at or below weight version ``version`` (a restore that brings it
+    forward by the journal and rolls back the steps past ``version``)."""
+    if version is None:
+        return None
+
+    def accept(manifest: SnapshotManifest) -> str | None:
+        if manifest.weight_version <= version:
+            return None
+        return f"its weight version {manifest.weight_version} is past the trainer's {version}"
+
+    return accept
+
+
 def select_snapshot(run_dir: Path, run_id: str, accept: Accept | None = None) -> SnapshotReader:
     """The newest published snapshot that verifies and that ``accept`` (if given) accepts."""
     snapshots = run_dir / SNAPSHOTS_DIR

@@ -269,16 +269,29 @@ class SnapshotStore:
         self._to_trash(doomed, delete=False)
         log_retention(self.run_id, [p.name for p in doomed], self.keep_latest_k, anchors)
 
+    def published_manifests(self) -> builtins.list[SnapshotManifest]:
+        """The manifest of every published snapshot that reads back, newest first; no other
+        file is read (the journal's compaction asks which positions they cover)."""
+        found = (self._readable_manifest(name) for _seq, name in sorted(self._names_here()))
+        return sorted((m for m in found if m is not None), key=lambda m: m.seq, reverse=True)
+
+    def _names_here(self) -> builtins.list[tuple[int, str]]:
+        return self._published()
+
     def _readable_weight_version(self, name: str) -> int | None:
-        """The weight version in ``name``'s manifest; None if it does not read back as the
-        snapshot its directory name says."""
+        manifest = self._readable_manifest(name)
+        return manifest.weight_version if manifest is not None else None
+
+    def _readable_manifest(self, name: str) -> SnapshotManifest | None:
+        """``name``'s manifest; None if it does not read back as the snapshot its directory
+        name says."""
         try:
             manifest, _digest = load_manifest(self.snapshots_dir / name, self.run_id)
         except (SnapshotCorrupt, SchemaMismatch, OSError):
             return None
         if snapshot_dir_name(manifest.seq, manifest.kind) != name:
             return None
-        return manifest.weight_version
+        return manifest
 
     def _to_trash(self, paths: builtins.list[Path], *, delete: bool = True) -> None:
         """Rename each directory to a trash name (one atomic step out of view), fsync, then

@@ -105,7 +105,7 @@ def servers(tmp_path: Path) -> Iterator[Servers]:
 class Run:
     """A controller service with participants, and a dispatcher on the participants' loop."""
 
-    def __init__(self, servers: Servers, root: Path) -> None:
+    def __init__(self, servers: Servers, root: Path, *, journal: bool) -> None:
         self.loop = LoopThread()
         self.fleet, self.engine = self.loop.run(self._clients(servers))
         self.participants = Participants(
@@ -114,8 +114,10 @@ class Run:
             loop=self.loop,
             options=ParticipantOptions(park_deadline_s=20, drain_timeout_s=5, recut_for_s=0.3),
         )
-        config = RunConfig(run_id=RUN, group_size=GROUP_SIZE, groups_per_step=2)
-        config = config.model_copy(update={"restore_level": "prefix"})
+        config = RunConfig(
+            run_id=RUN, group_size=GROUP_SIZE, groups_per_step=2, restore_level="prefix"
+        )
+        config = config.model_copy(update={"journal": journal})
         self.service = Controller(config, root, participants=self.participants)
 
     @staticmethod
@@ -179,11 +181,11 @@ class FirstLife:
     finished: list[EpisodeResult]
 
 
-def snapshot_mid_run(servers: Servers, root: Path) -> FirstLife:
+def snapshot_mid_run(servers: Servers, root: Path, *, journal: bool) -> FirstLife:
     """Run every episode; snapshot once every one is held mid-call (the snapshot cuts those
     calls, which ends the engine's hold); let them all finish after the snapshot resumed
     them."""
-    first = Run(servers, root)
+    first = Run(servers, root, journal=journal)
     try:
         first.service.handout(list(range(GROUPS)))
         running = [first.drive(idx, i) for idx in range(GROUPS) for i in range(GROUP_SIZE)]
@@ -234,7 +236,7 @@ def restore_onto_fresh_envs(
     resumed rollouts to their end. Their results, by (group, rollout)."""
     servers.crash_envs()
     servers.start_envs()
-    second = Run(servers, root)
+    second = Run(servers, root, journal=False)
     try:
         plan = second.service.restore(RestoreRequest(run_id=RUN, restore_id="restore-1"))
         # Handed to the environments, then dropped from the live data plane too.
@@ -272,7 +274,34 @@ def check_the_restored_episodes(
 def test_phases_park_cut_commit_and_a_restore_brings_the_episodes_back(
     servers: Servers, tmp_path: Path
 ) -> None:
-    life = snapshot_mid_run(servers, tmp_path / "snapshots")
+    # The snapshot's own restore path: without the journal, which would keep the seals made
+    # after the snapshot and leave nothing to resume (the test below).
+    life = snapshot_mid_run(servers, tmp_path / "snapshots", journal=False)
     committed = check_the_snapshot_and_the_first_life(life)
     outcomes = restore_onto_fresh_envs(servers, tmp_path / "snapshots", committed)
     check_the_restored_episodes(outcomes, life.record)
+
+
+def test_with_the_journal_what_sealed_after_the_snapshot_is_kept_not_resumed(
+    servers: Servers, tmp_path: Path
+) -> None:
+    """Every episode the snapshot parked sealed after it: the journal brings the seals back,
+    and the environments are asked to restore none of those episodes (restored as well,
+    they would be a second life of a sealed rollout)."""
+    root = tmp_path / "snapshots"
+    life = snapshot_mid_run(servers, root, journal=True)
+    check_the_snapshot_and_the_first_life(life)
+    servers.crash_envs()
+    servers.start_envs()
+    second = Run(servers, root, journal=True)
+    try:
+        plan = second.service.restore(RestoreRequest(run_id=RUN, restore_id="restore-1"))
+        assert plan.journal is not None and plan.journal.records >= GROUPS * GROUP_SIZE
+        assert not any(group.resumed for group in plan.partial.values())
+        ledger = second.service.state.ledger
+        assert all(
+            ledger.states(idx) == [AttemptState.SEALED] * GROUP_SIZE for idx in range(GROUPS)
+        )
+        assert sorted(plan.ready) == list(range(GROUPS))
+    finally:
+        second.close()

@@ -84,7 +84,9 @@ class Writer(threading.Thread):
 
 @pytest.fixture
 def hammered(tmp_path: Path) -> Iterator[tuple[Controller, Writer, list[int]]]:
-    config = RunConfig(run_id=RUN, group_size=2, groups_per_step=2)
+    # The writer must outpace the phases: without the journal's durable waits (its own tests
+    # hammer it: test_journal_*), the capture's consistency is the barrier's alone.
+    config = RunConfig(run_id=RUN, group_size=2, groups_per_step=2, journal=False)
     service = Controller(config, tmp_path, dataplane="transferqueue", keep_latest_k=10)
     writer = Writer(service)
     seals_inside: list[int] = []

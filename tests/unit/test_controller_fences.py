@@ -103,8 +103,8 @@ def test_a_controller_of_a_new_run_is_not_fenced(tmp_path):
 def test_a_failed_restore_leaves_the_fence_up(tmp_path):
     publish_one(tmp_path)
     fresh = Controller(config(), tmp_path)
-    # Only a snapshot at weight version 7 would do: there is none.
-    with pytest.raises(NoValidSnapshot, match="no trainer checkpoint of its weight version 0"):
+    # The trainer holds weights of version 7: neither the snapshot nor the journal reach it.
+    with pytest.raises(NoValidSnapshot, match="reaches weight version 0, not the 7"):
         fresh.restore(RestoreRequest(run_id=RUN, restore_id="r-1", weight_versions=(7,)))
     assert fresh.status().awaiting_restore
     with pytest.raises(AwaitingRestore):

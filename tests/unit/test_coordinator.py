@@ -27,7 +27,15 @@ from rollsafe.snapshot import EntryState, SnapshotStore
 
 RUN = "ops"
 SPEC = SnapshotSpec(run_id=RUN, seq=1)
-EXPECTED_COUNTS = {"groups": 4, "sealed_rollouts": 5, "claimed_groups": 0, "retirements": 0}
+EXPECTED_COUNTS = {
+    "groups": 4,
+    "sealed_rollouts": 5,
+    "claimed_groups": 0,
+    "retirements": 0,
+    # The fixture's 17 journal records (a hand-out, 8 dispatches, 7 seals, a commit): the snapshot
+    # covers those, never a change made after its capture.
+    "journal_position": 17,
+}
 
 
 @pytest.fixture(autouse=True)

@@ -93,11 +93,55 @@ def test_a_torn_tail_stops_reading_and_changes_nothing(tmp_path: Path) -> None:
     assert path.read_bytes() == torn
 
 
-def test_a_closed_writer_and_an_existing_segment_are_refused(tmp_path: Path) -> None:
+def test_a_closed_writer_and_a_segment_with_records_are_refused(tmp_path: Path) -> None:
     writer = JournalWriter(tmp_path, RUN, 0, flush_ms=None)
+    writer.append(RecordKind.HANDOUT, {"groups": [0]})
     writer.close()
     writer.close()  # idempotent
     with pytest.raises(InvalidInput, match="closed"):
         writer.append(RecordKind.HANDOUT, {"groups": [1]})
     with pytest.raises(InvalidInput, match="exists"):
         JournalWriter(tmp_path, RUN, 0, flush_ms=None)
+    assert [r.id for r in read_journal(tmp_path, RUN).records] == [0]
+
+
+def test_a_segment_holding_no_whole_record_is_replaced(tmp_path: Path) -> None:
+    # A restore opened it and crashed before its first record was durable.
+    JournalWriter(tmp_path, RUN, 5, flush_ms=None).close()
+    (tmp_path / segment_name(5)).open("ab").write(b"\x07\x00")  # a torn frame
+    writer = JournalWriter(tmp_path, RUN, 5, flush_ms=None)
+    writer.append(RecordKind.RESTART, {"why": "restore"})
+    writer.close()
+    read = read_journal(tmp_path, RUN)
+    assert ([r.id for r in read.records], read.stop) == ([5], None)
+
+
+def test_rotate_goes_on_in_a_new_segment_at_the_next_id(tmp_path: Path) -> None:
+    writer = JournalWriter(tmp_path, RUN, 1, flush_ms=None)
+    writer.append(RecordKind.HANDOUT, {"groups": [0]})
+    writer.rotate()
+    writer.append(RecordKind.HANDOUT, {"groups": [1]})
+    writer.close()
+    read = read_journal(tmp_path, RUN)
+    assert [s.first_id for s in read.segments] == [1, 2]
+    assert [r.id for r in read.records] == [1, 2]
+
+
+def test_after_a_stop_only_a_segment_a_restore_opened_may_follow(tmp_path: Path) -> None:
+    first = JournalWriter(tmp_path, RUN, 1, flush_ms=None)
+    for n in range(3):
+        first.append(RecordKind.HANDOUT, {"groups": [n]})
+    first.close()
+    path = tmp_path / segment_name(1)
+    path.write_bytes(path.read_bytes()[:-3])  # record 3 torn by a crash
+    later = JournalWriter(tmp_path, RUN, 3, flush_ms=None)
+    later.append(RecordKind.HANDOUT, {"groups": [9]})  # not a restore's first record
+    later.close()
+    with pytest.raises(JournalCorrupt, match=r"torn record at offset .* never skips"):
+        read_journal(tmp_path, RUN)
+    (tmp_path / segment_name(3)).unlink()
+    restored = JournalWriter(tmp_path, RUN, 7, flush_ms=None)  # ids up to 6 a snapshot covered
+    restored.append(RecordKind.RESTART, {"why": "restore"})
+    restored.close()
+    read = read_journal(tmp_path, RUN)
+    assert [r.id for r in read.records] == [1, 2, 7] and read.stop is None

@@ -256,7 +256,7 @@ class FakeParticipants:
 
     def restorer(self, restore_id: str):
         episode = EpisodeId(GroupId(self.run_id, 2).rollout(1), 0)
-        return (lambda reader, dataplane: EnvironmentsRestored({episode: "w0"})), []
+        return (lambda reader, dataplane, changed: EnvironmentsRestored({episode: "w0"})), []
 
 
 def test_participant_phases_record_cuts_drain_and_resumed_rollouts(tmp_path):

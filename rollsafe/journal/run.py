@@ -1,0 +1,206 @@
+"""A run's journal folder (``<snapshot root>/<run id>/journal/``): the run state appends to it,
+a restore replays it after the snapshot it restored, a publish compacts it.
+
+Lifecycle:
+
+- a run that starts (fresh, or over) appends after whatever the folder holds
+  (:meth:`RunJournal.start`; a folder that held records gets a ``start_over`` restart first,
+  so no snapshot of the earlier run can be brought forward across it);
+- a restore reads the journal, replays the records after the snapshot's position and goes on
+  in a new segment that starts with the restore's own RESTART record
+  (:meth:`RunJournal.replayer`, handed to ``RunState.restore``);
+- after a publish the writer moves to a new segment and every segment wholly covered by the
+  oldest snapshot retention keeps is deleted (:meth:`RunJournal.compact`): never before the
+  snapshot that covers it is published, and a restore falling back to an older retained
+  snapshot still finds the records after it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rollsafe.core.run_state import JOURNAL_POSITION, Replay, ReplayJournal, RunState
+from rollsafe.dataplane import Row
+from rollsafe.errors import InvalidInput, JournalCorrupt
+from rollsafe.journal.format import RecordKind, decode_header, decode_records
+from rollsafe.journal.replay import Replayed, replay
+from rollsafe.journal.segments import (
+    DEFAULT_FLUSH_MS,
+    SUFFIX,
+    Fsync,
+    JournalWriter,
+    read_journal,
+)
+from rollsafe.snapshot import SnapshotReader, SnapshotStore
+
+JOURNAL_DIR = "journal"
+log = logging.getLogger(__name__)
+
+
+class RunJournal:
+    """The run's journal: :class:`~rollsafe.core.run_state.JournalSink` for its run state."""
+
+    def __init__(
+        self,
+        directory: Path,
+        run_id: str,
+        *,
+        flush_ms: float | None = DEFAULT_FLUSH_MS,
+        fsync: Fsync = os.fsync,
+    ) -> None:
+        self.directory = directory
+        self.run_id = run_id
+        self.flush_ms = flush_ms
+        self._fsync = fsync
+        self._writer: JournalWriter | None = None
+        self.replayed: Replayed | None = None  # what the last restore replayed
+        # A restore in progress: the id its new segment starts at, and its RESTART record's
+        # metadata once made. Nothing is written before the restore succeeded (resume()).
+        self._resume_at: int | None = None
+        self._restart: Mapping[str, Any] | None = None
+
+    @classmethod
+    def for_store(
+        cls, store: SnapshotStore, *, flush_ms: float | None = DEFAULT_FLUSH_MS
+    ) -> RunJournal:
+        """The journal beside ``store``'s snapshots (for object storage: beside its local
+        cache, see docs/journal.md)."""
+        return cls(store.run_dir / JOURNAL_DIR, store.run_id, flush_ms=flush_ms)
+
+    # ---- the sink ---------------------------------------------------------------------------
+
+    def append(self, kind: RecordKind, meta: Mapping[str, Any], row: Row | None = None) -> int:
+        if self._resume_at is None:
+            return self._open_writer().append(kind, meta, row)
+        if kind != RecordKind.RESTART or self._restart is not None:
+            raise InvalidInput(
+                f"run {self.run_id}: a restore is in progress; only its restart is recorded "
+                "before it succeeds"
+            )
+        self._restart = dict(meta)
+        return self._resume_at
+
+    @property
+    def last_id(self) -> int:
+        if self._resume_at is not None:
+            return self._resume_at - (self._restart is None)
+        return self._open_writer().last_id
+
+    def wait_durable(self, record_id: int) -> None:
+        self._open_writer().wait_durable(record_id)
+
+    def _open_writer(self) -> JournalWriter:
+        if self._writer is None:
+            raise InvalidInput(
+                f"run {self.run_id}: the journal is not open (start the run or restore it first)"
+            )
+        return self._writer
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def start(self, state: RunState) -> None:
+        """``state`` starts the run (fresh, or over): it appends after what the folder holds."""
+        first_id = self._next_id()
+        self._open(first_id)
+        if first_id > 1:
+            self.append(RecordKind.RESTART, {"why": "start_over"})
+        state.journal = self
+
+    def replayer(self, weight_version: int | None = None) -> ReplayJournal:
+        """For ``RunState.restore(journal=...)``: replays the journal after the restored
+        snapshot (commits past ``weight_version`` rolled back), then attaches this journal to
+        the restored state in a new segment after everything read."""
+
+        def bring_forward(state: RunState, reader: SnapshotReader) -> Replay:
+            if self._writer is not None:  # a live run restoring: its own records first
+                self._writer.flush()
+            read = read_journal(self.directory, self.run_id)
+            covered = reader.manifest.counts.get(JOURNAL_POSITION)
+            replayed = replay(state, read, covered, reader.path.name, weight_version)
+            self._resume_at, self._restart = replayed.last_id + 1, None
+            state.journal = self
+            self.replayed = replayed
+            return replayed
+
+        return bring_forward
+
+    def resume(self) -> None:
+        """The restore succeeded: the run goes on in a new segment after everything read,
+        its first record the restore's restart; returns once that record is durable."""
+        if self._resume_at is None:
+            raise InvalidInput(f"run {self.run_id}: no restore to resume the journal after")
+        first_id, restart = self._resume_at, self._restart
+        self._resume_at = self._restart = None
+        self._open(first_id)
+        if restart is not None:
+            self.wait_durable(self.append(RecordKind.RESTART, restart))
+
+    def abandon_restore(self) -> None:
+        """The restore failed: nothing of it was written; a live run goes on appending where
+        it was."""
+        self._resume_at = self._restart = None
+
+    def compact(self, store: SnapshotStore) -> int:
+        """After a publish: go on in a new segment, delete the segments every retained
+        snapshot covers. Returns how many were deleted."""
+        self._open_writer().rotate()
+        covered = _oldest_position(store)
+        if covered is None:
+            return 0
+        segments = self._segments()
+        deleted = 0
+        for (path, _), (_, next_first) in itertools.pairwise(segments):
+            if next_first - 1 > covered:
+                break
+            path.unlink(missing_ok=True)
+            deleted += 1
+        return deleted
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _open(self, first_id: int) -> None:
+        self.close()
+        self._writer = JournalWriter(
+            self.directory, self.run_id, first_id, flush_ms=self.flush_ms, fsync=self._fsync
+        )
+
+    def _segments(self) -> list[tuple[Path, int]]:
+        """Every segment with its first record id (from its name), in order."""
+        found = []
+        for path in sorted(self.directory.glob(f"*{SUFFIX}")):
+            try:
+                found.append((path, int(path.name.removesuffix(SUFFIX))))
+            except ValueError:
+                raise JournalCorrupt(f"{path}: not a journal segment's name") from None
+        return found
+
+    def _next_id(self) -> int:
+        """The id after the last record the folder holds (reads the last segment only)."""
+        segments = self._segments()
+        if not segments:
+            return 1
+        path, first_id = segments[-1]
+        data = path.read_bytes()
+        try:
+            header = decode_header(data, str(path))
+        except JournalCorrupt:
+            return first_id  # a header torn by a crash: that segment holds nothing
+        return max(first_id, header.first_id + len(decode_records(data, header, str(path)).records))
+
+
+def _oldest_position(store: SnapshotStore) -> int | None:
+    """The lowest journal position among the published snapshots retention keeps (None: none
+    of them names one)."""
+    positions = [m.counts.get(JOURNAL_POSITION) for m in store.published_manifests()]
+    known = [p for p in positions if p is not None]
+    return min(known) if known else None

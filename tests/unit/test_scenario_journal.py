@@ -1,0 +1,71 @@
+"""Scenario files with ``"journal": true``: a crash after seals and without a new checkpoint
+restores those seals, hand-outs and evictions; ``restore`` with ``weight_version`` rolls back
+the steps trained after those weights. Without the flag a scenario means what it always did."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rollsafe.dataplane import make_dataplane
+from rollsafe.errors import ScenarioError
+from rollsafe.evidence.scenario import Scenario, ScenarioRunner
+
+
+def run(events: list[dict], tmp_path: Path, **extra: object):
+    raw = {
+        "name": "journal",
+        "sampler": "windowed",
+        "group_size": 2,
+        "groups_per_step": 1,
+        "staleness_window": 4,
+        "events": events,
+        **extra,
+    }
+    runner = ScenarioRunner(
+        Scenario.model_validate(raw), tmp_path, lambda: make_dataplane("memory")
+    )
+    return runner.run()
+
+
+AFTER_A_CHECKPOINT = [
+    {"op": "handout", "groups": [0]},
+    {"op": "commit", "group": 0, "rollouts": [0, 1]},
+    {"op": "checkpoint"},
+    {"op": "handout", "groups": [1, 2, 3]},
+    {"op": "commit", "group": 1, "rollouts": [0, 1]},
+    {"op": "commit", "group": 2, "rollouts": [0]},
+    {"op": "evict", "group": 3},
+    {"op": "train", "groups": [0]},
+    {"op": "crash"},
+]
+
+
+def test_with_the_journal_a_crash_loses_nothing_sealed_after_the_checkpoint(tmp_path):
+    report = run([*AFTER_A_CHECKPOINT, {"op": "restore"}], tmp_path, journal=True)
+    assert report.loader_position == 4 and report.weight_version == 1
+    assert set(report.groups) == {"1", "2"}  # 0 trained, 3 evicted
+    assert report.groups["1"].state == "ready"
+    assert report.groups["2"].restored_rollouts == [0]
+    assert report.groups["2"].regenerate == [1]
+
+
+def test_without_it_the_scenario_means_what_it_meant(tmp_path):
+    report = run([*AFTER_A_CHECKPOINT, {"op": "restore"}], tmp_path)
+    assert report.loader_position == 1 and report.weight_version == 0
+    assert set(report.groups) == {"0"} and report.groups["0"].state == "ready"
+
+
+def test_restore_at_older_weights_rolls_back_the_steps_after_them(tmp_path):
+    events = [*AFTER_A_CHECKPOINT, {"op": "restore", "weight_version": 0}]
+    report = run(events, tmp_path, journal=True)
+    assert report.weight_version == 0
+    assert report.groups["0"].state == "ready"  # trained after weights 0: owed again
+    assert report.groups["0"].restored_rollouts == [0, 1]
+
+
+def test_weights_the_run_never_reached_are_an_error_naming_them(tmp_path):
+    events = [*AFTER_A_CHECKPOINT, {"op": "restore", "weight_version": 3}]
+    with pytest.raises(ScenarioError, match="not the 3 the trainer restored"):
+        run(events, tmp_path, journal=True)
