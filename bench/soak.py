@@ -57,14 +57,14 @@ class Outcome:
 
 
 def plan_run(rng: random.Random, seed: int, steps: int) -> Plan:
-    """One to three faults, never two of a kind (the demo injects at most one of each)."""
-    kinds = rng.sample(["coordinator", "run", "env"], k=rng.randint(1, 3))
+    """One to four faults, never two of a kind (the demo injects at most one of each)."""
+    kinds = rng.sample(["coordinator", "run", "kill", "env"], k=rng.randint(1, 4))
     faults = []
     for kind in sorted(kinds):
         if kind == "coordinator":
             faults.append(f"coordinator@{rng.choice(PHASES).value}")
-        elif kind == "run":
-            faults.append(f"run@step{rng.randint(1, steps)}")
+        elif kind in ("run", "kill"):
+            faults.append(f"{kind}@step{rng.randint(1, steps)}")
         else:
             faults.append("env@prepare")
     deterministic = rng.random() < 0.3
@@ -130,7 +130,7 @@ def table(outcomes: list[Outcome], steps: int, command: str) -> str:
         "",
         f"`{command}` on {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, {steps} steps a run."
         " Each run draws a seed, a mode (deterministic in 3 of 10, else a random sampler), a"
-        " restore level, and one to three faults (a random phase for the coordinator, a random"
+        " restore level, and one to four faults (a random phase for the coordinator, a random"
         " step for the crash); `rollsafe verify` checks its evidence.",
         "",
         f"**{len(outcomes)} runs, {faults} faults injected, {violations} violations, "

@@ -93,10 +93,20 @@ def register_run_commands(app: typer.Typer) -> None:
         fault: Annotated[
             list[str] | None,
             typer.Option(
-                help="KIND@WHERE, repeatable: coordinator@<phase>, run@step<k>, env@prepare"
+                help="KIND@WHERE, repeatable: coordinator@<phase>, run@step<k> (a snapshot "
+                "mid-generation, then everything killed), kill@step<k> (everything killed "
+                "between two snapshots), env@prepare"
             ),
         ] = None,
         no_faults: Annotated[bool, typer.Option("--no-faults", help="inject nothing")] = False,
+        journal: Annotated[
+            bool,
+            typer.Option(
+                "--journal/--no-journal",
+                help="a durable journal between snapshots (docs/journal.md); without it a "
+                "kill loses what sealed since the last snapshot",
+            ),
+        ] = True,
         interval_s: Annotated[float, typer.Option(help="seconds between periodic snapshots")] = 3.0,
         engine: Annotated[
             Literal["reference", "vllm"],
@@ -136,6 +146,7 @@ def register_run_commands(app: typer.Typer) -> None:
                 faults=tuple(Fault.parse(f) for f in chosen),
                 interval_s=interval_s,
                 engine=engine,
+                journal=journal,
             )
         except ValueError as exc:  # InvalidInput, or pydantic's ValidationError of the options
             fail(exc, ExitCode.USAGE)

@@ -8,6 +8,8 @@ One JSON object per line, fields exactly as below (unknown fields are refused)::
     handed_out.jsonl       a group the loader handed out, over the whole run, across restores
     env_mutations.jsonl    the reference environment's final state: one applied mutation each
     faults.jsonl           each injected fault, when, and how it was recovered
+    generations.jsonl      each attempt's generation started and sealed, and each whole-run
+                           kill, with their times (optional: the reference run writes it)
     report.json            the run's settings and totals (one object)
 
 Reading names the file and line of anything malformed; writing appends a line and flushes, so
@@ -21,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rollsafe.errors import EvidenceError
 
@@ -63,6 +65,22 @@ class FaultRecord(JsonLine):
     recovery_s: float | None = Field(default=None, ge=0)
 
 
+class GenerationEvent(JsonLine):
+    """An attempt's generation started or sealed (its seal acknowledged), or the whole run
+    killed (``rollout_id`` and ``attempt`` only for the first two)."""
+
+    event: Literal["started", "sealed", "killed"]
+    rollout_id: str | None = Field(default=None, min_length=1)
+    attempt: int | None = Field(default=None, ge=0)
+    at_unix: float = Field(ge=0, description="seconds since the epoch")
+
+    @model_validator(mode="after")
+    def _names_its_attempt(self) -> GenerationEvent:
+        if (self.event == "killed") != (self.rollout_id is None or self.attempt is None):
+            raise ValueError("started and sealed name rollout_id and attempt; killed neither")
+        return self
+
+
 class RunReport(JsonLine):
     run_id: str
     seed: int
@@ -73,6 +91,9 @@ class RunReport(JsonLine):
     restore_level: str
     deterministic: bool
     totals: dict[str, float] = Field(default_factory=dict)
+    # The run kept a journal between snapshots (docs/journal.md): no sealed rollout may be
+    # generated twice. Absent in reports written before the journal: false.
+    journal: bool = False
 
 
 TRAINED, ROLLED_BACK, HANDED_OUT = (
@@ -81,6 +102,7 @@ TRAINED, ROLLED_BACK, HANDED_OUT = (
     "handed_out.jsonl",
 )
 MUTATIONS, FAULTS, REPORT = "env_mutations.jsonl", "faults.jsonl", "report.json"
+GENERATIONS = "generations.jsonl"
 
 Line = TypeVar("Line", bound=JsonLine)
 
@@ -96,6 +118,7 @@ class Evidence(BaseModel):
     handed_out: tuple[HandedOut, ...]
     mutations: tuple[EnvMutation, ...]
     faults: tuple[FaultRecord, ...]
+    generations: tuple[GenerationEvent, ...] = ()
 
     @classmethod
     def read(cls, directory: Path) -> Evidence:
@@ -109,6 +132,7 @@ class Evidence(BaseModel):
             handed_out=tuple(read_lines(directory / HANDED_OUT, HandedOut)),
             mutations=tuple(read_lines(directory / MUTATIONS, EnvMutation)),
             faults=tuple(read_lines(directory / FAULTS, FaultRecord)),
+            generations=tuple(read_lines(directory / GENERATIONS, GenerationEvent, optional=True)),
         )
 
 

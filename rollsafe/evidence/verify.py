@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict
 
-from rollsafe.evidence.files import Evidence
+from rollsafe.evidence.files import Evidence, GenerationEvent
 
 SHOWN = 5  # violations named per check; the count says how many there are
 
@@ -93,6 +94,51 @@ def mutations_unique(evidence: Evidence) -> Check:
     )
 
 
+@dataclass
+class Generations:
+    """What the run's generation cost across its crashes (``generations.jsonl``)."""
+
+    sealed_twice: dict[str, int] = field(default_factory=dict)  # rollout id -> seals
+    lost_s: float = 0.0  # generating rollouts sealed before a crash, generated again after
+    redone_s: float = 0.0  # generating attempts still in flight when the run was killed
+    sealed: int = 0  # rollouts sealed
+
+
+def account_generations(events: Iterable[GenerationEvent]) -> Generations:
+    """Pairs each attempt's start with its seal (or the kill that ended it first)."""
+    found = Generations()
+    open_: dict[tuple[str, int], float] = {}
+    seals: dict[str, list[float]] = defaultdict(list)  # rollout -> each seal's seconds
+    for event in sorted(events, key=lambda e: e.at_unix):
+        if event.event == "killed":
+            found.redone_s += sum(event.at_unix - began for began in open_.values())
+            open_.clear()
+            continue
+        assert event.rollout_id is not None and event.attempt is not None
+        key = (event.rollout_id, event.attempt)
+        if event.event == "started":
+            open_[key] = event.at_unix
+        elif (began := open_.pop(key, None)) is not None:
+            seals[event.rollout_id].append(event.at_unix - began)
+    for rollout_id, seconds in seals.items():
+        if len(seconds) > 1:
+            found.sealed_twice[rollout_id] = len(seconds)
+            found.lost_s += sum(seconds[:-1])
+    found.sealed = len(seals)
+    return found
+
+
+def no_sealed_rollout_generated_twice(evidence: Evidence) -> Check:
+    found = account_generations(evidence.generations)
+    problems = [f"{rid} sealed {n} times" for rid, n in sorted(found.sealed_twice.items())]
+    return _check(
+        "no sealed rollout generated twice",
+        problems,
+        f"{found.sealed} rollouts sealed once each; {found.lost_s:.1f} generation-seconds lost "
+        f"to crashes, {found.redone_s:.1f} in-flight generation-seconds redone",
+    )
+
+
 def same_tokens_as(evidence: Evidence, reference: Evidence) -> Check:
     theirs = {row.rollout_id: row.tokens_sha256 for row in reference.trained}
     problems: list[str] = []
@@ -115,6 +161,11 @@ def verify(evidence: Evidence, reference: Evidence | None = None) -> list[Check]
         no_rollout_in_two_steps(evidence),
         mutations_unique(evidence),
     ]
+    # With the journal nothing sealed is generated again, but at the prompt_group level a
+    # group still unfinished at a restore is regenerated whole, sealed siblings included.
+    report = evidence.report
+    if report.journal and report.restore_level != "prompt_group" and evidence.generations:
+        checks.append(no_sealed_rollout_generated_twice(evidence))
     if reference is not None:
         checks.append(same_tokens_as(evidence, reference))
     return checks

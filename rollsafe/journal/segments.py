@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +61,11 @@ class JournalWriter:
         self.run_id = run_id
         self._fsync = fsync
         self._file = self._new_segment(first_id)
-        self._changed = threading.Condition()
+        # One lock, two conditions: appends wake only the flusher, a flush wakes the waiters
+        # once (64 sealers woken by every append would spend the batch window on the GIL).
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # the flusher: records to write, or closed
+        self._synced = threading.Condition(self._lock)  # the waiters: a batch is durable
         self._writing = threading.Lock()
         self._buffer: list[bytes] = []
         self._next_id = first_id
@@ -76,13 +81,13 @@ class JournalWriter:
 
     def append(self, kind: RecordKind, meta: Mapping[str, Any], row: Row | None = None) -> int:
         """Buffer one record; its id. Not durable until its batch is flushed."""
-        with self._changed:
+        with self._lock:
             if self._closed:
                 raise InvalidInput(f"journal segment {self.path} is closed")
             record_id = self._next_id
             self._buffer.append(encode_record(Record(record_id, kind, meta, row)))
             self._next_id += 1
-            self._changed.notify_all()
+            self._work.notify()
             return record_id
 
     def wait_durable(self, record_id: int, timeout_s: float | None = None) -> bool:
@@ -90,8 +95,8 @@ class JournalWriter:
         Without a background flush, flushes what is buffered first."""
         if self._flusher is None:
             self.flush()
-        with self._changed:
-            return self._changed.wait_for(lambda: self._durable >= record_id, timeout_s)
+        with self._lock:
+            return self._synced.wait_for(lambda: self._durable >= record_id, timeout_s)
 
     def append_durable(
         self, kind: RecordKind, meta: Mapping[str, Any], row: Row | None = None
@@ -104,7 +109,7 @@ class JournalWriter:
     @property
     def last_id(self) -> int:
         """The id of the last record appended (durable or not); first_id - 1 before any."""
-        with self._changed:
+        with self._lock:
             return self._next_id - 1
 
     def flush(self) -> None:
@@ -117,7 +122,7 @@ class JournalWriter:
         (compaction deletes whole segments only). Returns the new segment's path."""
         with self._writing:
             self._flush_locked()
-            with self._changed:
+            with self._lock:
                 first_id = self._next_id
             self._file.close()
             self._file = self._new_segment(first_id)
@@ -125,16 +130,16 @@ class JournalWriter:
             return self.path
 
     def _flush_locked(self) -> None:
-        with self._changed:
+        with self._lock:
             batch, self._buffer = self._buffer, []
             last = self._next_id - 1
         if batch:
             self._file.write(b"".join(batch))
             self._sync()
-        with self._changed:
+        with self._lock:
             self.flushes += bool(batch)
             self._durable = max(self._durable, last)
-            self._changed.notify_all()
+            self._synced.notify_all()
 
     def _new_segment(self, first_id: int) -> BinaryIO:
         """A segment holding only its header, durable under its final name. A segment of that
@@ -153,11 +158,11 @@ class JournalWriter:
 
     def close(self) -> None:
         """Flush what is buffered and close the segment; idempotent."""
-        with self._changed:
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._changed.notify_all()
+            self._work.notify_all()
         if self._flusher is not None:
             self._flusher.join()
         self.flush()
@@ -165,12 +170,11 @@ class JournalWriter:
 
     def _flush_loop(self) -> None:
         while True:
-            with self._changed:
-                self._changed.wait_for(lambda: bool(self._buffer) or self._closed)
+            with self._lock:
+                self._work.wait_for(lambda: bool(self._buffer) or self._closed)
                 if self._closed:
                     return
-                # The group's window: more records join the batch until it closes.
-                self._changed.wait_for(lambda: self._closed, self._flush_s)
+            time.sleep(self._flush_s)  # the group's window: more records join the batch
             self.flush()
 
     def _sync(self) -> None:

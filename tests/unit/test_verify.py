@@ -12,8 +12,16 @@ from typer.testing import CliRunner
 
 from rollsafe.cli.app import app
 from rollsafe.errors import EvidenceError
-from rollsafe.evidence.files import FAULTS, HANDED_OUT, MUTATIONS, REPORT, TRAINED, Evidence
-from rollsafe.evidence.verify import verify
+from rollsafe.evidence.files import (
+    FAULTS,
+    GENERATIONS,
+    HANDED_OUT,
+    MUTATIONS,
+    REPORT,
+    TRAINED,
+    Evidence,
+)
+from rollsafe.evidence.verify import account_generations, verify
 
 GROUP_SIZE = 2
 
@@ -183,3 +191,57 @@ def test_missing_evidence_exits_2(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["verify", str(directory)])
     assert result.exit_code == 2 and "handed_out.jsonl: missing" in result.output
     assert CliRunner().invoke(app, ["verify", str(tmp_path / "nowhere")]).exit_code == 2
+
+
+def generation(event: str, at: float, rid: str | None = None, attempt: int = 0) -> dict[str, Any]:
+    if rid is None:
+        return {"event": event, "at_unix": at}
+    return {"event": event, "rollout_id": rid, "attempt": attempt, "at_unix": at}
+
+
+def with_journal(tmp_path: Path, lines: list[dict[str, Any]]) -> list[Any]:
+    run = good_run()
+    run[GENERATIONS] = lines
+    directory = write(tmp_path / "run", run)
+    report = json.loads((directory / REPORT).read_text())
+    (directory / REPORT).write_text(json.dumps({**report, "journal": True}))
+    return verify(Evidence.read(directory))
+
+
+def test_with_the_journal_a_rollout_sealed_twice_is_named_with_the_seconds_lost(
+    tmp_path: Path,
+) -> None:
+    lines = [
+        generation("started", 100.0, "demo-0_g0"),
+        generation("sealed", 104.0, "demo-0_g0"),  # sealed, then lost to the kill
+        generation("started", 103.0, "demo-0_g1"),  # in flight when the run was killed
+        generation("killed", 105.0),
+        generation("started", 110.0, "demo-0_g0", 1),
+        generation("sealed", 113.0, "demo-0_g0", 1),
+    ]
+    check = with_journal(tmp_path, lines)[-1]
+    assert check.name == "no sealed rollout generated twice" and not check.ok
+    assert "demo-0_g0 sealed 2 times" in check.detail
+    found = account_generations(Evidence.read(tmp_path / "run").generations)
+    assert (found.lost_s, found.redone_s) == (4.0, 2.0)
+
+
+def test_with_the_journal_nothing_sealed_twice_passes_and_reports_what_was_redone(
+    tmp_path: Path,
+) -> None:
+    lines = [
+        generation("started", 100.0, "demo-0_g0"),
+        generation("sealed", 104.0, "demo-0_g0"),
+        generation("started", 103.0, "demo-0_g1"),
+        generation("killed", 105.5),
+        generation("started", 110.0, "demo-0_g1", 1),
+        generation("sealed", 112.0, "demo-0_g1", 1),
+    ]
+    check = with_journal(tmp_path, lines)[-1]
+    assert check.ok, check.detail
+    assert "0.0 generation-seconds lost" in check.detail and "2.5 in-flight" in check.detail
+
+
+def test_a_kill_line_naming_a_rollout_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(EvidenceError, match=r"generations\.jsonl:1"):
+        with_journal(tmp_path, [generation("killed", 1.0, "demo-0_g0")])
