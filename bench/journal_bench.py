@@ -66,13 +66,17 @@ def sealing(root: Path, rollouts: int, threads: int, flush_ms: float | None) -> 
         waits.extend(mine)
 
     workers = [threading.Thread(target=sealer, args=(k,)) for k in range(threads)]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for worker in workers:
         worker.start()
     for worker in workers:
         worker.join()
     seconds = time.perf_counter() - start
-    result: dict[str, Any] = {"rollouts_per_s": rollouts / seconds}
+    result: dict[str, Any] = {
+        "rollouts_per_s": rollouts / seconds,
+        # CPU of this process per rollout (every thread, the flusher's included).
+        "cpu_us_per_rollout": 1e6 * (time.process_time() - cpu) / rollouts,
+    }
     if journal is not None:
         journal.close()
         size = sum(p.stat().st_size for p in (store.run_dir / JOURNAL_DIR).iterdir())
@@ -158,7 +162,8 @@ def main() -> None:
                 print(
                     f"flush {flush_ms:g} ms: off {off['rollouts_per_s']:,.0f}/s, on "
                     f"{on['rollouts_per_s']:,.0f}/s, ratio {on['ratio']:.2f} (target >= 0.95); "
-                    f"{on['bytes_per_rollout']:,.0f} bytes/rollout; seal waits p50 "
+                    f"CPU {off['cpu_us_per_rollout']:.0f} -> {on['cpu_us_per_rollout']:.0f} "
+                    f"us/rollout; {on['bytes_per_rollout']:,.0f} bytes/rollout; seal waits p50 "
                     f"{wait['p50']:.2f} ms, p99 {wait['p99']:.2f} ms, max {wait['max']:.2f} ms",
                     flush=True,
                 )

@@ -36,7 +36,8 @@ ROW = {"tokens": np.arange(64, dtype=np.int32), "reward": np.array(1.0, np.float
 
 
 def controller(root: Path, rollouts: int, run_id: str = "bench") -> Controller:
-    config = RunConfig(run_id=run_id, group_size=8, groups_per_step=4)
+    # What the SDK adds, not what durability costs (bench/journal_bench.py): journal off.
+    config = RunConfig(run_id=run_id, group_size=8, groups_per_step=4, journal=False)
     made = Controller(config, root / run_id)
     made.handout(list(range(rollouts // 8)))
     return made
