@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -24,7 +24,9 @@ from pydantic import BaseModel, ConfigDict
 from rollsafe.checkpoint.controller import Controller
 from rollsafe.checkpoint.participants import Participants
 from rollsafe.core.config import RunConfig
+from rollsafe.core.ids import EpisodeId
 from rollsafe.env.protocol import EpisodeResult
+from rollsafe.evidence.files import GenerationEvent, append_lines
 from rollsafe.reference.rl.rollouts import row_from_result, task_for
 from rollsafe.rollouts import Rollouts
 
@@ -50,8 +52,12 @@ class ReferenceController(Controller):
         keep_latest_k: int = 8,
         *,
         start_over: bool = False,
+        generations: str | None = None,
     ) -> None:
+        """``generations``: the evidence file each episode's start and seal are appended to
+        (``rollsafe verify`` counts what crashes cost in generation from it)."""
         self.turns = turns
+        self.generations = Path(generations) if generations else None
         participants = Participants.connect(
             endpoints.envs,
             {"engine": endpoints.engine_url},
@@ -164,6 +170,7 @@ class _Dispatcher:
     async def episode(self, idx: int, i: int) -> None:
         """Dispatch through the gate (waiting while a snapshot holds it closed), run, seal."""
         episode = await self.rollouts.dispatch(idx, i)
+        self._record("started", episode)
         owner = await asyncio.to_thread(self.run.instance_for, idx, i)
         task = task_for(idx, self.run.turns)
 
@@ -175,6 +182,17 @@ class _Dispatcher:
             return row
 
         await self.rollouts.run_episode(episode, task.model_dump(), to_row, max_wait_s=120)
+        self._record("sealed", episode)  # acknowledged: durable with the journal on
+
+    def _record(self, event: Literal["started", "sealed"], episode: EpisodeId) -> None:
+        if self.run.generations is not None:
+            line = GenerationEvent(
+                event=event,
+                rollout_id=episode.rollout.key,
+                attempt=episode.attempt,
+                at_unix=time.time(),
+            )
+            append_lines(self.run.generations, [line])
 
 
 def _mutation(instance: str, rollout_id: str, applied: dict[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import statistics
 import threading
@@ -34,7 +35,13 @@ from typing import Any
 
 from rollsafe.checkpoint.actor import NAMESPACE, actor_name
 from rollsafe.engine.loop import HoldRule
-from rollsafe.evidence.files import Evidence, FaultRecord
+from rollsafe.evidence.files import (
+    GENERATIONS,
+    Evidence,
+    FaultRecord,
+    GenerationEvent,
+    append_lines,
+)
 from rollsafe.evidence.verify import Check, verify
 from rollsafe.faults import ENV_VAR
 from rollsafe.http.served import ServedProcess, rollsafe_command
@@ -44,6 +51,7 @@ from rollsafe.reference.rl.demo_faults import (
     crash_step,
     fail_env_checkpoint_calls,
     snapshot_mid_generation,
+    wait_for_seals,
     worker_fault_spec,
 )
 from rollsafe.reference.rl.demo_options import DEMO_CALL_TOKENS, INSTANCES, DemoOptions
@@ -120,6 +128,7 @@ class Demo:
             endpoints,
             self.settings.turns,
             start_over=start_over,
+            generations=str(self.options.out.resolve() / GENERATIONS),
         )
         ray.get(handle.status.remote())  # constructed, or its error raised here
         return ControllerActorProxy(handle, actor_name(self.settings.run_id))
@@ -240,6 +249,7 @@ class Demo:
             self._make_model()
             stack.callback(self.stop_workers)
             step_to_crash = crash_step(self.faults.get("run"))
+            step_to_kill = crash_step(self.faults.get("kill"))
             endpoints = servers.start(hold=self._crash_hold(step_to_crash))
             self.say(
                 f"[start] Temporal {dev.address}, Ray, engine, {len(INSTANCES)} environments "
@@ -258,11 +268,17 @@ class Demo:
             ) as watch:
                 while True:
                     try:
-                        self._steps(run, checkpointer, endpoints, step_to_crash)
+                        self._steps(run, checkpointer, endpoints, step_to_crash, step_to_kill)
                         break
-                    except _Crash:
-                        run, endpoints, checkpointer = self._recover(run, servers, env, dev)
-                        step_to_crash = None
+                    except _Crash as crash:
+                        if crash.kind == "run":
+                            step_to_crash = None
+                        else:
+                            step_to_kill = None
+                        hold = self._crash_hold(step_to_crash)  # a crash still to come
+                        run, endpoints, checkpointer = self._recover(
+                            run, servers, env, dev, crash, hold
+                        )
             self._finish(run, watch.parks)
         return verify(Evidence.read(self.options.out))
 
@@ -291,9 +307,19 @@ class Demo:
         self.say(f"[done] {run.step} steps in {self.elapsed():.1f}s; timeline: {path}")
 
     def _steps(
-        self, run: ReferenceRun, checkpointer: Any, endpoints: Endpoints, crash_step: int | None
+        self,
+        run: ReferenceRun,
+        checkpointer: Any,
+        endpoints: Endpoints,
+        crash_step: int | None,
+        kill_step: int | None,
     ) -> None:
         def during(step: int) -> None:
+            if step == kill_step:
+                rollouts = self.settings.groups_per_step * self.settings.group_size
+                moment = random.Random(self.settings.seed).randint(1, max(1, rollouts - 1))
+                sealed = wait_for_seals(self.options.out / GENERATIONS, moment)
+                raise _Crash("kill", f"{sealed} rollouts sealed since step {step + 1} began")
             if step == 1 and "env" in self.faults:
                 self.record(
                     fail_env_checkpoint_calls(
@@ -308,7 +334,7 @@ class Demo:
             if step == crash_step:
                 held = self._crash_hold(crash_step) is not None
                 snapshot_mid_generation(run, checkpointer, self.say, self.elapsed, held=held)
-                raise _Crash
+                raise _Crash("run", "mid-generation, just after a snapshot")
 
         while run.step < run.settings.steps:
             step, began = run.step, self.elapsed()
@@ -324,20 +350,29 @@ class Demo:
             )
 
     def _recover(
-        self, run: ReferenceRun, servers: RunServers, env: dict[str, str], dev: Any
+        self,
+        run: ReferenceRun,
+        servers: RunServers,
+        env: dict[str, str],
+        dev: Any,
+        crash: _Crash,
+        hold: HoldRule | None,
     ) -> tuple[ReferenceRun, Endpoints, Any]:
         """Everything restarted and the run restored: the new run, its servers' endpoints
-        and its checkpointer (the old ones point at killed processes)."""
+        and its checkpointer (the old ones point at killed processes). ``hold``: the engine's
+        hold for a crash still to come."""
         at = self.elapsed()
         self.crashed = True
-        self.say(f"[fault] the whole run is killed mid-generation ({at:.1f}s)")
+        self.say(f"[fault] the whole run is killed {crash.detail} ({at:.1f}s)")
+        killed = GenerationEvent(event="killed", at_unix=time.time())
+        append_lines(self.options.out / GENERATIONS, [killed])
         servers.crash()
         for worker in self.workers:
             worker.crash()
         assert isinstance(run.controller, ControllerActorProxy)
         run.controller.kill()
         run.abandon()
-        endpoints = servers.start()
+        endpoints = servers.start(hold=hold)
         # The run has published snapshots: until its restore the new controller is fenced,
         # so a periodic snapshot of its empty state cannot displace the real one.
         controller = self.start_actor(endpoints, start_over=False)
@@ -354,13 +389,15 @@ class Demo:
         resumed = sum(len(g.resumed) for g in plan.partial.values())
         for name, why in plan.environments_failed.items():
             self.say(f"[restore] {name} could not restore its episodes (restarted instead): {why}")
+        journal = f" + {plan.journal.records} journal records" if plan.journal else ""
         self.say(
-            f"[restore] {plan.snapshot}: weight version {plan.weight_version}, {len(plan.ready)} "
-            f"groups ready, {resumed} episodes resumed on their instances ({self.elapsed():.1f}s)"
+            f"[restore] {plan.snapshot}{journal}: weight version {plan.weight_version}, "
+            f"{len(plan.ready)} groups ready, {resumed} episodes resumed on their instances "
+            f"({self.elapsed():.1f}s)"
         )
         self.record(
             FaultRecord(
-                kind="run",
+                kind=crash.kind,
                 where=f"step{run.step + 1}",
                 at_s=at,
                 recovered=f"everything restarted; restored {plan.snapshot}",
@@ -371,7 +408,11 @@ class Demo:
 
 
 class _Crash(Exception):
-    pass
+    """Every process of the run is to be killed: ``kind`` the fault (run, kill)."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind, self.detail = kind, detail
 
 
 class CheckpointerListener:

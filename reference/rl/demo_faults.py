@@ -10,6 +10,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -61,6 +62,21 @@ def snapshot_mid_generation(
         # Below the prefix level nothing is cut on purpose: any published one will do.
         if outcome.status == "published" and (cut or run.settings.restore_level != "prefix"):
             return
+
+
+def wait_for_seals(generations: Path, count: int, timeout_s: float = 60.0) -> int:
+    """Until ``count`` more seals are recorded in ``generations`` than now (the moment of a
+    kill between snapshots), or ``timeout_s``; returns how many were."""
+
+    def sealed() -> int:
+        if not generations.exists():
+            return 0
+        return generations.read_text().count('"event":"sealed"')
+
+    base, deadline = sealed(), time.monotonic() + timeout_s
+    while sealed() < base + count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return sealed() - base
 
 
 def fail_env_checkpoint_calls(

@@ -19,17 +19,20 @@ INSTANCES = ("w0", "w1", "w2")
 # Calls long enough, and enough of them at once, that a snapshot taken while a step generates
 # finds calls mid-generation to cut (prepare and drain come first, and calls go on meanwhile).
 DEMO_TURNS, DEMO_GROUP_SIZE, DEMO_CALL_TOKENS = 6, 4, 48
-DEFAULT_FAULTS = ("coordinator@capture", "run@step3", "env@prepare")
+DEFAULT_FAULTS = ("coordinator@capture", "kill@step2", "run@step3", "env@prepare")
 # rollsafe demo --engine vllm: the tiny dense model it builds (engine make-model) and serves,
 # one per seed (the seed draws its weights).
 MODEL_DIR = "work/model-s{seed}"
-_FAULT = re.compile(r"(coordinator|run|env)@(\S+)")
+_FAULT = re.compile(r"(coordinator|run|kill|env)@(\S+)")
+_STEP = re.compile(r"step[1-9][0-9]*")
 
 
 class Fault(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["coordinator", "run", "env"]
+    # run: a snapshot mid-generation, then every process killed; kill: every process killed
+    # at a random moment between two snapshots (what the journal is for).
+    kind: Literal["coordinator", "run", "kill", "env"]
     where: str
 
     @classmethod
@@ -37,14 +40,14 @@ class Fault(BaseModel):
         match = _FAULT.fullmatch(text)
         if match is None:
             raise InvalidInput(
-                f"fault {text!r}: expected KIND@WHERE, KIND one of coordinator, run, env"
+                f"fault {text!r}: expected KIND@WHERE, KIND one of coordinator, run, kill, env"
             )
         kind, where = match.groups()
         phases = [p.value for p in PHASES]
         if kind == "coordinator" and where not in phases:
             raise InvalidInput(f"fault {text!r}: the phase must be one of {', '.join(phases)}")
-        if kind == "run" and not re.fullmatch(r"step[1-9][0-9]*", where):
-            raise InvalidInput(f"fault {text!r}: expected run@step<k>, k >= 1")
+        if kind in ("run", "kill") and not _STEP.fullmatch(where):
+            raise InvalidInput(f"fault {text!r}: expected {kind}@step<k>, k >= 1")
         if kind == "env" and where != "prepare":
             raise InvalidInput(f"fault {text!r}: only env@prepare is available")
         return cls.model_validate({"kind": kind, "where": where})
@@ -68,6 +71,7 @@ class DemoOptions(BaseModel):
     faults: tuple[Fault, ...] = tuple(Fault.parse(f) for f in DEFAULT_FAULTS)
     interval_s: float = Field(default=3.0, gt=0)
     engine: Literal["reference", "vllm"] = "reference"
+    journal: bool = True  # a durable journal between snapshots (docs/journal.md)
 
     @field_validator("faults")
     @classmethod
@@ -88,7 +92,7 @@ class DemoOptions(BaseModel):
     @model_validator(mode="after")
     def _crash_within_the_run(self) -> DemoOptions:
         for fault in self.faults:
-            if fault.kind == "run" and int(fault.where[4:]) > self.steps:
+            if fault.kind in ("run", "kill") and int(fault.where[4:]) > self.steps:
                 raise ValueError(f"{fault}: the run has only {self.steps} steps")
         return self
 
@@ -103,6 +107,7 @@ class DemoOptions(BaseModel):
             group_size=DEMO_GROUP_SIZE,
             restore_level=self.restore_level,
             checkpoint_every=self.checkpoint_every,
+            journal=self.journal,
             model=self._model(),
             **self._pacing(),
         )

@@ -43,6 +43,7 @@ from rollsafe.engine.http import EngineClient
 from rollsafe.engine.model import ModelConfig
 from rollsafe.evidence.files import (
     FAULTS,
+    GENERATIONS,
     HANDED_OUT,
     MUTATIONS,
     REPORT,
@@ -91,6 +92,7 @@ class RunSettings(BaseModel):
     lr: float = Field(default=0.02, gt=0)
     episode_timeout_s: float = Field(default=120.0, gt=0, description="a step's episodes")
     checkpoint_every: int = Field(default=1, ge=1, description="steps between checkpoints")
+    journal: bool = Field(default=True, description="a durable journal between snapshots")
     model: PolicyModel = Field(default_factory=ModelConfig, discriminator="kind")
 
     @property
@@ -139,6 +141,7 @@ def run_config(settings: RunSettings) -> RunConfig:
         sampler=settings.sampler,
         staleness_window=settings.staleness_window,
         restore_level=settings.restore_level,
+        journal=settings.journal,
     )
 
 
@@ -158,7 +161,11 @@ class ReferenceRun:
         out.mkdir(parents=True, exist_ok=True)
         self.local = (
             ReferenceController(
-                run_config(settings), root / SNAPSHOTS_DIR, endpoints, settings.turns
+                run_config(settings),
+                root / SNAPSHOTS_DIR,
+                endpoints,
+                settings.turns,
+                generations=str(out / GENERATIONS),
             )
             if controller is None
             else None
@@ -284,6 +291,7 @@ class ReferenceRun:
             restore_level=self.settings.restore_level,
             deterministic=self.settings.deterministic,
             totals=totals if totals is not None else {"snapshots": float(len(self.snapshots))},
+            journal=self.settings.journal,
         )
         write_report(self.out / REPORT, report)
         return report

@@ -12,7 +12,11 @@ Lifecycle:
 - after a publish the writer moves to a new segment and every segment wholly covered by the
   oldest snapshot retention keeps is deleted (:meth:`RunJournal.compact`): never before the
   snapshot that covers it is published, and a restore falling back to an older retained
-  snapshot still finds the records after it.
+  snapshot still finds the records after it;
+- on object storage the folder lives beside the local cache, and a *mirror* copies it to the
+  bucket: every ``mirror_every_s`` the open segment is closed (if it holds new records) and
+  every closed segment not yet copied is uploaded (:meth:`RunJournal.mirror_now`); a restore
+  on a host without them downloads the segments it lacks first.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rollsafe.core.config import JOURNAL_MIRROR_S
 from rollsafe.core.run_state import JOURNAL_POSITION, Replay, ReplayJournal, RunState
 from rollsafe.dataplane import Row
 from rollsafe.errors import InvalidInput, JournalCorrupt
@@ -37,6 +43,7 @@ from rollsafe.journal.segments import (
     read_journal,
 )
 from rollsafe.snapshot import SnapshotReader, SnapshotStore
+from rollsafe.snapshot.store import FolderMirror
 
 JOURNAL_DIR = "journal"
 log = logging.getLogger(__name__)
@@ -52,12 +59,29 @@ class RunJournal:
         *,
         flush_ms: float | None = DEFAULT_FLUSH_MS,
         fsync: Fsync = os.fsync,
+        mirror: FolderMirror | None = None,
+        mirror_every_s: float | None = None,
     ) -> None:
+        """``mirror``: where closed segments are copied (object storage), every
+        ``mirror_every_s`` by a thread of its own (None: only when :meth:`mirror_now` or
+        :meth:`compact` is called)."""
         self.directory = directory
         self.run_id = run_id
         self.flush_ms = flush_ms
         self._fsync = fsync
         self._writer: JournalWriter | None = None
+        self._mirror = mirror
+        self._mirrored: set[str] = set()  # segment names already copied
+        self._rotated_at = 0  # the last record id when the mirror last closed a segment
+        # Held by whatever swaps, closes or deletes segments: the mirror's thread among them.
+        self._segments_lock = threading.RLock()
+        self._stop = threading.Event()
+        self._mirror_thread: threading.Thread | None = None
+        if mirror is not None and mirror_every_s is not None:
+            self._mirror_thread = threading.Thread(
+                target=self._mirror_loop, args=(mirror_every_s,), daemon=True
+            )
+            self._mirror_thread.start()
         self.replayed: Replayed | None = None  # what the last restore replayed
         # A restore in progress: the id its new segment starts at, and its RESTART record's
         # metadata once made. Nothing is written before the restore succeeded (resume()).
@@ -66,11 +90,21 @@ class RunJournal:
 
     @classmethod
     def for_store(
-        cls, store: SnapshotStore, *, flush_ms: float | None = DEFAULT_FLUSH_MS
+        cls,
+        store: SnapshotStore,
+        *,
+        flush_ms: float | None = DEFAULT_FLUSH_MS,
+        mirror_every_s: float | None = JOURNAL_MIRROR_S,
     ) -> RunJournal:
-        """The journal beside ``store``'s snapshots (for object storage: beside its local
-        cache, see docs/journal.md)."""
-        return cls(store.run_dir / JOURNAL_DIR, store.run_id, flush_ms=flush_ms)
+        """The journal beside ``store``'s snapshots; for object storage, beside its local
+        cache and mirrored to the bucket every ``mirror_every_s`` (docs/journal.md)."""
+        return cls(
+            store.run_dir / JOURNAL_DIR,
+            store.run_id,
+            flush_ms=flush_ms,
+            mirror=store.mirror(JOURNAL_DIR),
+            mirror_every_s=mirror_every_s,
+        )
 
     # ---- the sink ---------------------------------------------------------------------------
 
@@ -119,6 +153,7 @@ class RunJournal:
         def bring_forward(state: RunState, reader: SnapshotReader) -> Replay:
             if self._writer is not None:  # a live run restoring: its own records first
                 self._writer.flush()
+            self._fetch_missing()
             read = read_journal(self.directory, self.run_id)
             covered = reader.manifest.counts.get(JOURNAL_POSITION)
             replayed = replay(state, read, covered, reader.path.name, weight_version)
@@ -147,21 +182,44 @@ class RunJournal:
 
     def compact(self, store: SnapshotStore) -> int:
         """After a publish: go on in a new segment, delete the segments every retained
-        snapshot covers. Returns how many were deleted."""
-        self._open_writer().rotate()
-        covered = _oldest_position(store)
-        if covered is None:
-            return 0
-        segments = self._segments()
-        deleted = 0
-        for (path, _), (_, next_first) in itertools.pairwise(segments):
-            if next_first - 1 > covered:
-                break
-            path.unlink(missing_ok=True)
-            deleted += 1
-        return deleted
+        snapshot covers (and their copies). Returns how many were deleted."""
+        with self._segments_lock:
+            self._open_writer().rotate()
+            self._upload_closed()
+            covered = _oldest_position(store)
+            if covered is None:
+                return 0
+            deleted: list[str] = []
+            for (path, _), (_, next_first) in itertools.pairwise(self._segments()):
+                if next_first - 1 > covered:
+                    break
+                path.unlink(missing_ok=True)
+                deleted.append(path.name)
+            if self._mirror is not None and deleted:
+                self._mirror.remove(deleted)
+                self._mirrored.difference_update(deleted)
+            return len(deleted)
+
+    def mirror_now(self) -> int:
+        """Close the open segment if it holds records the mirror has not seen, and copy every
+        closed segment not copied yet; returns how many were. Nothing without a mirror."""
+        with self._segments_lock:
+            if self._mirror is None or self._writer is None or self._resume_at is not None:
+                return 0
+            last = self._writer.last_id
+            if last > self._rotated_at:
+                self._writer.rotate()
+                self._rotated_at = last
+            return self._upload_closed()
 
     def close(self) -> None:
+        self._stop.set()
+        if self._mirror_thread is not None:
+            self._mirror_thread.join()
+        with self._segments_lock:
+            self._close_writer()
+
+    def _close_writer(self) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -169,10 +227,47 @@ class RunJournal:
     # ---- helpers ----------------------------------------------------------------------------
 
     def _open(self, first_id: int) -> None:
-        self.close()
-        self._writer = JournalWriter(
-            self.directory, self.run_id, first_id, flush_ms=self.flush_ms, fsync=self._fsync
-        )
+        with self._segments_lock:
+            self._close_writer()
+            self._writer = JournalWriter(
+                self.directory, self.run_id, first_id, flush_ms=self.flush_ms, fsync=self._fsync
+            )
+            self._rotated_at = first_id - 1
+
+    def _upload_closed(self) -> int:
+        """Copy every closed segment (all but the open one) not copied yet."""
+        if self._mirror is None:
+            return 0
+        closed = [path for path, _ in self._segments()[:-1] if path.name not in self._mirrored]
+        for path in closed:
+            self._mirror.upload(path)
+            self._mirrored.add(path.name)
+        return len(closed)
+
+    def _fetch_missing(self) -> None:
+        """A restore on a host without the journal (the machine was lost): the segments the
+        mirror holds and this folder lacks, downloaded first."""
+        if self._mirror is None:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        here = {path.name for path, _ in self._segments()}
+        for name in self._mirror.names():
+            if name.endswith(SUFFIX) and name not in here:
+                self._mirror.fetch(name, self.directory)
+            self._mirrored.add(name)
+
+    def _mirror_loop(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            try:
+                self.mirror_now()
+            except Exception as exc:  # logged; the next round tries again
+                log.warning(
+                    "run %s: journal mirror failed (%s: %s); retried in %g s",
+                    self.run_id,
+                    type(exc).__name__,
+                    exc,
+                    every_s,
+                )
 
     def _segments(self) -> list[tuple[Path, int]]:
         """Every segment with its first record id (from its name), in order."""

@@ -118,16 +118,25 @@ class JournalWriter:
             self._flush_locked()
 
     def rotate(self) -> Path:
-        """Flush, close this segment and go on in a new one starting at the next record id
-        (compaction deletes whole segments only). Returns the new segment's path."""
+        """Close this segment and go on in a new one; safe beside appends: what is buffered
+        goes into the old segment, ids from the next one into the new (compaction and the
+        object-storage mirror deal in whole segments). Returns the closed segment's path."""
         with self._writing:
-            self._flush_locked()
             with self._lock:
+                batch, self._buffer = self._buffer, []
                 first_id = self._next_id
+            closed = self.path
+            if batch:
+                self._file.write(b"".join(batch))
+                self._sync()
             self._file.close()
             self._file = self._new_segment(first_id)
+            with self._lock:
+                self.flushes += bool(batch)
+                self._durable = max(self._durable, first_id - 1)
+                self._synced.notify_all()
             self.segments += 1
-            return self.path
+            return closed
 
     def _flush_locked(self) -> None:
         with self._lock:

@@ -213,6 +213,16 @@ def read_object(fs: Any, path: str, *, timeout_s: float | None = None) -> bytes 
         raise ObjectStoreUnavailable(f"read of {path} failed: {exc}") from exc
 
 
+def write_object(fs: Any, path: str, data: bytes, *, timeout_s: float | None = None) -> None:
+    """``path`` holding ``data`` (replaced if it exists)."""
+    try:
+        bounded(f"write of {path}", partial(fs.pipe_file, path, data), timeout_s=timeout_s)
+    except OSError as exc:
+        raise ObjectStoreUnavailable(f"write of {path} failed: {exc}") from exc
+    finally:
+        fs.invalidate_cache(path)
+
+
 def exists(fs: Any, path: str) -> bool:
     fs.invalidate_cache(path)
     try:

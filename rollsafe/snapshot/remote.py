@@ -66,6 +66,31 @@ from rollsafe.snapshot.store import (
 _Refused = (SnapshotCorrupt, SchemaMismatch)
 
 
+class ObjectMirror:
+    """Whole files of a local folder copied to ``prefix`` on object storage (the journal's
+    closed segments, docs/journal.md): uploaded once closed, fetched by a restore on a host
+    that lacks them."""
+
+    def __init__(self, fs: Any, prefix: str) -> None:
+        self.fs, self.prefix = fs, prefix
+
+    def upload(self, path: Path) -> None:
+        objects.write_object(self.fs, f"{self.prefix}/{path.name}", path.read_bytes())
+
+    def names(self) -> builtins.list[str]:
+        return objects.list_names(self.fs, self.prefix)
+
+    def fetch(self, name: str, directory: Path) -> None:
+        """Download ``name`` into ``directory`` under a temporary name, then rename: a partial
+        download never looks like a file of the folder."""
+        partial = directory / f".{name}.part"
+        objects.download(self.fs, f"{self.prefix}/{name}", partial)
+        partial.replace(directory / name)
+
+    def remove(self, names: builtins.list[str]) -> None:
+        objects.remove_objects(self.fs, [f"{self.prefix}/{name}" for name in names])
+
+
 class RemoteSnapshotStore(SnapshotStore):
     """A run's snapshots under an fsspec URL; drafts and downloads under ``cache_dir``.
 
@@ -92,6 +117,10 @@ class RemoteSnapshotStore(SnapshotStore):
 
     def _remote(self, *parts: str) -> str:
         return "/".join((self.remote_run, *parts))
+
+    def mirror(self, name: str) -> ObjectMirror:
+        """The run's folder ``name`` beside its snapshots on object storage."""
+        return ObjectMirror(self.fs, self._remote(name))
 
     def _where(self, name: str) -> str:
         return f"{self.url}/{self.run_id}/{_fs.SNAPSHOTS_DIR}/{name}"

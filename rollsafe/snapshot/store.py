@@ -22,6 +22,7 @@ import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from rollsafe.core.config import KEEP_LATEST_K
 from rollsafe.core.ids import snapshot_dir_name, validate_run_id
@@ -42,6 +43,17 @@ from rollsafe.snapshot.select import (
 )
 
 FaultHook = Callable[[str], None]
+
+
+class FolderMirror(Protocol):
+    """A copy of a run's folder, file by file, where the snapshots are (object storage)."""
+
+    def upload(self, path: Path) -> None: ...
+    def names(self) -> builtins.list[str]: ...
+    def fetch(self, name: str, directory: Path) -> None: ...
+    def remove(self, names: builtins.list[str]) -> None: ...
+
+
 log = logging.getLogger(__name__)
 # Named points inside publish where a test can crash the process (docs/design.md section 12).
 FAULT_POINTS = ("before_manifest", "before_rename", "before_latest", "before_retention")
@@ -268,6 +280,12 @@ class SnapshotStore:
         doomed = [p for p in doomed if p.is_dir() and not p.is_symlink()]
         self._to_trash(doomed, delete=False)
         log_retention(self.run_id, [p.name for p in doomed], self.keep_latest_k, anchors)
+
+    def mirror(self, name: str) -> FolderMirror | None:
+        """Where the run's folder ``name`` (the journal) is copied as its files close: None
+        here, the folder is already beside the snapshots; object storage's store returns an
+        :class:`~rollsafe.snapshot.remote.ObjectMirror`."""
+        return None
 
     def published_manifests(self) -> builtins.list[SnapshotManifest]:
         """The manifest of every published snapshot that reads back, newest first; no other

@@ -6,8 +6,11 @@ refused with nothing applied from the bad record on and nothing changed on disk.
 from __future__ import annotations
 
 import threading
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pytest
 
@@ -23,6 +26,7 @@ from rollsafe.journal.format import encode_header
 from rollsafe.journal.run import JOURNAL_DIR, RunJournal
 from rollsafe.journal.segments import SUFFIX, read_journal, segment_name
 from rollsafe.snapshot import SnapshotStore
+from rollsafe.snapshot.location import open_snapshot_store
 
 RUN = "jr"
 
@@ -325,3 +329,48 @@ def test_a_restore_failing_after_the_replay_writes_nothing(tmp_path):
     # The same restore without the failure: the plan says what the journal gave back.
     plan = Controller(config(), tmp_path).restore(RestoreRequest(run_id=RUN, restore_id="r2"))
     assert plan.journal is not None and plan.journal.records > 10 and plan.journal.stop is None
+
+
+@pytest.fixture
+def bucket() -> Iterator[str]:
+    """A fresh memory:// bucket (object storage in this process), removed afterwards."""
+    url = f"memory://journal-{uuid.uuid4().hex[:12]}/snaps"
+    try:
+        yield url
+    finally:
+        fs = fsspec.filesystem("memory")
+        if fs.exists(url):
+            fs.rm(url, recursive=True)
+
+
+def test_on_object_storage_a_lost_machine_loses_only_what_was_not_mirrored(
+    tmp_path: Path, bucket: str
+) -> None:
+    store = open_snapshot_store(bucket, RUN, cache_dir=tmp_path / "host-a")
+    journal = RunJournal.for_store(store, flush_ms=None, mirror_every_s=None)
+    state = RunState(config(), make_dataplane("memory"))
+    journal.start(state)
+    state.handout([0, 1])
+    seal(state, 0, 0)
+    state.checkpoint(store, "c-1")
+    journal.compact(store)
+    seal(state, 0, 1)
+    seal(state, 1, 0)
+    journal.wait_durable(journal.last_id)
+    assert journal.mirror_now() == 1  # compaction copied the segment it closed; this one now
+    seal(state, 1, 1)  # durable on host a's disk only: lost with the machine
+    journal.wait_durable(journal.last_id)
+    journal.close()
+
+    elsewhere = open_snapshot_store(bucket, RUN, cache_dir=tmp_path / "host-b")
+    again = RunJournal.for_store(elsewhere, flush_ms=None, mirror_every_s=None)
+    restored, plan = RunState.restore(
+        config(), elsewhere, make_dataplane("memory"), journal=again.replayer()
+    )
+    again.resume()
+    assert restored.ledger.sealed(0) == [0, 1] and restored.ledger.sealed(1) == [0]
+    assert plan.ready == [0] and plan.partial[1].regenerate == [1]
+    # The run goes on on host b; its next mirror copies the new segment too.
+    seal(restored, 1, 1)
+    assert again.mirror_now() == 1
+    again.close()
