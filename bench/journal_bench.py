@@ -144,7 +144,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rollouts", type=int, default=20_000)
     parser.add_argument("--threads", type=int, default=64)
-    parser.add_argument("--flush-ms", default=f"0.5,1,{JOURNAL_FLUSH_MS:g},5")
+    parser.add_argument("--flush-ms", default=f"0.5,1,2,{JOURNAL_FLUSH_MS:g}")
     parser.add_argument("--records", type=int, default=1_000_000)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()

@@ -16,7 +16,7 @@ DataplaneName = Literal["memory", "transferqueue"]
 KEEP_LATEST_K = 2
 # The journal's group commit: a batch is written and synced at most this long after its first
 # record (chosen from bench/journal_bench.py; docs/journal.md, "The loss window").
-JOURNAL_FLUSH_MS = 2.0
+JOURNAL_FLUSH_MS = 5.0
 # On object storage: how often the journal's open segment is closed and copied to the bucket
 # (what a lost machine can cost; a crashed process loses nothing acknowledged).
 JOURNAL_MIRROR_S = 10.0
