@@ -609,6 +609,8 @@ class Controller:
                     environments=environments,
                     journal=replayer,
                 )
+                if self.journal is not None:  # its restart durable before anyone is told
+                    self.journal.resume()
             except BaseException:
                 fresh.clear()  # a remote data plane would keep a half-import forever
                 if self.journal is not None:
@@ -616,8 +618,6 @@ class Controller:
                 if self.participants is not None and outcomes and outcomes[-1].ok:
                     self.participants.abandon_restore(request.restore_id, outcomes[-1])
                 raise
-            if self.journal is not None:  # its restart written, durable, before anyone is told
-                self.journal.resume()
             self.state = restored
             current.dataplane.clear()  # replaced by the snapshot's rows
         if self.journal is not None and self.journal.replayed is not None:

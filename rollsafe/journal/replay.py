@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -27,7 +27,7 @@ from rollsafe.errors import JournalCorrupt, NoValidSnapshot, RollsafeError
 from rollsafe.journal.format import Record, RecordKind, Stop
 from rollsafe.journal.segments import JournalRead
 
-Index = Field(ge=0)
+Index = Annotated[int, Field(ge=0)]
 
 
 class _Meta(BaseModel):
@@ -35,33 +35,33 @@ class _Meta(BaseModel):
 
 
 class HandoutMeta(_Meta):
-    groups: list[int] = Field(min_length=1)
+    groups: list[Index] = Field(min_length=1)
 
 
 class RolloutMeta(_Meta):
     """A dispatch or a seal: which rollout, which attempt (checked against the ledger)."""
 
-    group: int = Index
-    sibling: int = Index
-    attempt: int = Index
+    group: Index
+    sibling: Index
+    attempt: Index
     owner: str | None = None  # dispatch only: the environment instance
 
 
 class ClaimMeta(_Meta):
-    groups: list[int] = Field(min_length=1)
-    step: int = Index
+    groups: list[Index] = Field(min_length=1)
+    step: Index
 
 
 class CommitMeta(_Meta):
-    groups: list[int]
+    groups: list[Index]
 
 
 class EvictMeta(_Meta):
-    group: int = Index
+    group: Index
 
 
 class WeightVersionMeta(_Meta):
-    version: int = Index
+    version: Index
 
 
 class RestartMeta(_Meta):

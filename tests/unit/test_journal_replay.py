@@ -22,7 +22,7 @@ from rollsafe.core.states import AttemptState, GroupState
 from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import JournalCorrupt, LedgerInvariantViolation, NoValidSnapshot
 from rollsafe.evidence.scenario import row_content
-from rollsafe.journal.format import encode_header
+from rollsafe.journal.format import RecordKind, encode_header
 from rollsafe.journal.run import JOURNAL_DIR, RunJournal
 from rollsafe.journal.segments import SUFFIX, read_journal, segment_name
 from rollsafe.snapshot import SnapshotStore
@@ -374,3 +374,21 @@ def test_on_object_storage_a_lost_machine_loses_only_what_was_not_mirrored(
     seal(restored, 1, 1)
     assert again.mirror_now() == 1
     again.close()
+
+
+def test_a_record_whose_metadata_does_not_fit_is_refused_by_id(tmp_path: Path) -> None:
+    run = busy_after_a_checkpoint(tmp_path)
+    bad = run.journal.append(RecordKind.HANDOUT, {"groups": [9], "colour": "red"})
+    run.crash()
+    with pytest.raises(JournalCorrupt, match=rf"journal record {bad} \(handout\).*colour"):
+        run.restore()
+
+
+def test_a_record_that_does_not_fit_the_restored_run_is_refused(tmp_path: Path) -> None:
+    run = busy_after_a_checkpoint(tmp_path)
+    # A seal of a rollout the run never handed out (written by something else).
+    row = row_content(50, 0, 0)
+    bad = run.journal.append(RecordKind.SEAL, {"group": 50, "sibling": 0, "attempt": 0}, row)
+    run.crash()
+    with pytest.raises(JournalCorrupt, match=rf"journal record {bad} \(seal\) does not fit"):
+        run.restore()
