@@ -75,18 +75,18 @@ class RunJournal:
         self._rotated_at = 0  # the last record id when the mirror last closed a segment
         # Held by whatever swaps, closes or deletes segments: the mirror's thread among them.
         self._segments_lock = threading.RLock()
-        self._stop = threading.Event()
-        self._mirror_thread: threading.Thread | None = None
-        if mirror is not None and mirror_every_s is not None:
-            self._mirror_thread = threading.Thread(
-                target=self._mirror_loop, args=(mirror_every_s,), daemon=True
-            )
-            self._mirror_thread.start()
         self.replayed: Replayed | None = None  # what the last restore replayed
         # A restore in progress: the id its new segment starts at, and its RESTART record's
         # metadata once made. Nothing is written before the restore succeeded (resume()).
         self._resume_at: int | None = None
         self._restart: Mapping[str, Any] | None = None
+        self._stop = threading.Event()
+        self._mirror_thread: threading.Thread | None = None
+        if mirror is not None and mirror_every_s is not None:  # last: it reads the above
+            self._mirror_thread = threading.Thread(
+                target=self._mirror_loop, args=(mirror_every_s,), daemon=True
+            )
+            self._mirror_thread.start()
 
     @classmethod
     def for_store(
