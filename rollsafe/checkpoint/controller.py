@@ -70,7 +70,7 @@ from rollsafe.core.phases import (
     SnapshotSpec,
     holds_admission,
 )
-from rollsafe.core.run_state import JOURNAL_POSITION, Captured, ReplayJournal, RunState
+from rollsafe.core.run_state import Captured, ReplayJournal, RunState
 from rollsafe.dataplane import Row, make_dataplane
 from rollsafe.engine.staging import drop_staged
 from rollsafe.errors import (
@@ -501,7 +501,7 @@ class Controller:
                     )
                 if entry.draft.path.exists():  # else an earlier attempt renamed it, then failed
                     done = entry.captured
-                    self._journal_durable(done)
+                    self.state.journaled(done)
                     published = entry.draft.publish(
                         weight_version=done.weight_version,
                         loader_position=done.loader_position,
@@ -520,12 +520,6 @@ class Controller:
         info = published_info(published)
         how = "reused the earlier publish of" if published.reused else "published"
         return phase_result(spec, Phase.PUBLISH, f"{how} {info.name}", info.counts, info)
-
-    def _journal_durable(self, captured: Captured) -> None:
-        """A snapshot never names a journal position the journal may not hold."""
-        position = captured.counts.get(JOURNAL_POSITION)
-        if position is not None and self.journal is not None:
-            self.journal.wait_durable(position)
 
     def _compact_journal(self, spec: SnapshotSpec) -> None:
         """After a publish: delete the journal segments every retained snapshot covers. A
@@ -681,16 +675,13 @@ class Controller:
         with self.barrier:
             with self._meta:
                 self._check_fence(what)
-            before = self._journal_position()
+            sink = self.state.journal if durable else None
+            before = sink.last_id if sink is not None else None
             yield
-            after = self._journal_position()
-        if durable and after != before and self.journal is not None and after is not None:
+            after = sink.last_id if sink is not None else None
+        if sink is not None and after is not None and after != before:
             # Told only once durable: a change acknowledged is never lost (docs/journal.md).
-            self.journal.wait_durable(after)
-
-    def _journal_position(self) -> int | None:
-        sink = self.state.journal
-        return sink.last_id if sink is not None else None
+            sink.wait_durable(after)
 
     # ---- helpers ---------------------------------------------------------------------------
 

@@ -265,8 +265,7 @@ class RunState:
         # Leaving the block without publishing (any error) discards the draft.
         with store.begin(kind, checkpoint_id, seq) as draft:
             captured = self.write_snapshot(draft)
-            if self.journal is not None:  # never name a position the journal may not hold
-                self.journal.wait_durable(captured.counts[JOURNAL_POSITION])
+            self.journaled(captured)
             return draft.publish(
                 weight_version=captured.weight_version,
                 loader_position=captured.loader_position,
@@ -297,6 +296,13 @@ class RunState:
             loader_position=state.loader.position,
             counts=counts,
         )
+
+    def journaled(self, captured: Captured) -> None:
+        """Return once the journal holds every record ``captured`` covers: a snapshot never
+        names a journal position the journal may not hold (call before publishing it)."""
+        position = captured.counts.get(JOURNAL_POSITION)
+        if position is not None and self.journal is not None:
+            self.journal.wait_durable(position)
 
     def capture(self) -> CapturedState:
         """Copies of everything but the data plane's rows; no I/O."""

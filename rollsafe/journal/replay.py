@@ -14,7 +14,7 @@ so a run restored twice replays to the same state both times.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -154,15 +154,17 @@ def replay(
             f"goes on at record {after[0].id}: records {covered + 1}..{after[0].id - 1} are "
             "missing"
         )
-    replayed = Replayed(covered=covered, last_id=max(covered, read.end or 0))
-    replayed.stop = read.stop
-    replayed.stopped_in = str(read.stopped_in) if read.stopped_in else None
-    previously = _rolled_back_before(after)
+    replayed = Replayed(
+        covered=covered,
+        last_id=max(covered, read.end or 0),
+        stop=read.stop,
+        stopped_in=str(read.stopped_in) if read.stopped_in else None,
+    )
+    applying = _Replay(state, replayed, weight_version, _rolled_back_before(after))
     state.journal, sink = None, state.journal  # replaying writes nothing
     try:
         for record in after:
-            _apply(state, record, replayed, previously, weight_version)
-            replayed.applied += 1
+            applying.apply(record)
     finally:
         state.journal = sink
     if weight_version is not None and state.weight_version != weight_version:
@@ -182,124 +184,106 @@ def _restarts(record: Record) -> bool:
     return record.kind == RecordKind.RESTART
 
 
+def _meta(record: Record) -> Any:
+    """The record's metadata, checked against its kind's model."""
+    try:
+        return META[record.kind].model_validate(dict(record.meta))
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        raise JournalCorrupt(f"{_where(record)}: {problem['msg']} at {problem['loc']}") from None
+
+
+def _where(record: Record) -> str:
+    return f"journal record {record.id} ({record.kind.name.lower()})"
+
+
 def _rolled_back_before(records: Iterable[Record]) -> set[int]:
     """Commits an earlier restore rolled back (its RESTART record names them)."""
     ids: set[int] = set()
     for record in records:
         if record.kind == RecordKind.RESTART:
-            ids.update(int(n) for n in record.meta.get("rolled_back", ()))
+            ids.update(_meta(record).rolled_back)
     return ids
 
 
-def _apply(
-    state: RunState,
-    record: Record,
-    replayed: Replayed,
-    previously: set[int],
-    weight_version: int | None,
-) -> None:
-    where = f"journal record {record.id} ({record.kind.name.lower()})"
-    try:
-        meta = META[record.kind].model_validate(dict(record.meta))
-        APPLY[record.kind](state, meta, record, replayed, previously, weight_version)
-    except ValidationError as exc:
-        problem = exc.errors()[0]
-        raise JournalCorrupt(f"{where}: {problem['msg']} at {problem['loc']}") from None
-    except JournalCorrupt:
-        raise
-    except RollsafeError as exc:
-        raise JournalCorrupt(f"{where} does not fit the restored run: {exc}") from None
+@dataclass
+class _Replay:
+    """Applies records to ``state`` one by one, recording what it did in ``replayed``."""
 
+    state: RunState
+    replayed: Replayed
+    weight_version: int | None  # the trainer's: commits past it are rolled back
+    previously: set[int]  # commits an earlier restore rolled back
 
-Apply = Callable[[RunState, Any, Record, Replayed, set[int], int | None], None]
+    def apply(self, record: Record) -> None:
+        meta = _meta(record)
+        try:
+            self._apply(record, meta)
+        except JournalCorrupt:
+            raise
+        except RollsafeError as exc:
+            raise JournalCorrupt(f"{_where(record)} does not fit the restored run: {exc}") from None
+        self.replayed.applied += 1
 
+    def _apply(self, record: Record, meta: Any) -> None:
+        state = self.state
+        match record.kind:
+            case RecordKind.HANDOUT:
+                state.handout(meta.groups)
+            case RecordKind.DISPATCH:
+                self._dispatch(meta)
+            case RecordKind.SEAL:
+                assert record.row is not None  # the format gives a seal its row
+                state.seal(meta.group, meta.sibling, meta.attempt, record.row)
+                self._touch(meta.group, [meta.sibling])
+            case RecordKind.CLAIM:
+                state.claim(meta.groups, meta.step)
+            case RecordKind.COMMIT:
+                self._commit(record.id, meta)
+            case RecordKind.EVICT:
+                self._touch(meta.group)
+                state.evict(meta.group)
+            case RecordKind.WEIGHT_VERSION:
+                cap = self.weight_version
+                state.set_weight_version(meta.version if cap is None else min(meta.version, cap))
+            case RecordKind.RESTART:
+                self._restart(record.id, meta)
 
-def _handout(state: RunState, meta: HandoutMeta, *_: Any) -> None:
-    state.handout(meta.groups)
+    def _dispatch(self, meta: RolloutMeta) -> None:
+        attempt = self.state.ledger.attempt(meta.group, meta.sibling)
+        if attempt != meta.attempt:
+            raise JournalCorrupt(
+                f"dispatch of rollout {meta.group}/{meta.sibling} attempt {meta.attempt}: the "
+                f"ledger is at attempt {attempt}"
+            )
+        self.state.dispatch(meta.group, meta.sibling, meta.owner)
+        self._touch(meta.group, [meta.sibling])
 
+    def _commit(self, record_id: int, meta: CommitMeta) -> None:
+        cap = self.weight_version
+        if record_id in self.previously or (cap is not None and self.state.weight_version >= cap):
+            self.replayed.rolled_back.append(record_id)
+            self.replayed.rolled_back_groups += meta.groups
+            return
+        for idx in meta.groups:
+            self._touch(idx)
+        self.state.commit_step(meta.groups)
 
-def _dispatch(state: RunState, meta: RolloutMeta, _r: Record, replayed: Replayed, *_: Any) -> None:
-    attempt = state.ledger.attempt(meta.group, meta.sibling)
-    if attempt != meta.attempt:
-        raise JournalCorrupt(
-            f"dispatch of rollout {meta.group}/{meta.sibling} attempt {meta.attempt}: the "
-            f"ledger is at attempt {attempt}"
-        )
-    state.dispatch(meta.group, meta.sibling, meta.owner)
-    replayed.touched.add((meta.group, meta.sibling))
+    def _restart(self, record_id: int, meta: RestartMeta) -> None:
+        if meta.why == "start_over":
+            raise JournalCorrupt(
+                f"the run started over after this snapshot (journal record {record_id}): "
+                "restore a snapshot taken since"
+            )
+        envs = meta.environments()
+        for episode in (*envs.episodes, *envs.refused):
+            self._touch(episode.rollout.group.idx, [episode.rollout.i])
+        for idx in self.state.restartable():
+            self._touch(idx, self.state.ledger.unsealed(idx))
+        self.state.restart(envs)
 
-
-def _seal(state: RunState, meta: RolloutMeta, record: Record, replayed: Replayed, *_: Any) -> None:
-    assert record.row is not None  # the format gives a seal its row
-    state.seal(meta.group, meta.sibling, meta.attempt, record.row)
-    replayed.touched.add((meta.group, meta.sibling))
-
-
-def _claim(state: RunState, meta: ClaimMeta, *_: Any) -> None:
-    state.claim(meta.groups, meta.step)
-
-
-def _commit(
-    state: RunState,
-    meta: CommitMeta,
-    record: Record,
-    replayed: Replayed,
-    previously: set[int],
-    weight_version: int | None,
-) -> None:
-    newer = weight_version is not None and state.weight_version >= weight_version
-    if record.id in previously or newer:
-        replayed.rolled_back.append(record.id)
-        replayed.rolled_back_groups += meta.groups
-        return
-    _touch_groups(state, meta.groups, replayed)
-    state.commit_step(meta.groups)
-
-
-def _evict(state: RunState, meta: EvictMeta, _r: Record, replayed: Replayed, *_: Any) -> None:
-    _touch_groups(state, [meta.group], replayed)
-    state.evict(meta.group)
-
-
-def _weight_version(
-    state: RunState,
-    meta: WeightVersionMeta,
-    _r: Record,
-    _p: Replayed,
-    _s: set[int],
-    cap: int | None,
-) -> None:
-    state.set_weight_version(meta.version if cap is None else min(meta.version, cap))
-
-
-def _restart(
-    state: RunState, meta: RestartMeta, record: Record, replayed: Replayed, *_: Any
-) -> None:
-    if meta.why == "start_over":
-        raise JournalCorrupt(
-            f"the run started over after this snapshot (journal record {record.id}): restore "
-            "a snapshot taken since"
-        )
-    envs = meta.environments()
-    touched = {(e.rollout.group.idx, e.rollout.i) for e in (*envs.episodes, *envs.refused)}
-    for idx in state.restartable():
-        touched.update((idx, i) for i in state.ledger.unsealed(idx))
-    replayed.touched |= touched
-    state.restart(envs)
-
-
-def _touch_groups(state: RunState, groups: Iterable[int], replayed: Replayed) -> None:
-    size = state.config.group_size
-    replayed.touched.update((idx, i) for idx in groups for i in range(size))
-
-
-APPLY: dict[RecordKind, Apply] = {
-    RecordKind.HANDOUT: _handout,
-    RecordKind.DISPATCH: _dispatch,
-    RecordKind.SEAL: _seal,
-    RecordKind.CLAIM: _claim,
-    RecordKind.COMMIT: _commit,
-    RecordKind.EVICT: _evict,
-    RecordKind.WEIGHT_VERSION: _weight_version,
-    RecordKind.RESTART: _restart,
-}
+    def _touch(self, idx: int, siblings: Iterable[int] | None = None) -> None:
+        """The journal changed these rollouts (default: the whole group) after the snapshot."""
+        if siblings is None:
+            siblings = range(self.state.config.group_size)
+        self.replayed.touched.update((idx, i) for i in siblings)

@@ -72,7 +72,6 @@ class RunJournal:
         self._writer: JournalWriter | None = None
         self._mirror = mirror
         self._mirrored: set[str] = set()  # segment names already copied
-        self._rotated_at = 0  # the last record id when the mirror last closed a segment
         # Held by whatever swaps, closes or deletes segments: the mirror's thread among them.
         self._segments_lock = threading.RLock()
         self.replayed: Replayed | None = None  # what the last restore replayed
@@ -206,10 +205,8 @@ class RunJournal:
         with self._segments_lock:
             if self._mirror is None or self._writer is None or self._resume_at is not None:
                 return 0
-            last = self._writer.last_id
-            if last > self._rotated_at:
+            if self._writer.holds_records:
                 self._writer.rotate()
-                self._rotated_at = last
             return self._upload_closed()
 
     def close(self) -> None:
@@ -232,7 +229,6 @@ class RunJournal:
             self._writer = JournalWriter(
                 self.directory, self.run_id, first_id, flush_ms=self.flush_ms, fsync=self._fsync
             )
-            self._rotated_at = first_id - 1
 
     def _upload_closed(self) -> int:
         """Copy every closed segment (all but the open one) not copied yet."""

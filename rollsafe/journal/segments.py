@@ -72,7 +72,6 @@ class JournalWriter:
         self._durable = first_id - 1  # the highest record id written and synced
         self._closed = False
         self.flushes = 0  # batches written (each one fsync)
-        self.segments = 1  # segments this writer opened
         self._flusher: threading.Thread | None = None
         if flush_ms is not None:
             self._flush_s = flush_ms / 1000
@@ -112,6 +111,11 @@ class JournalWriter:
         with self._lock:
             return self._next_id - 1
 
+    @property
+    def holds_records(self) -> bool:
+        """Whether records were appended since the open segment began."""
+        return self.last_id >= self.first_id
+
     def flush(self) -> None:
         """Write and sync every record buffered now, as one batch."""
         with self._writing:  # batches reach the file in the order they were taken
@@ -122,38 +126,31 @@ class JournalWriter:
         goes into the old segment, ids from the next one into the new (compaction and the
         object-storage mirror deal in whole segments). Returns the closed segment's path."""
         with self._writing:
-            with self._lock:
-                batch, self._buffer = self._buffer, []
-                first_id = self._next_id
+            next_id = self._flush_locked()
             closed = self.path
-            if batch:
-                self._file.write(b"".join(batch))
-                self._sync()
             self._file.close()
-            self._file = self._new_segment(first_id)
-            with self._lock:
-                self.flushes += bool(batch)
-                self._durable = max(self._durable, first_id - 1)
-                self._synced.notify_all()
-            self.segments += 1
+            self._file = self._new_segment(next_id)
             return closed
 
-    def _flush_locked(self) -> None:
+    def _flush_locked(self) -> int:
+        """Write and sync the buffered batch; returns the id the next batch starts at."""
         with self._lock:
             batch, self._buffer = self._buffer, []
-            last = self._next_id - 1
+            next_id = self._next_id
         if batch:
             self._file.write(b"".join(batch))
             self._sync()
         with self._lock:
             self.flushes += bool(batch)
-            self._durable = max(self._durable, last)
+            self._durable = max(self._durable, next_id - 1)
             self._synced.notify_all()
+        return next_id
 
     def _new_segment(self, first_id: int) -> BinaryIO:
         """A segment holding only its header, durable under its final name. A segment of that
         name is replaced only when it holds no whole record (a torn tail left by a crash)."""
         self.path = self.directory / segment_name(first_id)
+        self.first_id = first_id  # the open segment's
         if self.path.exists() and _holds_records(self.path, self.run_id):
             raise InvalidInput(f"journal segment {self.path} exists: a writer never appends twice")
         draft = self.path.with_suffix(".tmp")
