@@ -70,7 +70,7 @@ from rollsafe.core.phases import (
     SnapshotSpec,
     holds_admission,
 )
-from rollsafe.core.run_state import Captured, ReplayJournal, RunState
+from rollsafe.core.run_state import Captured, RunState
 from rollsafe.dataplane import Row, make_dataplane
 from rollsafe.engine.staging import drop_staged
 from rollsafe.errors import (
@@ -82,7 +82,7 @@ from rollsafe.errors import (
     SnapshotLost,
 )
 from rollsafe.faults import fault_point, register
-from rollsafe.journal.run import RunJournal
+from rollsafe.journal.run import RunJournal, restore_target
 from rollsafe.observability import metrics
 from rollsafe.snapshot import (
     FAULT_POINTS,
@@ -90,11 +90,8 @@ from rollsafe.snapshot import (
     PublishedSnapshot,
     SnapshotDraft,
     SnapshotStore,
-    accept_at_or_below,
-    accept_weight_versions,
 )
 from rollsafe.snapshot.location import open_snapshot_store
-from rollsafe.snapshot.select import Accept
 
 if TYPE_CHECKING:
     from rollsafe.settings import Settings
@@ -590,7 +587,7 @@ class Controller:
             if self.participants is not None
             else (None, [])
         )
-        accept, replayer = self._restore_target(request.weight_versions)
+        accept, replayer = restore_target(self.journal, request.weight_versions)
         with self.barrier:
             current = self.state
             fresh = make_dataplane(current.dataplane.name)
@@ -626,18 +623,6 @@ class Controller:
             self._restores[request.restore_id] = plan
             self._awaiting_restore = False
         return plan
-
-    def _restore_target(
-        self, weight_versions: Sequence[int] | None
-    ) -> tuple[Accept | None, ReplayJournal | None]:
-        """Which snapshots a restore may use, and the journal replay after it. Without the
-        journal only a snapshot at a weight version the trainer holds will do; with it, any
-        snapshot at or below the newest of them, brought forward by the journal with the
-        steps past those weights rolled back."""
-        if self.journal is None:
-            return accept_weight_versions(weight_versions), None
-        target = max(weight_versions) if weight_versions else None
-        return accept_at_or_below(target), self.journal.replayer(target)
 
     def next_seq(self) -> int:
         """A seq no snapshot of this run has used: above every published one and every

@@ -24,8 +24,8 @@ from rollsafe.core.run_state import ROLLOUT_PARTITION, RunState
 from rollsafe.core.states import AttemptState, GroupState
 from rollsafe.dataplane import DataPlane
 from rollsafe.errors import RollsafeError, RowMismatch, ScenarioError
-from rollsafe.journal.run import RunJournal
-from rollsafe.snapshot import SnapshotStore, accept_at_or_below, accept_weight_versions
+from rollsafe.journal.run import RunJournal, restore_target
+from rollsafe.snapshot import SnapshotStore
 
 SCENARIO_RUN_ID = "scenario"
 Index = Annotated[StrictInt, Field(ge=0)]
@@ -268,18 +268,11 @@ class ScenarioRunner:
             self.journal.close()
         self.journal = self._journal()
         held = None if weight_version is None else (weight_version,)
-        if self.journal is None:
-            state, _plan = RunState.restore(
-                self.config, self.store, self.make_dataplane(), accept=accept_weight_versions(held)
-            )
-        else:
-            state, _plan = RunState.restore(
-                self.config,
-                self.store,
-                self.make_dataplane(),
-                accept=accept_at_or_below(weight_version),
-                journal=self.journal.replayer(weight_version),
-            )
+        accept, replayer = restore_target(self.journal, held)
+        state, _plan = RunState.restore(
+            self.config, self.store, self.make_dataplane(), accept=accept, journal=replayer
+        )
+        if self.journal is not None:
             self.journal.resume()
         self._check_rows(state)
         self.state, self.crashed_at = state, None

@@ -25,7 +25,7 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,13 @@ from rollsafe.journal.segments import (
     JournalWriter,
     read_journal,
 )
-from rollsafe.snapshot import SnapshotReader, SnapshotStore
+from rollsafe.snapshot import (
+    SnapshotReader,
+    SnapshotStore,
+    accept_at_or_below,
+    accept_weight_versions,
+)
+from rollsafe.snapshot.select import Accept
 from rollsafe.snapshot.store import FolderMirror
 
 JOURNAL_DIR = "journal"
@@ -287,6 +293,19 @@ class RunJournal:
         except JournalCorrupt:
             return first_id  # a header torn by a crash: that segment holds nothing
         return max(first_id, header.first_id + len(decode_records(data, header, str(path)).records))
+
+
+def restore_target(
+    journal: RunJournal | None, weight_versions: Sequence[int] | None
+) -> tuple[Accept | None, ReplayJournal | None]:
+    """Which snapshots a restore may use, and the journal replay after it. Without a journal
+    only a snapshot at a weight version the trainer holds (``weight_versions``) will do; with
+    it, any snapshot at or below the newest of them, brought forward by the journal with the
+    steps past those weights rolled back (call :meth:`RunJournal.resume` once restored)."""
+    if journal is None:
+        return accept_weight_versions(weight_versions), None
+    target = max(weight_versions) if weight_versions else None
+    return accept_at_or_below(target), journal.replayer(target)
 
 
 def _oldest_position(store: SnapshotStore) -> int | None:
