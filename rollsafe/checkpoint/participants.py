@@ -58,6 +58,8 @@ from rollsafe.snapshot import SnapshotReader
 
 RECORD_FILE = "participants.json"
 ENVS_DIR = "envs"
+# What an engine that does not hold a call answers: another engine may know better.
+NOT_HERE = frozenset({"not_admitted", "unknown_call"})
 LISTED = 10  # episodes or calls named in one log line; the rest are counted
 log = logging.getLogger(__name__)
 
@@ -77,11 +79,6 @@ class ParticipantOptions(BaseModel):
 
     park_deadline_s: float = Field(default=30.0, gt=0, description="prepare: parked by then")
     drain_timeout_s: float = Field(default=10.0, ge=0, description="replies on the wire")
-    recut_for_s: float = Field(
-        default=0.2,
-        ge=0,
-        description="calls not started yet when first cut are tried again this long",
-    )
     restore_deadline_s: float = Field(default=60.0, gt=0)
 
 
@@ -323,12 +320,13 @@ class Participants:
         put them in the snapshot, the only place a restore reads them from; kept live, every
         later capture would export them again, forever."""
         state = self._checkpoints.get(checkpoint_id)
-        frozen = list(state.cut.staged) if state is not None and state.cut is not None else []
+        cut = state.cut if state is not None and state.cut is not None else _NO_CUT
+        frozen, named = list(cut.staged), to_release(cut)
 
         async def resume_all() -> None:
             await self.fleet.resume_all(checkpoint_id)
-            if frozen:
-                await asyncio.gather(*(e.release(frozen) for e in self.engines.values()))
+            if named:
+                await asyncio.gather(*(e.release(named) for e in self.engines.values()))
 
         self.loop.run(resume_all())
         log.debug(
@@ -432,31 +430,12 @@ class Participants:
     # ---- helpers ---------------------------------------------------------------------------
 
     async def _cut_everywhere(self, calls: list[str], dataplane: DataPlane) -> StagedCut:
-        """Cut on every engine (an engine refuses a call it does not hold), again for a moment
-        those not started yet, and merge: staged by one, or refused by all."""
-        staged: dict[str, int] = {}
-        reasons: dict[str, CutRefusal] = {}
-        handoffs = 0
-        give_up = time.monotonic() + self.options.recut_for_s
-        remaining = list(calls)
-        while remaining:
-            for engine in self.engines.values():
-                result = await cut_and_stage(engine, remaining, dataplane)
-                staged.update(result.staged)
-                handoffs += result.handoffs
-                for refusal in result.refused:
-                    if refusal.call_id not in staged and refusal.reason != "unknown_call":
-                        reasons[refusal.call_id] = refusal
-            remaining = [c for c in remaining if c not in staged]
-            if not remaining or time.monotonic() >= give_up:
-                break
-            await asyncio.sleep(0.01)
-        refused = tuple(
-            reasons.get(call) or CutRefusal(call_id=call, reason="unknown_call")
-            for call in calls
-            if call not in staged
+        """Cut on every engine at once (one pass: every engine answers for every call at
+        once, so no call is tried again) and merge (:func:`merge_cuts`)."""
+        results = await asyncio.gather(
+            *(cut_and_stage(engine, calls, dataplane) for engine in self.engines.values())
         )
-        return StagedCut(staged=staged, refused=refused, handoffs=handoffs)
+        return merge_cuts(calls, results)
 
     def _state(self, checkpoint_id: str) -> _Checkpoint:
         return self._checkpoints.setdefault(checkpoint_id, _Checkpoint())
@@ -469,6 +448,31 @@ class Participants:
 
 
 _NO_CUT = StagedCut(staged={}, refused=(), handoffs=0)
+
+
+def merge_cuts(calls: Sequence[str], results: Sequence[StagedCut]) -> StagedCut:
+    """Every engine's cut of ``calls`` as one: a call staged by one engine is staged; else the
+    reason of the engine that held it (the others say ``not_admitted``), or ``not_admitted``
+    from all of them."""
+    staged = {call: tokens for result in results for call, tokens in result.staged.items()}
+    reasons: dict[str, CutRefusal] = {}
+    for refusal in (refusal for result in results for refusal in result.refused):
+        known = reasons.get(refusal.call_id)
+        if refusal.call_id not in staged and (known is None or known.reason in NOT_HERE):
+            reasons[refusal.call_id] = refusal
+    refused = tuple(
+        reasons.get(call) or CutRefusal(call_id=call, reason="unknown_call")  # no engine
+        for call in calls
+        if call not in staged
+    )
+    handoffs = sum(result.handoffs for result in results)
+    return StagedCut(staged=staged, refused=refused, handoffs=handoffs)
+
+
+def to_release(cut: StagedCut) -> list[str]:
+    """What resume releases on every engine: the frozen calls, and those an engine did not hold
+    (it holds them frozen should they arrive before the release)."""
+    return [*cut.staged, *(r.call_id for r in cut.refused if r.reason in NOT_HERE)]
 
 
 def _log_prepared(prepared: FleetPrepared) -> None:

@@ -15,6 +15,12 @@ reports each token it makes with :meth:`EngineLoop._made`.
 Events go back to each caller's event loop in bunches (:meth:`EngineLoop._flush`); a caller
 that walks away from a stream frees its call.
 
+A cut answers at once for every call it names: frozen now (its prefix), or why not. The loop
+remembers the calls that ended here (``finished``, ``abandoned``), so a call the cut does not find
+in flight and does not remember is ``not_admitted``: its request has not arrived. Such a call is
+admitted frozen if it arrives before :meth:`EngineLoop.release` names it, so a park window never
+waits to find out which it was, and no call generates while it is parked.
+
 Tests and drills can have the reference engine *hold* calls (:class:`HoldRule`, from
 ``ROLLSAFE_ENGINE_HOLD``): a held call stops after its first tokens and waits, generating
 nothing. By default the engine's first cut ends the hold: every held call goes on (a cut one
@@ -32,6 +38,7 @@ import os
 import queue
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -62,7 +69,10 @@ T = TypeVar("T")
 Command = tuple[Callable[[], Any], concurrent.futures.Future[Any]]
 
 REFUSALS: dict[RefusalReason | None, str] = {
-    "unknown_call": "not in flight on this engine (finished, abandoned or never started)",
+    "finished": "finished here: its completion was delivered",
+    "abandoned": "its caller walked away",
+    "not_admitted": "not admitted here yet: held frozen if it arrives before its release",
+    "unknown_call": "not in flight on this engine",
     "constrained_decoding": "constraint state is not part of a prefix record",
     "no_tokens": "no token generated yet: restart from the turn",
     None: "",
@@ -70,6 +80,10 @@ REFUSALS: dict[RefusalReason | None, str] = {
 
 
 HOLD_ENV = "ROLLSAFE_ENGINE_HOLD"
+# Calls that ended here, and calls cut before they arrived, remembered (oldest forgotten first)
+# so that a cut can say at once what happened to a call it does not find in flight: tens of
+# bytes each, a few MB at most.
+REMEMBERED_CALLS = 65_536
 
 
 class HoldRule(BaseModel):
@@ -175,6 +189,10 @@ class EngineLoop(Generic[CallT]):
     def __init__(self, name: str) -> None:
         self.handoffs = 0
         self._calls: dict[str, CallT] = {}
+        # Call id -> how it ended here ("finished" or "abandoned"), for a cut that names it.
+        self._ended: OrderedDict[str, RefusalReason] = OrderedDict()
+        # Calls a cut named before they arrived: admitted frozen until their release.
+        self._cut_unseen: OrderedDict[str, None] = OrderedDict()
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._outbox: list[tuple[Sink, StreamEvent | BaseException]] = []
         self._closing = False
@@ -324,6 +342,7 @@ class EngineLoop(Generic[CallT]):
 
     def _finish(self, call: CallT, reason: FinishReason) -> None:
         self._drop(call)
+        _remember(self._ended, call.call_id, "finished")
         self._emit(
             call, FinishEvent(call_id=call.call_id, reason=reason, n_tokens=len(call.tokens))
         )
@@ -358,7 +377,13 @@ class EngineLoop(Generic[CallT]):
             if prefix.routes is not None:
                 call.routes = list(prefix.routes)
         self._calls[request.call_id] = call
+        self._ended.pop(request.call_id, None)
+        cut_before = request.call_id in self._cut_unseen
+        self._cut_unseen.pop(request.call_id, None)
         self._start(call)
+        if cut_before and self._calls.get(request.call_id) is call:
+            call.cut = True  # a cut named it before it arrived: frozen until released
+            self._freeze(call)
 
     def _cut_batch(self, call_ids: list[str]) -> tuple[list[Frozen], list[CutRefusal]]:
         """Freeze what can be frozen; copy out its state (sealed by :meth:`cut`)."""
@@ -368,7 +393,9 @@ class EngineLoop(Generic[CallT]):
             call = self._calls.get(call_id)
             reason: RefusalReason | None = None
             if call is None:
-                reason = "unknown_call"
+                reason = self._ended.get(call_id, "not_admitted")
+                if reason == "not_admitted":
+                    _remember(self._cut_unseen, call_id, None)
             elif call.request.sampling.allowed_token_ids is not None:
                 reason = "constrained_decoding"
             elif not call.tokens:
@@ -391,6 +418,7 @@ class EngineLoop(Generic[CallT]):
     def _release(self, call_ids: set[str]) -> int:
         released = 0
         for call_id in call_ids:
+            self._cut_unseen.pop(call_id, None)  # if it arrives now, it runs
             call = self._calls.get(call_id)
             if call is not None and call.frozen:
                 self._thaw(call)
@@ -420,6 +448,7 @@ class EngineLoop(Generic[CallT]):
         call = self._calls.get(call_id)
         if call is not None and call.sink is sink:
             self._drop(call)
+            _remember(self._ended, call_id, "abandoned")
 
     # -- caller side --------------------------------------------------------------------------
 
@@ -511,6 +540,13 @@ class EngineLoop(Generic[CallT]):
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # that event loop is gone: nobody listens
                 loop.call_soon_threadsafe(deliver, items)
+
+
+def _remember(memory: OrderedDict[str, T], call_id: str, value: T) -> None:
+    memory[call_id] = value
+    memory.move_to_end(call_id)
+    while len(memory) > REMEMBERED_CALLS:
+        memory.popitem(last=False)
 
 
 def deliver(items: list[tuple[Sink, StreamEvent | BaseException]]) -> None:

@@ -22,9 +22,9 @@ reasons (:data:`rollsafe.engine.protocol.RefusalReason`):
 
 - ``cut``: the call was frozen and its prefix staged;
 - ``skipped``: not cut on purpose (the episode's group restores at a coarser level than
-  ``prefix``: the prefix would never be used), ``unknown_call`` (no engine holds the call: not
-  started yet or already done) or ``no_tokens`` (started, no token yet): restarting the turn
-  loses no generated token;
+  ``prefix``: the prefix would never be used), ``finished`` / ``abandoned`` (the call ended),
+  ``not_admitted`` / ``unknown_call`` (no engine holds it yet) or ``no_tokens`` (started, no
+  token yet): restarting the turn loses no generated token;
 - ``failed``: any other reason (``constrained_decoding``: tokens were generated but cannot be
   cut, so they are generated again).
 """
@@ -57,7 +57,9 @@ CHOICES = otlp.EXPORTERS
 # Temporal's metric names start with this (its own default, spelled out: the docs name it).
 TEMPORAL_PREFIX = "temporal_"
 RUN_ID = "rollsafe.run_id"
-SKIPPED_REFUSALS = frozenset({"unknown_call", "no_tokens"})
+SKIPPED_REFUSALS = frozenset(
+    {"finished", "abandoned", "not_admitted", "unknown_call", "no_tokens"}
+)
 # Seconds, from a millisecond gate flip to a drain that hits its timeout: the SDK's default
 # buckets are sized for milliseconds and would put every park in the first few.
 SECONDS_BUCKETS: tuple[float, ...] = (

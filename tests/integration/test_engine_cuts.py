@@ -77,7 +77,7 @@ async def cut_at_random_counts(
 ) -> tuple[CutReport, dict[str, int]]:
     """Start every call; cut each once it has made its own random number of tokens (the
     target). The engine is closed afterwards. A call whose target is its last token has
-    may have finished by then: its cut is refused as ``unknown_call``."""
+    may have finished by then: its cut is refused as ``finished``."""
     targets = {r.call_id: rng.randint(1, r.sampling.max_tokens) for r in batch}
     reports: list[CutReport] = []
 
@@ -109,9 +109,9 @@ async def test_64_calls_cut_at_random_counts_resume_bitwise_on_a_fresh_engine(ki
         "most calls must be cut mid-generation for the test to mean much"
     )
     # The engine goes on between a token and the cut that follows it: frozen at the target or
-    # a little later, or finished (refused as unknown) when the target was near the end.
+    # a little later, or finished (refused as finished) when the target was near the end.
     for refusal in report.refused:
-        assert refusal.reason == "unknown_call"
+        assert refusal.reason == "finished"
     assert all(len(p.tokens) >= targets[p.call_id] for p in report.prefixes)
     # Staged and read back through the data plane, as a checkpoint does; the engine is gone.
     dataplane = MemoryDataPlane()
@@ -191,6 +191,35 @@ async def test_a_frozen_call_released_in_place_finishes_like_the_uninterrupted_o
         assert completion == uninterrupted[completion.call_id]
 
 
+async def test_a_cut_says_at_once_what_became_of_calls_not_in_flight() -> None:
+    """Finished, abandoned, or not admitted yet: one cut answers for each; a call it named
+    before it arrived is admitted frozen, with no token, and runs once released."""
+    done, walked_away, late = requests(3, seed=8, max_tokens=(20, 30))
+    async with TorchEngine(ModelConfig(), SEED) as engine:
+        (uninterrupted,) = await run_through(engine, [late])
+    async with TorchEngine(ModelConfig(), SEED) as engine:
+        await run_through(engine, [done])
+        stream = engine.generate(walked_away)
+        await anext(stream)
+        await stream.aclose()  # queues the abandon before the cut below
+        report = await engine.cut([done.call_id, walked_away.call_id, late.call_id])
+        assert {r.call_id: r.reason for r in report.refused} == {
+            done.call_id: "finished",
+            walked_away.call_id: "abandoned",
+            late.call_id: "not_admitted",
+        }
+        late_stream = engine.generate(late)
+        first = asyncio.ensure_future(anext(late_stream))
+        await asyncio.sleep(0)  # one turn: the admission's hand-off is queued, before info's
+        info = await engine.info()
+        assert (info.frozen, info.active) == (1, 0)
+        assert not first.done()
+        assert await engine.release([late.call_id]) == 1
+        events: list[StreamEvent] = [await first]
+        events += [event async for event in late_stream]
+    assert completion_of(late.call_id, events) == uninterrupted
+
+
 async def test_cut_of_430_calls_takes_seven_route_handoffs() -> None:
     config = ModelConfig(kind="moe")
     # No stop tokens and a long budget: every call is still in flight when the cut comes.
@@ -254,7 +283,7 @@ async def test_refused_cuts_are_reported_per_call_and_do_not_fail_the_others() -
     assert reasons == {
         "constrained": "constrained_decoding",
         "waiting": "no_tokens",
-        "never-started": "unknown_call",
+        "never-started": "not_admitted",
     }
     assert [p.call_id for p in report.prefixes] == ["ordinary"]
 

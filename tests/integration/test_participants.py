@@ -112,7 +112,7 @@ class Run:
             self.fleet,
             {"e0": self.engine},
             loop=self.loop,
-            options=ParticipantOptions(park_deadline_s=20, drain_timeout_s=5, recut_for_s=0.3),
+            options=ParticipantOptions(park_deadline_s=20, drain_timeout_s=5),
         )
         config = RunConfig(
             run_id=RUN, group_size=GROUP_SIZE, groups_per_step=2, restore_level="prefix"

@@ -96,7 +96,7 @@ async def cut_each_after(
     if report.prefixes:
         (prefix,) = report.prefixes
         return PrefixRecord.model_validate_json(prefix.model_dump_json())  # as staged
-    assert [r.reason for r in report.refused] == ["unknown_call"], report.refused
+    assert [r.reason for r in report.refused] == ["finished"], report.refused
     return completion_of(request.call_id, [e async for e in engine.generate(request)])
 
 
@@ -183,7 +183,7 @@ async def test_refusals_name_their_reason_and_leave_the_engine_serving(
         report = await engine.cut(["constrained", "never-started"])
         assert {r.call_id: r.reason for r in report.refused} == {
             "constrained": "constrained_decoding",
-            "never-started": "unknown_call",
+            "never-started": "not_admitted",
         }
         await stream.aclose()  # type: ignore[attr-defined]
         for tokens, problem in (((3, VOCAB), "outside"), ((-1,), "outside")):
