@@ -70,7 +70,7 @@ from rollsafe.core.phases import (
     SnapshotSpec,
     holds_admission,
 )
-from rollsafe.core.run_state import Captured, RunState
+from rollsafe.core.run_state import Capture, Captured, RunState
 from rollsafe.dataplane import Row, make_dataplane
 from rollsafe.engine.staging import drop_staged
 from rollsafe.errors import (
@@ -132,7 +132,9 @@ class OpenCheckpoint:
     spec: SnapshotSpec
     draft: SnapshotDraft
     lock: threading.Lock = field(default_factory=threading.Lock)  # who may touch the draft
-    captured: Captured | None = None
+    capture: Capture | None = None  # taken in the park window (capture phase)
+    captured: Captured | None = None  # written into the draft, after resume (publish phase)
+    released: bool = False  # the capture's hold on the run's deletions has ended
     broken: str | None = None  # why the draft can no longer be published
 
 
@@ -369,11 +371,7 @@ class Controller:
                 metrics.admission_reopened(spec.run_id, spec.checkpoint_id, change)
             entry = self._entry(spec.checkpoint_id)
             if entry is not None:
-                with entry.lock:
-                    entry.broken = "aborted"  # for a phase that found the entry before abort
-                    entry.draft.discard()
-                with self._meta:
-                    self._open = None
+                self._discard(entry, "aborted")  # for a phase that found the entry before abort
             discarded = "draft discarded" if entry else "no draft to discard"
             self._effect(ABORT, entry is not None or change.changed)
             record.aborted = phase_result(
@@ -444,7 +442,11 @@ class Controller:
     def _resume_participants(self, checkpoint_id: str) -> str:
         if self.participants is None:
             return ""
-        return self.participants.resume(checkpoint_id, self.state.dataplane) + "; "
+        resumed = self.participants.resume(checkpoint_id)
+        entry = self._entry(checkpoint_id)
+        if entry is None or entry.capture is None:  # else they go once the capture is written
+            self._drop_staged()
+        return resumed + "; "
 
     def _open_draft(self, spec: SnapshotSpec, record: CheckpointRecord) -> PhaseResult:
         cid = spec.checkpoint_id
@@ -469,35 +471,42 @@ class Controller:
         return phase_result(spec, Phase.OPEN, f"draft {current.draft.path.name} open")
 
     def _capture(self, spec: SnapshotSpec, entry: OpenCheckpoint) -> PhaseResult:
+        """Copy what the snapshot needs while the run stands still; written after resume
+        (:meth:`_write_capture`), so the park window does not grow with the ledger."""
         with entry.lock, self.barrier:
             self._check_usable(entry)
-            if entry.captured is None:
+            if entry.capture is None:
                 self._check_anchor(spec)
-                before = len(entry.draft.files)
-                try:
-                    entry.captured = self.state.write_snapshot(entry.draft)
-                except BaseException as exc:
-                    # A check that failed wrote nothing and may be retried; a failed write
-                    # leaves files a retry would collide with.
-                    if len(entry.draft.files) != before:
-                        entry.broken = f"capture failed part-way ({type(exc).__name__}: {exc})"
-                    raise
+                entry.capture = self.state.take_capture()
                 self._effect(Phase.CAPTURE, True)
-        counts = entry.captured.counts
+        counts = entry.capture.counts
         summary = f"captured {counts['groups']} groups, {counts['sealed_rollouts']} sealed rollouts"
         return phase_result(spec, Phase.CAPTURE, summary, counts)
+
+    def _write_capture(self, entry: OpenCheckpoint, capture: Capture) -> Captured:
+        """Publish's first step: the capture's files and rows into the draft (hash, write,
+        fsync), while the run goes on. A failure throws the draft away (a retry would collide
+        with the files written): the snapshot is taken again, nothing of the run is lost.
+        The caller holds ``entry.lock``."""
+        try:
+            entry.captured = self.state.write_capture(entry.draft, capture)
+        except BaseException as exc:
+            self._discard_locked(entry, f"writing the capture failed ({type(exc).__name__}: {exc})")
+            raise
+        self._end_capture(entry)
+        return entry.captured
 
     def _publish(self, spec: SnapshotSpec, entry: OpenCheckpoint | None) -> PhaseResult:
         published: PublishedSnapshot | None = None
         if entry is not None:
             with entry.lock:
                 self._check_usable(entry)
-                if entry.captured is None:
+                if entry.capture is None:
                     raise CheckpointRefused(
                         f"checkpoint {spec.checkpoint_id}: publish before capture"
                     )
+                done = entry.captured or self._write_capture(entry, entry.capture)
                 if entry.draft.path.exists():  # else an earlier attempt renamed it, then failed
-                    done = entry.captured
                     self.state.journaled(done)
                     published = entry.draft.publish(
                         weight_version=done.weight_version,
@@ -706,11 +715,35 @@ class Controller:
 
     def _abandon(self, entry: OpenCheckpoint) -> None:
         with entry.lock:
-            entry.broken = entry.broken or "admission lease expired"
-            entry.draft.discard()
+            self._discard_locked(entry, entry.broken or "admission lease expired")
+
+    def _discard(self, entry: OpenCheckpoint, why: str) -> None:
+        with entry.lock:
+            self._discard_locked(entry, why)
+
+    def _discard_locked(self, entry: OpenCheckpoint, why: str) -> None:
+        """The draft will never be published: thrown away, its capture's hold ended, and the
+        run may open another. The caller holds ``entry.lock``."""
+        entry.broken = why
+        entry.draft.discard()
+        self._end_capture(entry)
         with self._meta:
             if self._open is entry:
                 self._open = None
+
+    def _end_capture(self, entry: OpenCheckpoint) -> None:
+        """The capture's rows are written or never will be: the deletions it held back happen,
+        and the staged prefixes leave the live data plane (the snapshot has them, the only
+        place a restore reads them from)."""
+        if entry.capture is not None and not entry.released:
+            entry.released = True
+            with self.barrier:
+                self.state.release_capture()
+            self._drop_staged()
+
+    def _drop_staged(self) -> None:
+        if self.participants is not None:
+            drop_staged(self.state.dataplane)
 
     def _admission_expired(self, checkpoint_id: str) -> None:
         """The gate's hook (called under its lock): the park window ended by the lease."""

@@ -44,7 +44,6 @@ from rollsafe.engine.protocol import CutRefusal, Engine
 from rollsafe.engine.staging import (
     StagedCut,
     cut_and_stage,
-    drop_staged,
     load_prefixes,
 )
 from rollsafe.env.client import EnvClient
@@ -314,11 +313,10 @@ class Participants:
             stragglers=tuple(state.stragglers),
         )
 
-    def resume(self, checkpoint_id: str, dataplane: DataPlane) -> str:
+    def resume(self, checkpoint_id: str) -> str:
         """Phase 9 (and abort): environments resume, frozen calls go on. Every exit path.
-        The staged prefixes leave the live data plane: the capture (phase 8, before this) has
-        put them in the snapshot, the only place a restore reads them from; kept live, every
-        later capture would export them again, forever."""
+        The staged prefixes stay in the live data plane until the capture is written (the
+        controller drops them then: kept, every later capture would export them again)."""
         state = self._checkpoints.get(checkpoint_id)
         cut = state.cut if state is not None and state.cut is not None else _NO_CUT
         frozen, named = list(cut.staged), to_release(cut)
@@ -335,8 +333,6 @@ class Participants:
             len(self.fleet.names),
             len(frozen),
         )
-        if frozen:
-            drop_staged(dataplane)
         self._checkpoints.pop(checkpoint_id, None)  # kept until done: a retry releases too
         return f"{len(self.fleet.names)} instances resumed, {len(frozen)} cut calls released"
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from rollsafe.core.buffer import SamplerState
 from rollsafe.core.columns import KEY_COLUMN
 from rollsafe.core.config import RunConfig
+from rollsafe.core.ids import rollout_key
 from rollsafe.core.states import AttemptState, GroupState
 from rollsafe.errors import LedgerInvariantViolation, SnapshotCorrupt
 from rollsafe.snapshot import SnapshotDraft, SnapshotReader
@@ -50,6 +51,14 @@ class CapturedState:
             "claimed_groups": int((self.index[0]["state"] == int(GroupState.CLAIMED)).sum()),
             "retirements": retirements,
         }
+
+    def sealed_keys(self) -> list[str]:
+        """The data-plane key of every sealed rollout in the captured ledger."""
+        ledger = self.ledger[0]
+        rows, siblings = np.nonzero(ledger["state"] == int(AttemptState.SEALED))
+        groups = ledger[KEY_COLUMN][rows].tolist()
+        run = self.config.run_id
+        return [rollout_key(run, idx, i) for idx, i in zip(groups, siblings.tolist(), strict=True)]
 
     def write(self, draft: SnapshotDraft) -> None:
         for relpath, (arrays, metadata) in ((LEDGER_FILE, self.ledger), (INDEX_FILE, self.index)):

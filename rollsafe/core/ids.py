@@ -57,6 +57,12 @@ class GroupId:
         return self.key
 
 
+def rollout_key(run_id: str, idx: int, i: int) -> str:
+    """:attr:`RolloutId.key` without building (and validating) the ids: for keys made by the
+    million from columns already checked."""
+    return f"{run_id}-{idx}_g{i}"
+
+
 @dataclass(frozen=True, slots=True)
 class RolloutId:
     group: GroupId
@@ -67,7 +73,7 @@ class RolloutId:
 
     @property
     def key(self) -> str:
-        return f"{self.group.key}_g{self.i}"
+        return rollout_key(self.group.run_id, self.group.idx, self.i)
 
     @classmethod
     def parse(cls, key: str) -> RolloutId:

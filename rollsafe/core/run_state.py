@@ -67,6 +67,15 @@ class Captured:
 
 
 @dataclass(frozen=True)
+class Capture:
+    """What a capture copied while the run stood still (:meth:`RunState.take_capture`), to be
+    written into a draft while the run goes on (:meth:`RunState.write_capture`)."""
+
+    state: CapturedState
+    counts: dict[str, int]
+
+
+@dataclass(frozen=True)
 class EnvironmentsRestored:
     """What a restore's environments did with the snapshot's episodes."""
 
@@ -133,6 +142,9 @@ class RunState:
         self.weight_version = 0
         # Each change below is appended here once it is made (None: no journal).
         self.journal: JournalSink | None = None
+        # While a capture is taken and not written: rows whose deletion waits for it (a step's
+        # commit or an eviction drops them from the ledger at once, from the data plane after).
+        self._held_deletes: list[str] | None = None
 
     def _log(self, kind: RecordKind, meta: Mapping[str, Any], row: Row | None = None) -> None:
         if self.journal is not None:
@@ -249,7 +261,9 @@ class RunState:
 
     def _drop(self, idx: int, keys: list[str]) -> None:
         self.ledger.drop_group(idx)
-        if keys:
+        if keys and self._held_deletes is not None:
+            self._held_deletes.extend(keys)
+        elif keys:
             self.dataplane.delete(ROLLOUT_PARTITION, keys)
 
     # ---- checkpoint ------------------------------------------------------------------------
@@ -274,13 +288,38 @@ class RunState:
             ).manifest
 
     def write_snapshot(self, draft: SnapshotDraft) -> Captured:
-        """Write the state and the data plane's rows into ``draft`` after checking that they
-        agree. The caller keeps writers out meanwhile (the controller's barrier)."""
+        """Capture and write at once (:meth:`take_capture`, :meth:`write_capture`)."""
+        capture = self.take_capture()
+        try:
+            return self.write_capture(draft, capture)
+        finally:
+            self.release_capture()
+
+    def take_capture(self) -> Capture:
+        """Copy what a snapshot needs, after checking that the ledger, the index and the data
+        plane agree; no I/O but the data plane's row count. The caller keeps writers out
+        meanwhile (the controller's barrier); from here until :meth:`release_capture`, rows
+        the run drops stay in the data plane, so the capture's rows can be written later."""
+        if self._held_deletes is not None:
+            raise InvalidInput("a capture is taken and not written yet: one at a time")
         state = self.capture()
         sealed = check_agreement(state, self.dataplane.count(ROLLOUT_PARTITION))
-        state.write(draft)
+        counts = {**state.counts(), "sealed_rollouts": sealed}
+        if self.journal is not None:  # the records this snapshot covers (docs/journal.md)
+            counts[JOURNAL_POSITION] = self.journal.last_id
+        self._held_deletes = []
+        return Capture(state=state, counts=counts)
+
+    def write_capture(self, draft: SnapshotDraft, capture: Capture) -> Captured:
+        """Write ``capture`` into ``draft``: its state files, then the data plane's rows of
+        its sealed rollouts (rows sealed since are left out; rows dropped since are still
+        there) and every row of the other partitions (the staged prefixes). Needs no barrier:
+        it reads the capture's copies and rows the run cannot delete before
+        :meth:`release_capture`, which the caller runs afterwards, whatever happened."""
+        capture.state.write(draft)
         fault_point(CAPTURE_MID)
-        exported = self.dataplane.export(draft.path / "dataplane")
+        keys = {ROLLOUT_PARTITION: capture.state.sealed_keys()}
+        exported = self.dataplane.export(draft.path / "dataplane", keys)
         draft.write_json("dataplane.json", exported)
         draft.record_hashed(
             {
@@ -288,14 +327,18 @@ class RunState:
                 for f in exported.files
             }
         )
-        counts = {**state.counts(), "sealed_rollouts": sealed}
-        if self.journal is not None:  # the records this snapshot covers (docs/journal.md)
-            counts[JOURNAL_POSITION] = self.journal.last_id
+        loader = capture.state.loader
         return Captured(
-            weight_version=state.loader.weight_version,
-            loader_position=state.loader.position,
-            counts=counts,
+            weight_version=loader.weight_version,
+            loader_position=loader.position,
+            counts=capture.counts,
         )
+
+    def release_capture(self) -> None:
+        """The capture is written, or never will be: the deletions it held back happen now."""
+        held, self._held_deletes = self._held_deletes, None
+        if held:
+            self.dataplane.delete(ROLLOUT_PARTITION, held)
 
     def journaled(self, captured: Captured) -> None:
         """Return once the journal holds every record ``captured`` covers: a snapshot never

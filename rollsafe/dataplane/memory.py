@@ -3,15 +3,16 @@ use.
 
 Every stored array is a private C-contiguous copy marked read-only, and ``get`` hands out
 read-only views of it: callers cannot change what the plane holds, reads copy nothing, and
-``export`` gets a consistent picture by copying the dicts alone (arrays are replaced, never
-changed in place). The export format is :mod:`rollsafe.dataplane.columnar`'s.
+``export`` gets a consistent picture by copying the dicts (or the keys it is asked for) alone
+(arrays are replaced, never changed in place). The export format is
+:mod:`rollsafe.dataplane.columnar`'s.
 """
 
 from __future__ import annotations
 
 import builtins
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -89,15 +90,24 @@ class MemoryDataPlane:
         with self._lock:
             return sorted(name for name, rows in self._data.items() if rows)
 
-    def export(self, directory: Path) -> DataPlaneManifest:
+    def export(
+        self, directory: Path, keys: Mapping[str, Collection[str]] | None = None
+    ) -> DataPlaneManifest:
+        chosen = keys or {}
         with self._lock:
-            picture = {name: dict(rows) for name, rows in self._data.items() if rows}
+            held = {name for name, rows in self._data.items() if rows}
+            picture = {
+                name: _pick(name, self._data.get(name, {}), chosen[name])
+                if name in chosen
+                else dict(self._data[name])
+                for name in held | set(chosen)
+            }
 
         def rows_of(partition: str, keys: Sequence[str]) -> Iterator[tuple[str, Row]]:
             return ((key, picture[partition][key]) for key in keys)
 
-        keys = {name: builtins.list(rows) for name, rows in picture.items()}
-        return columnar.write_export(directory, self.name, keys, rows_of, self._shard_bytes)
+        listed = {name: builtins.list(rows) for name, rows in picture.items()}
+        return columnar.write_export(directory, self.name, listed, rows_of, self._shard_bytes)
 
     def import_(self, directory: Path, manifest: DataPlaneManifest) -> None:
         columnar.check_manifest(manifest, self.name)
@@ -112,3 +122,10 @@ class MemoryDataPlane:
         if self._data:
             names = sorted(self._data)
             raise InvalidInput(f"import_ needs an empty data plane; it holds {names} (clear() it)")
+
+
+def _pick(partition: str, rows: Mapping[str, Row], keys: Collection[str]) -> dict[str, Row]:
+    missing = [key for key in keys if key not in rows]
+    if missing:
+        raise DataPlaneKeyMissing(partition, missing)
+    return {key: rows[key] for key in keys}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import builtins
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -79,6 +79,11 @@ class DataPlane(Protocol):
 
     def partitions(self) -> builtins.list[str]: ...
 
-    def export(self, directory: Path) -> DataPlaneManifest: ...
+    def export(
+        self, directory: Path, keys: Mapping[str, Collection[str]] | None = None
+    ) -> DataPlaneManifest:
+        """Every row into the empty ``directory``; a partition named in ``keys`` only those
+        keys (each must be there: a missing one is an error, never a smaller export)."""
+        ...
 
     def import_(self, directory: Path, manifest: DataPlaneManifest) -> None: ...

@@ -33,7 +33,7 @@ import math
 import re
 import uuid
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final
@@ -144,14 +144,22 @@ class TransferQueueDataPlane:
     def partitions(self) -> builtins.list[str]:
         return [name for name in self._own() if self._tags(name)]
 
-    def export(self, directory: Path) -> DataPlaneManifest:
-        """Every row of this namespace, read in batches (the next batch is fetched while the
-        current one is written). The caller keeps writers out meanwhile (the controller's
-        barrier): a key deleted mid-export fails it, it never exports a torn picture."""
-        listed = {name: self._tags(name) for name in self._own()}
-        keys = {name: builtins.list(tags) for name, tags in listed.items() if tags}
+    def export(
+        self, directory: Path, keys: Mapping[str, Collection[str]] | None = None
+    ) -> DataPlaneManifest:
+        """Every row of this namespace (of a partition named in ``keys``, those keys), read in
+        batches (the next batch is fetched while the current one is written). A key deleted
+        mid-export fails it: it never exports a torn picture."""
+        chosen = keys or {}
+        listed = {name: builtins.list(self._tags(name)) for name in self._own()}
+        for name, wanted in chosen.items():
+            there = set(listed.get(name, ()))
+            if missing := [key for key in wanted if key not in there]:
+                raise DataPlaneKeyMissing(name, missing)
+            listed[name] = builtins.list(wanted)
+        picked = {name: tags for name, tags in listed.items() if tags}
         return columnar.write_export(
-            directory, self.name, keys, self._stream_rows, self._shard_bytes
+            directory, self.name, picked, self._stream_rows, self._shard_bytes
         )
 
     def import_(self, directory: Path, manifest: DataPlaneManifest) -> None:

@@ -284,18 +284,45 @@ def test_a_failed_agreement_check_writes_nothing_and_can_be_retried(ops):
     assert run(ops, Phase.CAPTURE).counts == EXPECTED_COUNTS
 
 
-def test_a_capture_that_failed_part_way_loses_the_snapshot(ops):
-    run(ops, Phase.OPEN)
-    arm("phase.capture.state_written", "raise")
+def test_a_capture_whose_write_failed_part_way_loses_the_snapshot_and_nothing_else(ops):
+    for phase in PHASES[: PHASES.index(Phase.RESUME) + 1]:
+        run(ops, phase)
+    arm("phase.capture.state_written", "raise")  # after resume, in publish
     with pytest.raises(InjectedFault):
-        run(ops, Phase.CAPTURE)
-    disarm_all()
-    with pytest.raises(SnapshotLost, match="failed part-way"):
-        run(ops, Phase.CAPTURE)
-    with pytest.raises(SnapshotLost):
         run(ops, Phase.PUBLISH)
-    ops.abort(SPEC)
-    assert drafts(ops.store) == [] and published(ops.store) == []
+    disarm_all()
+    assert drafts(ops.store) == [] and published(ops.store) == []  # thrown away at once
+    with pytest.raises(SnapshotLost):  # Temporal's retry: the snapshot is taken again
+        run(ops, Phase.PUBLISH)
+    assert ops.state.dataplane.count(ROLLOUT_PARTITION) == 5  # the run lost nothing
+    ops.commit_step([])  # the run's deletions are not held by a capture that never wrote
+    second = SnapshotSpec(run_id=RUN, seq=2)
+    assert run_all(ops, second)[-1].counts["sealed_rollouts"] == 5
+
+
+def test_the_run_goes_on_between_capture_and_publish_and_the_snapshot_is_the_capture(ops):
+    """Capture copies in the park window; publish writes after resume. Meanwhile a step
+    trains groups 0 and 1 (their rows must stay readable for the write, and go after it) and a
+    new rollout is sealed (it must not be in the snapshot)."""
+    for phase in PHASES[: PHASES.index(Phase.RESUME) + 1]:
+        run(ops, phase)
+    ops.claim([0, 1], step=1)
+    ops.commit_step([0, 1])
+    episode = ops.dispatch(3, 0)
+    assert episode is not None
+    ops.seal(3, 0, episode.attempt, row_content(3, 0, episode.attempt))
+    assert ops.state.dataplane.count(ROLLOUT_PARTITION) == 6  # 4 rows held for the capture
+    arm("phase.publish.before", "raise")  # the worker died before publish: Temporal retries
+    with pytest.raises(InjectedFault):
+        run(ops, Phase.PUBLISH)
+    disarm_all()
+    assert published(ops.store) == []
+    info = run(ops, Phase.PUBLISH).published
+    assert info is not None and info.counts == EXPECTED_COUNTS
+    assert ops.state.dataplane.count(ROLLOUT_PARTITION) == 2  # the held rows went
+    restored, plan = RunState.restore(config(), ops.store, make_dataplane("memory"))
+    assert plan.ready == [0, 1] and restored.dataplane.count(ROLLOUT_PARTITION) == 5
+    assert restored.ledger.sealed(3) == []
 
 
 def test_publish_before_capture_is_refused(ops):
@@ -345,7 +372,7 @@ class FlakyParticipants:
     def instance_for(self, placement: int) -> str:
         return "w0"
 
-    def resume(self, checkpoint_id: str, dataplane: object) -> str:
+    def resume(self, checkpoint_id: str) -> str:
         self.resumes.append(checkpoint_id)
         if len(self.resumes) == 1:
             raise EnvUnavailable("w0: connection refused")

@@ -251,7 +251,7 @@ class FakeParticipants:
             stragglers=(),
         )
 
-    def resume(self, checkpoint_id: str, dataplane) -> str:
+    def resume(self, checkpoint_id: str) -> str:
         return "1 instance resumed"
 
     def restorer(self, restore_id: str):
