@@ -57,9 +57,7 @@ CHOICES = otlp.EXPORTERS
 # Temporal's metric names start with this (its own default, spelled out: the docs name it).
 TEMPORAL_PREFIX = "temporal_"
 RUN_ID = "rollsafe.run_id"
-SKIPPED_REFUSALS = frozenset(
-    {"finished", "abandoned", "not_admitted", "unknown_call", "no_tokens"}
-)
+SKIPPED_REFUSALS = frozenset({"finished", "abandoned", "not_admitted", "unknown_call", "no_tokens"})
 # Seconds, from a millisecond gate flip to a drain that hits its timeout: the SDK's default
 # buckets are sized for milliseconds and would put every park in the first few.
 SECONDS_BUCKETS: tuple[float, ...] = (
