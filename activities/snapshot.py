@@ -63,7 +63,8 @@ async def _heartbeating(call: Awaitable[T], detail: str, on_beat: Beat | None = 
             done, _ = await asyncio.wait({task}, timeout=HEARTBEAT_EVERY_S)
             if done:
                 return task.result()
-            activity.heartbeat(detail)
+            if not activity.info().is_local:  # a local activity's worker keeps its task alive
+                activity.heartbeat(detail)
             if on_beat is not None:
                 await _beat(on_beat, detail)
     except RollsafeError as exc:

@@ -26,15 +26,24 @@ class PhaseOptions(BaseModel):
     # How long admission stays closed with no phase renewing its lease (their heartbeats do,
     # every second): past it the gate reopens by itself and the snapshot is abandoned.
     admission_lease_s: float = Field(default=ADMISSION_LEASE_S, gt=0)
+    # The snapshot workflow's task timeout: the park window's phases run inside its workflow
+    # task (local activities), so a worker that dies there holds the snapshot this long before
+    # another worker takes it over (and a phase stuck there shows in `describe` after 80 % of it).
+    task_timeout_s: float = Field(default=10.0, gt=0)
+    # The park window's phases as local activities (no task-queue round trip each). False: each
+    # a regular activity, shown as the pending activity in `describe` from its first moment and
+    # handed over by its heartbeat timeout, at a round trip per phase (docs/operations.md).
+    local_park_window: bool = True
 
     @model_validator(mode="after")
-    def _lease_outlasts_a_heartbeat(self) -> PhaseOptions:
-        if self.admission_lease_s <= self.heartbeat_timeout_s:
-            raise ValueError(
-                f"admission_lease_s ({self.admission_lease_s:g}) must exceed "
-                f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g}): otherwise the lease runs "
-                "out before Temporal retries a dead worker's phase on another one"
-            )
+    def _lease_outlasts_a_takeover(self) -> PhaseOptions:
+        for name in ("heartbeat_timeout_s", "task_timeout_s"):
+            if self.admission_lease_s <= getattr(self, name):
+                raise ValueError(
+                    f"admission_lease_s ({self.admission_lease_s:g}) must exceed {name} "
+                    f"({getattr(self, name):g}): otherwise the lease runs out before Temporal "
+                    "hands a dead worker's phase to another one"
+                )
         return self
 
 
@@ -44,9 +53,9 @@ class SnapshotInput(BaseModel):
     spec: SnapshotSpec
     options: PhaseOptions = PhaseOptions()
     # False for a run with no environment instances and no generation engines: the five
-    # participant phases are then bookkeeping, run as local activities (no task-queue round
-    # trip each, ~12 ms here). Never False for a run that has participants: a local
-    # activity cannot heartbeat.
+    # participant phases are then bookkeeping, run as local activities. Read only when
+    # replaying a snapshot started before the park window's phases all became local
+    # activities (workflows/snapshot.py, LOCAL_PARK_WINDOW).
     participants: bool = True
 
 

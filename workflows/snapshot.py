@@ -1,11 +1,23 @@
 """RolloutSnapshot: one snapshot, the ten phases of docs/design.md section 5 in order.
 
-Every phase is an activity named after it (so `temporal workflow describe` shows the phase of
-a stuck snapshot as its pending activity) and keyed by ``(checkpoint_id, phase)`` on the
-controller side, so a retried or re-run activity has its effect once. ``resume`` runs on every
-exit path: success, failure, abort and cancellation. From ``capture`` on, an abort answers
-"too late". Each snapshot ends with one line on ``workflow.logger`` (not while a history
-replays): published as which snapshot, skipped and why, or failed with the error's type.
+Every phase is an activity named after it and keyed by ``(checkpoint_id, phase)`` on the
+controller side, so a retried or re-run activity has its effect once. ``open`` and ``publish``
+(disk work, outside the park window) are regular activities: `temporal workflow describe` shows
+them as the pending activity. The phases inside the park window (``close_admission`` to
+``resume``) run as *local activities*, in the worker that runs this workflow: no task-queue
+round trip each (a window of eight phases paid eight), each still one marker in the history
+(``rollsafe.temporal.history``), the phase in the
+``RollsafePhase`` search attribute and the workflow's current details. Those are committed when
+the workflow task completes, so a phase stuck in the window shows in `describe` once the SDK
+heartbeats the workflow task (at 80 % of ``PhaseOptions.task_timeout_s``), and a worker that
+dies inside the window hands the snapshot to another one once that timeout passes; the phases
+it had done are run again there and answered from the controller's stored results.
+
+``resume`` runs on every exit path: success, failure, abort and cancellation. From ``capture``
+on, an abort answers "too late". Each snapshot ends with one line on ``workflow.logger`` (not
+while a history replays): published as which snapshot, skipped and why, or failed with the
+error's type. An abort (a signal or an update) reaches a snapshot inside the park window at its
+next workflow task: when the running phase ends, or at the SDK's heartbeat of the task.
 """
 
 from __future__ import annotations
@@ -38,7 +50,16 @@ with workflow.unsafe.imports_passed_through():
 
 ABORT_ACTIVITY = "abort_snapshot"
 T = TypeVar("T")
+# How a phase's failure reaches the workflow: an ActivityError around the activity's error, or,
+# from a local activity, at times the error itself (seen for one whose retries ran out).
+PHASE_FAILED = (ActivityError, ApplicationError)
 TRAINER_STATE_CHANGED = "trainer_state_changed"
+# The patch under which the park window's phases run as local activities (histories recorded
+# before it replay them as regular activities: tests/histories/README.md).
+LOCAL_PARK_WINDOW = "park-window-local-activities"
+PARK_WINDOW = frozenset(
+    PHASES[PHASES.index(Phase.CLOSE_ADMISSION) : PHASES.index(Phase.RESUME) + 1]
+)
 # The loop runs these eight; resume follows in _compensate (on every path out, failures
 # included), then publish.
 _BEFORE_RESUME = PHASES[: PHASES.index(Phase.RESUME)]
@@ -63,6 +84,11 @@ PARTICIPANT_PHASES = frozenset(
         Phase.COMMIT_ENVS,
     }
 )
+
+
+def _cancellation(error: ActivityError | ApplicationError | CancelledError) -> bool:
+    """Whether a phase ended because it was cancelled (an abort, or the workflow's cancel)."""
+    return isinstance(error, CancelledError) or isinstance(error.cause, CancelledError)
 
 
 def log_outcome(run_id: str, outcome: SnapshotOutcome) -> SnapshotOutcome:
@@ -150,22 +176,29 @@ class RolloutSnapshot:
         self._abort_reason: str | None = None
         self._results: list[PhaseResult] = []
         self._checkpoint_id = ""
+        self._local_park = False  # the park window's phases as local activities
 
     @workflow.run
     async def run(self, request: SnapshotInput) -> SnapshotOutcome:
         spec = request.spec
         self._checkpoint_id = spec.checkpoint_id
+        self._local_park = workflow.patched(LOCAL_PARK_WINDOW)
         workflow.upsert_search_attributes(
             [RUN_ID.value_set(spec.run_id), KIND.value_set(spec.kind)]
         )
         outcome: SnapshotOutcome | None = None
         try:
-            for phase in _BEFORE_RESUME:
-                if self._abort_reason is not None:  # only ever set while abortable
-                    outcome = self._outcome(request, "skipped", self._abort_reason)
-                    break
-                await self._run_phase(request, phase)
-        except ActivityError as exc:
+            try:
+                for phase in _BEFORE_RESUME:
+                    if self._abort_reason is not None:  # only ever set while abortable
+                        outcome = self._outcome(request, "skipped", self._abort_reason)
+                        break
+                    await self._run_phase(request, phase)
+            except PHASE_FAILED as exc:
+                if _cancellation(exc):  # a local activity cancelled with the workflow
+                    raise asyncio.CancelledError from exc
+                raise
+        except PHASE_FAILED as exc:
             error_type, transient = failure_type(exc)
             reason = str(exc.cause or exc)
             if error_type in SKIPPING_ERRORS:
@@ -184,7 +217,7 @@ class RolloutSnapshot:
         await self._compensate(request, discard=False)
         try:
             published = await self._run_phase(request, Phase.PUBLISH)
-        except ActivityError as exc:
+        except PHASE_FAILED as exc:
             error_type, transient = failure_type(exc)
             failed = self._outcome(request, "failed", str(exc.cause or exc), error_type)
             return log_outcome(spec.run_id, failed.model_copy(update={"transient": transient}))
@@ -198,7 +231,7 @@ class RolloutSnapshot:
         phase_request = PhaseRequest(
             spec=request.spec, phase=phase, admission_lease_s=request.options.admission_lease_s
         )
-        if phase in PARTICIPANT_PHASES and not request.participants:
+        if self._local(request, phase):
             handle = start_local_activity(phase.value, phase_request, PhaseResult, request.options)
         else:
             handle = start_activity(phase.value, phase_request, PhaseResult, request.options)
@@ -208,14 +241,20 @@ class RolloutSnapshot:
                 handle.cancel()  # the activity learns of it at its next heartbeat
         try:
             result = await handle
-        except ActivityError as exc:
-            if self._abort_reason is not None and isinstance(exc.cause, CancelledError):
+        except (*PHASE_FAILED, CancelledError) as exc:
+            if self._abort_reason is not None and _cancellation(exc):
                 return PhaseResult(
                     phase=phase, checkpoint_id=self._checkpoint_id, summary="aborted"
                 )
             raise
         self._results.append(result)
         return result
+
+    def _local(self, request: SnapshotInput, phase: Phase) -> bool:
+        """Whether ``phase`` runs as a local activity (see the module docstring)."""
+        if self._local_park and request.options.local_park_window and phase in PARK_WINDOW:
+            return True
+        return phase in PARTICIPANT_PHASES and not request.participants
 
     async def _compensate(self, request: SnapshotInput, discard: bool) -> None:
         """Reopen admission and resume environments; on a snapshot that will not publish,
@@ -224,7 +263,8 @@ class RolloutSnapshot:
         options = request.options.model_copy(update={"retry_attempts": 1_000_000})
         self._phase, self._phase_started_at = Phase.RESUME, workflow.time()
         workflow.upsert_search_attributes([PHASE.value_set(Phase.RESUME.value)])
-        result = await start_activity(
+        start = start_local_activity if self._local(request, Phase.RESUME) else start_activity
+        result = await start(
             Phase.RESUME.value,
             PhaseRequest(spec=request.spec, phase=Phase.RESUME),
             PhaseResult,

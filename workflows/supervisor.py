@@ -120,6 +120,7 @@ class SnapshotSupervisor:
                 RolloutSnapshot.run,
                 SnapshotInput(spec=spec, options=config.options, participants=config.participants),
                 id=snapshot_workflow_id(config.run_id, seq),
+                task_timeout=timedelta(seconds=config.options.task_timeout_s),
             )
         except ChildWorkflowError as exc:
             error_type, transient = failure_type(exc)

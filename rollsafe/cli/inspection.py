@@ -22,9 +22,11 @@ from rollsafe.temporal.failures import describe_failure
 from rollsafe.temporal.pollers import WorkerPresence, worker_presence
 from rollsafe.temporal.search_attributes import KIND, PHASE
 from rollsafe.workflows.models import SupervisorStatus
+from rollsafe.workflows.snapshot import PARK_WINDOW
 from rollsafe.workflows.supervisor import SnapshotSupervisor
 
 QUERY_TIMEOUT_S = 2.0
+_LOCAL_PHASES = frozenset(phase.value for phase in PARK_WINDOW)
 _STATE_PREFIX = "PENDING_ACTIVITY_STATE_"
 
 
@@ -154,6 +156,11 @@ def render(view: RunView) -> str:
         lines.append(
             f"  {snap.workflow_id}: phase {snap.phase or '?'}, running {snap.running_for_s:.1f} s"
         )
+        if not snap.pending and snap.phase in _LOCAL_PHASES:
+            lines.append(
+                f"    {snap.phase} runs in the worker's workflow task (a local activity): its "
+                "attempts and failures are in the worker's log"
+            )
         for pending in snap.pending:
             beat = (
                 f", last heartbeat {pending.last_heartbeat_age_s:.1f} s ago"

@@ -6,8 +6,10 @@ Snapshots and restores come from the Temporal server (:func:`snapshot_spans`,
 :func:`restore_spans`): the run's workflows are found by their search attributes and each
 one's history gives its times. A snapshot's park window runs from the completion of its
 ``close_admission`` activity to the completion of its ``resume`` activity: the gate flips
-inside those activities, so the window drawn is the real one plus at most one activity
-round trip at each end. Steps and faults come from the caller, who saw them happen.
+inside those activities. They are local activities (their completion time is the worker's
+clock, in their history marker: the window drawn is the real one within a few ms); in a history
+of regular activities, the server's event times (at most one round trip more at each end).
+Steps and faults come from the caller, who saw them happen.
 
 Listing is eventually consistent on the server: a workflow closed a moment ago may not be
 listed yet (the dev server lists it within about a second).
@@ -29,6 +31,7 @@ from temporalio.api.history.v1 import HistoryEvent
 from rollsafe.core.ids import validate_run_id
 from rollsafe.core.phases import Phase
 from rollsafe.errors import ExtraNotInstalled, InvalidInput
+from rollsafe.temporal.history import completed_activities
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -152,16 +155,9 @@ async def _status(client: Client, completed: HistoryEvent) -> str:
 def _park(events: list[HistoryEvent], end: float) -> tuple[float, float] | None:
     """close_admission completed -> resume completed (``end`` if resume never completed);
     None when admission never closed."""
-    names: dict[int, str] = {}
     completed: dict[str, float] = {}
-    for event in events:
-        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
-            attributes = event.activity_task_scheduled_event_attributes
-            names[event.event_id] = attributes.activity_type.name
-        elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
-            name = names.get(event.activity_task_completed_event_attributes.scheduled_event_id)
-            if name is not None:
-                completed.setdefault(name, _seconds(event))
+    for done in completed_activities(events):
+        completed.setdefault(done.name, done.completed_at)
     closed_at = completed.get(Phase.CLOSE_ADMISSION.value)
     if closed_at is None:
         return None

@@ -7,19 +7,15 @@ from typing import Any
 
 from temporalio.client import WorkflowHandle
 
+from rollsafe.temporal.history import completed_activities
+
 
 async def completed_attempts(handle: WorkflowHandle[Any, Any]) -> dict[str, tuple[int, int]]:
-    """Activity name -> (attempt, worker pid) of the attempt that completed it. History keeps
-    only an activity's last attempt, with the identity of its worker (the SDK's default
-    identity is ``pid@host``)."""
-    names: dict[int, str] = {}
-    attempts: dict[str, tuple[int, int]] = {}
-    async for event in handle.fetch_history_events():
-        if event.HasField("activity_task_scheduled_event_attributes"):
-            scheduled = event.activity_task_scheduled_event_attributes
-            names[event.event_id] = scheduled.activity_type.name
-        elif event.HasField("activity_task_started_event_attributes"):
-            started = event.activity_task_started_event_attributes
-            pid = int(started.identity.split("@")[0])
-            attempts[names[started.scheduled_event_id]] = (started.attempt, pid)
-    return attempts
+    """Activity name -> (attempt, worker pid) of the attempt that completed it, regular or local
+    (a local activity's worker is that of the workflow task that recorded it). History keeps
+    only an activity's last attempt; the SDK's default identity is ``pid@host``."""
+    events = [event async for event in handle.fetch_history_events()]
+    return {
+        done.name: (done.attempt, int(done.identity.split("@")[0]))
+        for done in completed_activities(events)
+    }

@@ -80,7 +80,11 @@ ENGINE = NodeSpec("engine", {"engine_node": 1}, num_cpus=0)  # the reference eng
 DATA = NodeSpec("data", {"data_node": 1}, num_cpus=2)  # TransferQueue: the rows
 WORKERS = NodeSpec("workers", {"worker_node": 1}, num_cpus=0)  # a checkpoint worker; killed
 # A dead worker's phase is retried once its heartbeat times out (docs/platform.md).
-OPTIONS = PhaseOptions(heartbeat_timeout_s=2, retry_initial_s=0.1, retry_maximum_s=0.5)
+# Every phase a regular activity: the test finds the worker running capture as the pending
+# activity's worker (the park window's local activities are covered by the crash matrix).
+OPTIONS = PhaseOptions(
+    heartbeat_timeout_s=2, retry_initial_s=0.1, retry_maximum_s=0.5, local_park_window=False
+)
 # Capture sleeps this long in the controller the first time: the hosted worker is inside it
 # while the process worker starts and the node dies.
 HOLD_S = 15

@@ -98,6 +98,11 @@ async def snapshot_published_without_participants(case: Case) -> WorkflowHandle[
     return handle
 
 
+async def snapshot_published_park_window_local(case: Case) -> WorkflowHandle[Any, Any]:
+    """The park window's phases as local activities (patch ``park-window-local-activities``)."""
+    return await snapshot_published(case)
+
+
 async def in_phase(handle: WorkflowHandle[Any, Any], phase: Phase) -> bool:
     return bool((await handle.query(RolloutSnapshot.status)).phase == phase)
 
@@ -161,6 +166,7 @@ CASES: dict[str, Callable[[Case], Awaitable[WorkflowHandle[Any, Any]]]] = {
     for fn in (
         snapshot_published,
         snapshot_published_without_participants,
+        snapshot_published_park_window_local,
         snapshot_skipped_before_capture,
         snapshot_failed_after_retries,
         snapshot_retried_then_published,

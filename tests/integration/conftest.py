@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,14 @@ import pytest
 from rollsafe.core.ids import snapshot_workflow_id
 
 # Fast retries so failure paths finish in a second (rollsafe.workflows.models.PhaseOptions).
-FAST_RETRY = {"retry_initial_s": 0.05, "retry_maximum_s": 0.2, "retry_attempts": 3}
+# task_timeout_s: a query or an update reaches a snapshot whose park-window phase (a local
+# activity) a test holds when the worker heartbeats its workflow task, at 80 % of it.
+FAST_RETRY = {
+    "retry_initial_s": 0.05,
+    "retry_maximum_s": 0.2,
+    "retry_attempts": 3,
+    "task_timeout_s": 2.0,
+}
 
 
 @pytest.fixture(scope="session")
@@ -72,6 +80,7 @@ class WorkflowHarness:
             SnapshotInput(spec=SnapshotSpec(run_id=self.run_id, seq=seq), **fields),
             id=self.snapshot_workflow_id(seq),
             task_queue=self.task_queue,
+            task_timeout=timedelta(seconds=fields["options"].task_timeout_s),
         )
 
     async def snapshot(self, seq: int = 1, **fields: Any) -> Any:

@@ -33,7 +33,9 @@ from rollsafe.workflows.models import PhaseOptions, SupervisorInput
 from rollsafe.workflows.snapshot import TRAINER_STATE_CHANGED, RolloutSnapshot
 from rollsafe.workflows.supervisor import SnapshotSupervisor
 
-FAST = PhaseOptions(retry_initial_s=0.05, retry_maximum_s=0.2, retry_attempts=3)
+# As the harness's (conftest.FAST_RETRY): the update and query reach a held local-activity
+# phase at the workflow task's heartbeat, 80 % of task_timeout_s.
+FAST = PhaseOptions(retry_initial_s=0.05, retry_maximum_s=0.2, retry_attempts=3, task_timeout_s=2.0)
 
 
 def checkpointer(harness, max_consecutive_failures: int = 3, client=None) -> Checkpointer:

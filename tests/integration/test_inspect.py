@@ -4,11 +4,15 @@ live worker (describe and search attributes only)."""
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
+
+from temporalio.client import Client
 
 from rollsafe.activities.controllers import LocalControllerClient
 from rollsafe.checkpoint.controller import Controller
-from rollsafe.cli.inspection import inspect_run, render
+from rollsafe.cli.inspection import RunView, inspect_run, render
 from rollsafe.core.config import RunConfig
 from rollsafe.core.ids import snapshot_workflow_id, task_queue_for
 from rollsafe.core.phases import Phase, SnapshotSpec
@@ -22,6 +26,32 @@ from rollsafe.workers.checkpoint import build_worker
 from rollsafe.workflows.models import PhaseOptions, SnapshotInput
 from rollsafe.workflows.snapshot import RolloutSnapshot
 
+# drain is a local activity in the park window: it shows in the search attributes once the
+# worker heartbeats its workflow task, at 80 % of the task timeout (1.6 s here).
+LOCAL = PhaseOptions(task_timeout_s=2)
+# Every phase a regular activity: a stuck one is the pending activity, seen with no worker left
+# (a worker does not stop while a local activity of its own still runs).
+REGULAR = PhaseOptions(local_park_window=False)
+
+
+async def start(client: Client, run_id: str, seq: int, options: PhaseOptions) -> Any:
+    return await client.start_workflow(
+        RolloutSnapshot.run,
+        SnapshotInput(spec=SnapshotSpec(run_id=run_id, seq=seq), options=options),
+        id=snapshot_workflow_id(run_id, seq),
+        task_queue=task_queue_for(run_id),
+        task_timeout=timedelta(seconds=options.task_timeout_s),
+    )
+
+
+async def stuck_in_drain(client: Client, run_id: str) -> RunView:
+    async def listed() -> RunView | None:
+        view = await inspect_run(client, run_id)
+        return view if view.snapshots and view.snapshots[0].phase == "drain" else None
+
+    # Visibility (list by search attribute) is eventually consistent on the server.
+    return await eventually_async(listed, what="the snapshot listed in drain")
+
 
 async def test_inspect_shows_the_stuck_phase_with_and_without_a_worker(
     server: DevServer, tmp_path: Path
@@ -33,30 +63,29 @@ async def test_inspect_shows_the_stuck_phase_with_and_without_a_worker(
         RunState(config, make_dataplane("memory")), SnapshotStore(tmp_path, run_id)
     )
     local = LocalControllerClient(ops)
-    # Visibility (list by search attribute) is eventually consistent on the server.
-    with holding("phase.drain.before") as drain:
-        worker = build_worker(client, task_queue_for(run_id), lambda _: local)
-        async with worker:
-            handle = await client.start_workflow(
-                RolloutSnapshot.run,
-                SnapshotInput(spec=SnapshotSpec(run_id=run_id, seq=1), options=PhaseOptions()),
-                id=snapshot_workflow_id(run_id, 1),
-                task_queue=task_queue_for(run_id),
-            )
-            await drain.reached_async()  # the snapshot stands in drain until the test ends
-            assert (await handle.query(RolloutSnapshot.status)).phase == Phase.DRAIN
-
-            async def stuck_in_drain():
-                view = await inspect_run(client, run_id)
-                return view if view.snapshots and view.snapshots[0].phase == "drain" else None
-
-            live = await eventually_async(stuck_in_drain, what="the snapshot listed in drain")
+    worker = build_worker(client, task_queue_for(run_id), lambda _: local)
+    async with worker:
+        with holding("phase.drain.before") as drain:
+            handle = await start(client, run_id, 1, LOCAL)
+            await drain.reached_async()  # the snapshot stands in drain until released
+            live = await stuck_in_drain(client, run_id)
         (snapshot,) = live.snapshots
         assert snapshot.workflow_id == snapshot_workflow_id(run_id, 1)
-        assert [p.activity for p in snapshot.pending] == ["drain"]
-        assert snapshot.pending[0].attempt == 1
+        assert snapshot.pending == []  # a local activity: inside the worker's workflow task
+        assert "drain runs in the worker's workflow task" in render(live)
         assert live.supervisor == "absent"  # started without a supervisor
         assert live.workers is not None and live.workers.present
+        assert (await handle.result()).status == "published"
+
+    with holding("phase.drain.before") as drain:
+        async with build_worker(client, task_queue_for(run_id), lambda _: local):
+            handle = await start(client, run_id, 2, REGULAR)
+            await drain.reached_async()  # the snapshot stands in drain until the test ends
+            assert (await handle.query(RolloutSnapshot.status)).phase == Phase.DRAIN
+            live = await stuck_in_drain(client, run_id)
+        (snapshot,) = live.snapshots
+        assert [p.activity for p in snapshot.pending] == ["drain"]
+        assert snapshot.pending[0].attempt == 1
 
         # The worker is gone: the phase is still visible from the server alone.
         dead = await inspect_run(client, run_id)

@@ -16,10 +16,11 @@ from rollsafe.core.run_state import RunState
 from rollsafe.dataplane import make_dataplane
 from rollsafe.evidence.scenario import row_content
 from rollsafe.faults import arm
+from rollsafe.temporal.history import completed_activities
 from rollsafe.testing.waiting import eventually_async, holding
-from rollsafe.workflows.models import SupervisorStatus
+from rollsafe.workflows.models import PhaseOptions, SupervisorStatus
 from rollsafe.workflows.restore import RestoreRun
-from rollsafe.workflows.snapshot import RolloutSnapshot
+from rollsafe.workflows.snapshot import PARK_WINDOW, RolloutSnapshot
 from rollsafe.workflows.supervisor import SnapshotSupervisor
 
 
@@ -190,21 +191,27 @@ async def test_an_invariant_failure_fails_the_supervisor_at_once(harness) -> Non
     assert harness.controller.status().gate_open and harness.store.list() == []
 
 
-async def test_without_participants_the_bookkeeping_phases_run_as_local_activities(
-    harness,
-) -> None:
+async def test_the_park_windows_phases_run_as_local_activities(harness) -> None:
     async with harness.worker():
-        handle = await harness.start_snapshot(1, participants=False)
+        handle = await harness.start_snapshot(1)
         outcome = await handle.result()
     assert outcome.status == "published"
     assert [r.phase for r in outcome.phases] == list(PHASES)
-    scheduled = [
-        event.activity_task_scheduled_event_attributes.activity_type.name
-        async for event in handle.fetch_history_events()
-        if event.HasField("activity_task_scheduled_event_attributes")
-    ]
-    # Only the phases with work of their own go through the task queue.
-    assert scheduled == ["open", "close_admission", "capture", "resume", "publish"]
+    events = [event async for event in handle.fetch_history_events()]
+    done = completed_activities(events)
+    assert [a.name for a in done] == [p.value for p in PHASES]
+    # Only open and publish (disk work, outside the window) go through the task queue.
+    assert [a.name for a in done if not a.local] == ["open", "publish"]
+    assert {a.name for a in done if a.local} == {p.value for p in PARK_WINDOW}
+
+
+async def test_with_the_option_off_every_phase_is_a_regular_activity(harness) -> None:
+    options = PhaseOptions(retry_initial_s=0.05, retry_maximum_s=0.2, local_park_window=False)
+    async with harness.worker():
+        handle = await harness.start_snapshot(1, options=options)
+        assert (await handle.result()).status == "published"
+    done = completed_activities([event async for event in handle.fetch_history_events()])
+    assert [a.name for a in done if not a.local] == [p.value for p in PHASES]
 
 
 async def test_a_cancelled_snapshot_still_resumes_and_discards_its_draft(harness) -> None:
@@ -215,6 +222,12 @@ async def test_a_cancelled_snapshot_still_resumes_and_discards_its_draft(harness
             assert await harness.snapshot_phase(1) == Phase.DRAIN
             assert not harness.controller.status().gate_open  # parked: admission closed
             await handle.cancel()
+            # The cancel reaches drain, a local activity, at its workflow task's heartbeat;
+            # the workflow then resumes while drain is still held.
+            await eventually_async(
+                lambda: harness.controller.status().effects["resume"] == 1,
+                what="resume run by the cancelled snapshot",
+            )
         with pytest.raises(WorkflowFailureError) as cancelled:
             await handle.result()
     assert "cancel" in repr(cancelled.value.cause).lower()

@@ -43,7 +43,11 @@ WAIT_S = 60.0  # any one wait: generous on a loaded 2-core machine, still fails 
 CAPTURE_S = 4.0  # how long capture takes in the controller: the drain window under test
 HEALTH_LINE = re.compile(r"rollsafe worker: health on http://[^ ]+:(\d+)/healthz")
 BANNER = "rollsafe worker: run"
-OPTIONS = PhaseOptions(heartbeat_timeout_s=2, retry_initial_s=0.1, retry_maximum_s=0.5)
+# Every phase a regular activity: this tests how a draining worker finishes an activity in
+# flight (capture); the park window's local activities end with the worker's workflow task.
+OPTIONS = PhaseOptions(
+    heartbeat_timeout_s=2, retry_initial_s=0.1, retry_maximum_s=0.5, local_park_window=False
+)
 
 
 async def waited(

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from pydantic import ValidationError
 
 from rollsafe.core.config import KEEP_LATEST_K, RunConfig
 from rollsafe.errors import InvalidInput
@@ -175,3 +176,14 @@ def test_effective_shows_the_participants_tokens_masked_with_their_source(tmp_pa
     assert rows["participants.engine_token"].source == f"file {token}"
     unset = {row.key: row for row in Settings.load(env={}).effective(env={})}
     assert unset["participants.env_token"].source == "not set"
+
+
+@pytest.mark.parametrize("field", ["heartbeat_timeout_s", "task_timeout_s"])
+def test_the_admission_lease_must_outlast_a_takeover(field: str) -> None:
+    """A dead worker's phase is handed on after the heartbeat timeout (regular activities) or
+    the task timeout (the park window's local activities): a shorter lease reopens first."""
+    with pytest.raises(ValidationError, match=f"admission_lease_s \\(5\\) must exceed {field}"):
+        PhaseOptions(
+            **{"heartbeat_timeout_s": 1, "task_timeout_s": 1, field: 5}, admission_lease_s=5
+        )
+    assert PhaseOptions(admission_lease_s=5.5, heartbeat_timeout_s=5, task_timeout_s=5)
