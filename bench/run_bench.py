@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -33,7 +34,7 @@ from rollsafe.reference.rl.run import RunSettings, run_config
 from rollsafe.reference.rl.servers import RunServers
 
 RUN_ID = "runbench"
-INSTANCES = ("w0", "w1", "w2")
+INSTANCES = tuple(f"w{n}" for n in range(8))  # --instances takes the first N
 CHUNK = 512  # simulated groups handed out and dispatched per hold of the barrier
 TICKS = os.sysconf("SC_CLK_TCK")
 COUNTS = ("parked", "stragglers", "cut", "skipped", "failed", "committed_episodes")
@@ -114,7 +115,7 @@ class Workload:
             run.generate(new)
 
 
-def simulate(run: ReferenceController, rollouts: int) -> int:
+def simulate(run: ReferenceController, rollouts: int, owners: tuple[str, ...]) -> int:
     """Hand out ``rollouts // group_size`` groups and dispatch every sibling, no episodes."""
     size = run.state.config.group_size
     groups = rollouts // size
@@ -126,7 +127,7 @@ def simulate(run: ReferenceController, rollouts: int) -> int:
             ctl.handout(block)
             for idx in block:
                 for i in range(size):
-                    ctl.dispatch(idx, i, INSTANCES[(idx + i) % len(INSTANCES)])
+                    ctl.dispatch(idx, i, owners[(idx + i) % len(owners)])
     return groups * size
 
 
@@ -247,6 +248,7 @@ def measure(work: Workload, size: int, args: argparse.Namespace) -> dict[str, An
     for key in ("park", "total"):
         values = [s[key] for s in taken]
         row[f"{key}_med"], row[f"{key}_max"] = statistics.median(values), max(values)
+        row[f"{key}_p95"] = _p95(values)
     row["bytes"] = statistics.median(s["bytes"] for s in taken)
     row["phases"] = {p: statistics.median(s["phases"][p] for s in taken) for p in map(str, PHASES)}
     row |= {f"{k}_med": statistics.median(s.get(k, 0) for s in taken) for k in COUNTS}
@@ -280,7 +282,7 @@ def _sizes(run: ReferenceController, args: argparse.Namespace) -> list[dict[str,
         rows, simulated = [], 0
         for size in sorted(args.sizes):
             t0 = time.perf_counter()
-            simulated += simulate(run, size - simulated)
+            simulated += simulate(run, size - simulated, INSTANCES[: args.instances])
             took = time.perf_counter() - t0
             print(f"size {size:,}: {simulated:,} simulated rollouts ({took:.1f}s)", flush=True)
             rows.append(measure(work, size, args) | {"simulated": simulated})
@@ -298,10 +300,17 @@ THROUGHPUT = (
 )
 SNAPSHOTS = (
     "size size ,d; snapshots snapshots d; failed failed d; parked parked .2%;"
-    "park_med park_med .0f; park_max park_max .0f; total_med total_med .0f;"
+    "park_med park_med .0f; park_p95 park_p95 .0f; park_max park_max .0f;"
+    "total_med total_med .0f;"
     "total_max total_max .0f; bytes bytes ,.0f"
 )
-MS = {"park_med", "park_max", "total_med", "total_max", "cpu_off", "cpu_on"}
+MS = {"park_med", "park_p95", "park_max", "total_med", "total_max", "cpu_off", "cpu_on"}
+
+
+def _p95(values: list[float]) -> float:
+    """The 95th percentile (nearest rank): the max below 20 values."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
 
 
 def table(rows: list[dict[str, Any]], spec: str) -> None:
@@ -335,7 +344,10 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens per policy call")
-    parser.add_argument("--instances", type=int, default=3, choices=range(1, 4))
+    parser.add_argument("--instances", type=int, default=3, choices=range(1, len(INSTANCES) + 1))
+    parser.add_argument(
+        "--episodes", type=int, help="live episodes (parked at each snapshot): sets --groups"
+    )
     parser.add_argument("--ramp", type=float, default=0.3, help="seconds between first groups")
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds before measuring")
     parser.add_argument("--dir", type=Path, default=Path.cwd(), help="parent of the temp dir")
@@ -343,6 +355,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1k and 10k, 10 s windows, 1 round")
     args = parser.parse_args()
     args.sizes = [int(s) for s in args.sizes.split(",")]
+    if args.episodes is not None:  # whole groups: at least the episodes asked for
+        args.groups = max(1, math.ceil(args.episodes / args.group_size))
     if args.quick:
         args.sizes, args.seconds, args.interval, args.rounds = [1000, 10000], 10.0, 5.0, 1
     start = time.perf_counter()
