@@ -318,13 +318,12 @@ class Participants:
         The staged prefixes stay in the live data plane until the capture is written (the
         controller drops them then: kept, every later capture would export them again)."""
         state = self._checkpoints.get(checkpoint_id)
-        cut = state.cut if state is not None and state.cut is not None else _NO_CUT
-        frozen, named = list(cut.staged), to_release(cut)
+        frozen = list(state.cut.staged) if state is not None and state.cut is not None else []
 
         async def resume_all() -> None:
             await self.fleet.resume_all(checkpoint_id)
-            if named:
-                await asyncio.gather(*(e.release(named) for e in self.engines.values()))
+            if frozen:
+                await asyncio.gather(*(e.release(frozen) for e in self.engines.values()))
 
         self.loop.run(resume_all())
         log.debug(
@@ -463,12 +462,6 @@ def merge_cuts(calls: Sequence[str], results: Sequence[StagedCut]) -> StagedCut:
     )
     handoffs = sum(result.handoffs for result in results)
     return StagedCut(staged=staged, refused=refused, handoffs=handoffs)
-
-
-def to_release(cut: StagedCut) -> list[str]:
-    """What resume releases on every engine: the frozen calls, and those an engine did not hold
-    (it holds them frozen should they arrive before the release)."""
-    return [*cut.staged, *(r.call_id for r in cut.refused if r.reason in NOT_HERE)]
 
 
 def _log_prepared(prepared: FleetPrepared) -> None:

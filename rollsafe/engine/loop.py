@@ -17,9 +17,8 @@ that walks away from a stream frees its call.
 
 A cut answers at once for every call it names: frozen now (its prefix), or why not. The loop
 remembers the calls that ended here (``finished``, ``abandoned``), so a call the cut does not find
-in flight and does not remember is ``not_admitted``: its request has not arrived. Such a call is
-admitted frozen if it arrives before :meth:`EngineLoop.release` names it, so a park window never
-waits to find out which it was, and no call generates while it is parked.
+in flight and does not remember is ``not_admitted``: its request has not arrived (it has no
+token to keep, and runs when it comes), so a park window never waits to find out which it was.
 
 Tests and drills can have the reference engine *hold* calls (:class:`HoldRule`, from
 ``ROLLSAFE_ENGINE_HOLD``): a held call stops after its first tokens and waits, generating
@@ -71,7 +70,7 @@ Command = tuple[Callable[[], Any], concurrent.futures.Future[Any]]
 REFUSALS: dict[RefusalReason | None, str] = {
     "finished": "finished here: its completion was delivered",
     "abandoned": "its caller walked away",
-    "not_admitted": "not admitted here yet: held frozen if it arrives before its release",
+    "not_admitted": "not admitted here (yet): no token to keep",
     "unknown_call": "not in flight on this engine",
     "constrained_decoding": "constraint state is not part of a prefix record",
     "no_tokens": "no token generated yet: restart from the turn",
@@ -80,9 +79,8 @@ REFUSALS: dict[RefusalReason | None, str] = {
 
 
 HOLD_ENV = "ROLLSAFE_ENGINE_HOLD"
-# Calls that ended here, and calls cut before they arrived, remembered (oldest forgotten first)
-# so that a cut can say at once what happened to a call it does not find in flight: tens of
-# bytes each, a few MB at most.
+# Calls that ended here, remembered (oldest forgotten first) so that a cut can say at once what
+# happened to a call it does not find in flight: tens of bytes each, a few MB at most.
 REMEMBERED_CALLS = 65_536
 
 
@@ -191,8 +189,6 @@ class EngineLoop(Generic[CallT]):
         self._calls: dict[str, CallT] = {}
         # Call id -> how it ended here ("finished" or "abandoned"), for a cut that names it.
         self._ended: OrderedDict[str, RefusalReason] = OrderedDict()
-        # Calls a cut named before they arrived: admitted frozen until their release.
-        self._cut_unseen: OrderedDict[str, None] = OrderedDict()
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._outbox: list[tuple[Sink, StreamEvent | BaseException]] = []
         self._closing = False
@@ -378,12 +374,7 @@ class EngineLoop(Generic[CallT]):
                 call.routes = list(prefix.routes)
         self._calls[request.call_id] = call
         self._ended.pop(request.call_id, None)
-        cut_before = request.call_id in self._cut_unseen
-        self._cut_unseen.pop(request.call_id, None)
         self._start(call)
-        if cut_before and self._calls.get(request.call_id) is call:
-            call.cut = True  # a cut named it before it arrived: frozen until released
-            self._freeze(call)
 
     def _cut_batch(self, call_ids: list[str]) -> tuple[list[Frozen], list[CutRefusal]]:
         """Freeze what can be frozen; copy out its state (sealed by :meth:`cut`)."""
@@ -394,8 +385,6 @@ class EngineLoop(Generic[CallT]):
             reason: RefusalReason | None = None
             if call is None:
                 reason = self._ended.get(call_id, "not_admitted")
-                if reason == "not_admitted":
-                    _remember(self._cut_unseen, call_id, None)
             elif call.request.sampling.allowed_token_ids is not None:
                 reason = "constrained_decoding"
             elif not call.tokens:
@@ -418,7 +407,6 @@ class EngineLoop(Generic[CallT]):
     def _release(self, call_ids: set[str]) -> int:
         released = 0
         for call_id in call_ids:
-            self._cut_unseen.pop(call_id, None)  # if it arrives now, it runs
             call = self._calls.get(call_id)
             if call is not None and call.frozen:
                 self._thaw(call)

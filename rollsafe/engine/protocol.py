@@ -33,8 +33,8 @@ CUT_BATCH = 64
 FinishReason = Literal["stop", "length"]
 Route = tuple[tuple[int, ...], ...]  # the experts each layer chose for one token: [layer][k]
 # Why a call was not cut (docs/generation-cuts.md). ``finished`` and ``abandoned``: the call ended
-# here (its completion delivered, or its caller walked away); ``not_admitted``: never seen here,
-# and held frozen if it arrives before its release; ``unknown_call``: an engine that cannot tell
+# here (its completion delivered, or its caller walked away); ``not_admitted``: never seen here
+# (no token to keep; it runs when it arrives); ``unknown_call``: an engine that cannot tell
 # those apart. None of the four loses a generated token, so none is cut again.
 RefusalReason = Literal[
     "finished",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rollsafe.checkpoint.participants import merge_cuts, to_release
+from rollsafe.checkpoint.participants import merge_cuts
 from rollsafe.engine.protocol import CutRefusal
 from rollsafe.engine.staging import StagedCut
 
@@ -32,8 +32,3 @@ def test_the_engine_that_held_a_call_is_believed_over_those_that_did_not() -> No
 def test_no_engine_leaves_every_call_unknown() -> None:
     merged = merge_cuts(["x"], [])
     assert [(r.call_id, r.reason) for r in merged.refused] == [("x", "unknown_call")]
-
-
-def test_resume_releases_frozen_calls_and_those_held_for_their_arrival() -> None:
-    merged = cut({"x": 4}, y="finished", z="not_admitted", u="unknown_call", v="no_tokens")
-    assert to_release(merged) == ["x", "z", "u"]
