@@ -188,16 +188,11 @@ class RolloutSnapshot:
         )
         outcome: SnapshotOutcome | None = None
         try:
-            try:
-                for phase in _BEFORE_RESUME:
-                    if self._abort_reason is not None:  # only ever set while abortable
-                        outcome = self._outcome(request, "skipped", self._abort_reason)
-                        break
-                    await self._run_phase(request, phase)
-            except PHASE_FAILED as exc:
-                if _cancellation(exc):  # a local activity cancelled with the workflow
-                    raise asyncio.CancelledError from exc
-                raise
+            for phase in _BEFORE_RESUME:
+                if self._abort_reason is not None:  # only ever set while abortable
+                    outcome = self._outcome(request, "skipped", self._abort_reason)
+                    break
+                await self._run_phase(request, phase)
         except PHASE_FAILED as exc:
             error_type, transient = failure_type(exc)
             reason = str(exc.cause or exc)
@@ -242,11 +237,11 @@ class RolloutSnapshot:
         try:
             result = await handle
         except (*PHASE_FAILED, CancelledError) as exc:
-            if self._abort_reason is not None and _cancellation(exc):
-                return PhaseResult(
-                    phase=phase, checkpoint_id=self._checkpoint_id, summary="aborted"
-                )
-            raise
+            if not _cancellation(exc):
+                raise
+            if self._abort_reason is None:  # a local activity cancelled with the workflow
+                raise asyncio.CancelledError from exc
+            return PhaseResult(phase=phase, checkpoint_id=self._checkpoint_id, summary="aborted")
         self._results.append(result)
         return result
 
