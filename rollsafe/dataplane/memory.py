@@ -20,8 +20,8 @@ import numpy as np
 from rollsafe.dataplane import columnar
 from rollsafe.dataplane.columnar import DEFAULT_SHARD_BYTES
 from rollsafe.dataplane.protocol import DataPlaneManifest, Row
-from rollsafe.dataplane.rows import check_partition, copy_rows, key_list
-from rollsafe.errors import DataPlaneKeyMissing, InvalidInput
+from rollsafe.dataplane.rows import check_partition, copy_rows, key_list, require_keys
+from rollsafe.errors import InvalidInput
 
 _Rows = dict[str, dict[str, np.ndarray]]
 
@@ -49,9 +49,7 @@ class MemoryDataPlane:
         wanted = key_list(keys)
         with self._lock:
             stored = self._data.get(partition, {})
-            missing = {key for key in wanted if key not in stored}
-            if missing:
-                raise DataPlaneKeyMissing(partition, missing)
+            require_keys(partition, wanted, stored)
             # A view of a read-only array cannot be made writeable, so callers cannot reach in.
             return {key: {f: a.view() for f, a in stored[key].items()} for key in wanted}
 
@@ -70,9 +68,7 @@ class MemoryDataPlane:
         wanted = set(key_list(keys))
         with self._lock:
             stored = self._data.get(partition, {})
-            missing = wanted - stored.keys()
-            if missing:
-                raise DataPlaneKeyMissing(partition, missing)
+            require_keys(partition, wanted, stored)
             for key in wanted:
                 del stored[key]
             if not stored:
@@ -125,7 +121,5 @@ class MemoryDataPlane:
 
 
 def _pick(partition: str, rows: Mapping[str, Row], keys: Collection[str]) -> dict[str, Row]:
-    missing = [key for key in keys if key not in rows]
-    if missing:
-        raise DataPlaneKeyMissing(partition, missing)
+    require_keys(partition, keys, rows)
     return {key: rows[key] for key in keys}

@@ -6,12 +6,12 @@ Refused here, at the put, rather than at a checkpoint's export far from the call
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
-from rollsafe.errors import InvalidInput
+from rollsafe.errors import DataPlaneKeyMissing, InvalidInput
 from rollsafe.snapshot.tensorfile import dtype_name
 
 _PARTITION = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -35,6 +35,12 @@ def key_list(keys: Iterable[str]) -> list[str]:
     if isinstance(keys, str):
         raise InvalidInput(f"keys must be an iterable of keys, not the string {keys!r}")
     return [check_key(key) for key in keys]
+
+
+def require_keys(partition: str, wanted: Iterable[str], held: Container[str]) -> None:
+    """Every wanted key is held: a read, a delete or an export is exact, never silently short."""
+    if missing := {key for key in wanted if key not in held}:
+        raise DataPlaneKeyMissing(partition, missing)
 
 
 def check_row(partition: str, key: str, row: object) -> dict[str, np.ndarray]:

@@ -43,7 +43,7 @@ import numpy as np
 from rollsafe.dataplane import columnar, tq_runtime
 from rollsafe.dataplane.columnar import DEFAULT_SHARD_BYTES
 from rollsafe.dataplane.protocol import DataPlaneManifest, Row, row_digest
-from rollsafe.dataplane.rows import check_partition, check_rows, key_list
+from rollsafe.dataplane.rows import check_partition, check_rows, key_list, require_keys
 from rollsafe.errors import (
     DataPlaneCorrupt,
     DataPlaneKeyMissing,
@@ -153,9 +153,7 @@ class TransferQueueDataPlane:
         chosen = keys or {}
         listed = {name: builtins.list(self._tags(name)) for name in self._own()}
         for name, wanted in chosen.items():
-            there = set(listed.get(name, ()))
-            if missing := [key for key in wanted if key not in there]:
-                raise DataPlaneKeyMissing(name, missing)
+            require_keys(name, wanted, set(listed.get(name, ())))
             listed[name] = builtins.list(wanted)
         picked = {name: tags for name, tags in listed.items() if tags}
         return columnar.write_export(
