@@ -51,7 +51,7 @@ from rollsafe.reference.rl.demo_faults import (
     crash_step,
     fail_env_checkpoint_calls,
     snapshot_mid_generation,
-    wait_for_seals,
+    wait_for_kill_moment,
     worker_fault_spec,
 )
 from rollsafe.reference.rl.demo_options import DEMO_CALL_TOKENS, INSTANCES, DemoOptions
@@ -186,11 +186,11 @@ class Demo:
         )
 
     def _crash_hold(self, step: int | None) -> HoldRule | None:
-        """The reference engine holds the crash step's calls after their first token until a
-        cut freezes them, so the snapshot before the crash is sure to cut calls mid-generation
-        (the restore then resumes them from their prefixes) instead of hoping to catch some.
-        vLLM has no such instrument: there the snapshot is taken while calls are active."""
-        if step is None or isinstance(self.settings.model, HfModel):
+        """The engine (reference or vLLM) holds the crash step's calls after their first token
+        until a cut freezes them, so the snapshot before the crash is sure to cut calls
+        mid-generation (the restore then resumes them from their prefixes) instead of hoping
+        to catch some."""
+        if step is None:
             return None
         return HoldRule(from_weight_version=step, once=False)
 
@@ -318,7 +318,14 @@ class Demo:
             if step == kill_step:
                 rollouts = self.settings.groups_per_step * self.settings.group_size
                 moment = random.Random(self.settings.seed).randint(1, max(1, rollouts - 1))
-                sealed = wait_for_seals(self.options.out / GENERATIONS, moment)
+                store = SnapshotStore(self.work / "snapshots", self.settings.run_id)
+                sealed = wait_for_kill_moment(self.options.out / GENERATIONS, store, moment)
+                # A restore starts at a trainer checkpoint at or past its snapshot: when every
+                # snapshot is past them (the first one skipped, its worker killed while a step
+                # committed), the trainer checkpoints now, as a real one does every few steps.
+                versions = [m.weight_version for m in store.published_manifests()]
+                if versions and min(versions) > max(run.anchors()):
+                    run.anchor_now()
                 raise _Crash("kill", f"{sealed} rollouts sealed since step {step + 1} began")
             if step == 1 and "env" in self.faults:
                 self.record(
@@ -332,8 +339,7 @@ class Demo:
                     )
                 )
             if step == crash_step:
-                held = self._crash_hold(crash_step) is not None
-                snapshot_mid_generation(run, checkpointer, self.say, self.elapsed, held=held)
+                snapshot_mid_generation(run, checkpointer, self.say, self.elapsed)
                 raise _Crash("run", "mid-generation, just after a snapshot")
 
         while run.step < run.settings.steps:

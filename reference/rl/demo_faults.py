@@ -19,6 +19,7 @@ from rollsafe.evidence.files import FaultRecord
 from rollsafe.reference.rl.controller import Endpoints
 from rollsafe.reference.rl.demo_options import Fault
 from rollsafe.reference.rl.run import ReferenceRun
+from rollsafe.snapshot import SnapshotStore
 from rollsafe.temporal.connect import ConnectionSettings, connect
 
 Say = Callable[[str], None]
@@ -35,24 +36,16 @@ def crash_step(run_fault: Fault | None) -> int | None:
     return int(run_fault.where[4:]) - 1 if run_fault else None
 
 
-def snapshot_mid_generation(
-    run: ReferenceRun, checkpointer: Any, say: Say, elapsed: Clock, *, held: bool = False
-) -> None:
-    """Snapshots while the step's calls generate, until one cut a call. ``held``: the engine
-    holds the step's calls (``HoldRule``) until a cut, so the first snapshot after one is held
-    cuts it; otherwise a few tries (a snapshot that parks every episode between two calls cuts
-    nothing). The trainer first checkpoints its current weights if it has not: only an
-    anchored snapshot is restored."""
+def snapshot_mid_generation(run: ReferenceRun, checkpointer: Any, say: Say, elapsed: Clock) -> None:
+    """Snapshots while the step's calls generate, until one is published that cut a call. The
+    engine holds the step's calls (``HoldRule``) after their first token until a cut, so the
+    first snapshot after one is held cuts it, however loaded the machine is. The trainer first
+    checkpoints its current weights if it has not: only an anchored snapshot is restored."""
     run.anchor_now()
-
-    def generating() -> bool:
-        info = run.loop.run(run.engine.info())
-        return info.held > 0 if held else info.active > 0
-
     deadline = time.monotonic() + 30
-    while not generating() and time.monotonic() < deadline:
+    while run.loop.run(run.engine.info()).held == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
-    for _ in range(4):
+    for _ in range(4):  # a snapshot a fault fails is taken again
         outcome = asyncio.run(checkpointer.snapshot_now(timeout=120))
         cut = sum(p.counts.get("cut", 0) for p in outcome.phases)
         say(
@@ -64,17 +57,24 @@ def snapshot_mid_generation(
             return
 
 
-def wait_for_seals(generations: Path, count: int, timeout_s: float = 60.0) -> int:
-    """Until ``count`` more seals are recorded in ``generations`` than now (the moment of a
-    kill between snapshots), or ``timeout_s``; returns how many were."""
+def wait_for_kill_moment(
+    generations: Path, snapshots: SnapshotStore, count: int, timeout_s: float = 60.0
+) -> int:
+    """Until ``count`` more seals are recorded in ``generations`` than at the call (the moment
+    of a kill between snapshots) and the run has a published snapshot to be restored from
+    (the first may have been skipped, its worker killed while a step committed), or
+    ``timeout_s``; returns how many seals there were since the call."""
 
     def sealed() -> int:
         if not generations.exists():
             return 0
         return generations.read_text().count('"event":"sealed"')
 
+    def ready() -> bool:
+        return sealed() >= base + count and bool(snapshots.published_manifests())
+
     base, deadline = sealed(), time.monotonic() + timeout_s
-    while sealed() < base + count and time.monotonic() < deadline:
+    while not ready() and time.monotonic() < deadline:
         time.sleep(0.02)
     return sealed() - base
 

@@ -105,7 +105,7 @@ class ControllerCalls(Protocol):
     actor through a proxy (the same methods, each a remote call)."""
 
     def handout(self, groups: Sequence[int]) -> None: ...
-    def generate(self) -> int: ...
+    def generate(self, groups: Sequence[int] | None = None) -> int: ...
     def owned(self) -> int: ...
     def next_groups(self, timeout_s: float) -> tuple[list[int], list[int]]: ...
     def evict(self, groups: Sequence[int]) -> None: ...
@@ -316,7 +316,14 @@ class ReferenceRun:
         if wanted > 0:
             position = self.controller.loader_position()
             self.controller.handout(list(range(position, position + wanted)))
-        self.controller.generate()
+        if self.settings.deterministic:
+            # Only this step's groups, with this step's weights: a restore whose journal
+            # rolled a commit back also owns the next step's groups (handed out after that
+            # commit); generated now, they would use the weights before the step is retrained.
+            first = self.step * size
+            self.controller.generate(list(range(first, first + size)))
+        else:
+            self.controller.generate()
 
     def _train(self, groups: Sequence[int]) -> StepResult:
         self.controller.claim(groups, self.step)

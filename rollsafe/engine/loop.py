@@ -20,12 +20,13 @@ remembers the calls that ended here (``finished``, ``abandoned``), so a call the
 in flight and does not remember is ``not_admitted``: its request has not arrived (it has no
 token to keep, and runs when it comes), so a park window never waits to find out which it was.
 
-Tests and drills can have the reference engine *hold* calls (:class:`HoldRule`, from
-``ROLLSAFE_ENGINE_HOLD``): a held call stops after its first tokens and waits, generating
-nothing. By default the engine's first cut ends the hold: every held call goes on (a cut one
-once it is released) and no call is held again; with ``once=False`` a cut ends it only for the
-calls it froze, and later calls are held as before. A snapshot then always finds the calls it
-is meant to catch, however loaded the machine is, where a test would otherwise race the decode.
+Tests and drills can have an engine (the reference engine, vLLM) *hold* calls
+(:class:`HoldRule`, from ``ROLLSAFE_ENGINE_HOLD``): a held call stops after its first tokens
+and waits, generating nothing. By default the engine's first cut ends the hold: every held
+call goes on (a cut one once it is released) and no call is held again; with ``once=False`` a
+cut ends it only for the calls it froze, and later calls are held as before. A snapshot then
+always finds the calls it is meant to catch, however loaded the machine is, where a test would
+otherwise race the decode.
 """
 
 from __future__ import annotations
@@ -288,6 +289,14 @@ class EngineLoop(Generic[CallT]):
         """A frozen call goes on where it was frozen."""
         call.frozen = False
 
+    def _hold_call(self, call: CallT) -> None:
+        """The hold rule stops the call after a token: it waits, generating nothing."""
+        call.held = True
+
+    def _unhold(self, call: CallT) -> None:
+        """The hold ended for a call it stopped (and no cut froze): it goes on."""
+        call.held = False
+
     def _round(self) -> None:
         raise NotImplementedError
 
@@ -332,7 +341,8 @@ class EngineLoop(Generic[CallT]):
         elif len(call.tokens) >= params.max_tokens:
             self._finish(call, "length")
         else:
-            call.held = self._hold is not None and self._hold.holds(call, self.weight_version)
+            if self._hold is not None and self._hold.holds(call, self.weight_version):
+                self._hold_call(call)
             return False
         return True
 
@@ -394,14 +404,15 @@ class EngineLoop(Generic[CallT]):
                 continue
             if not call.frozen:
                 self._freeze(call)
-            call.held, call.cut = False, True
+            call.cut = True
+            call.held = False
             routes = tuple(call.routes) if call.routes is not None else None
             state = (tuple(call.tokens), tuple(call.logprobs), tuple(call.versions), routes)
             frozen.append(Frozen(call.request, *state))
         if frozen and self._hold is not None and self._hold.once:  # ends it for every call
             self._hold = None
-            for call in self._calls.values():
-                call.held = False
+            for call in [c for c in self._calls.values() if c.held]:
+                self._unhold(call)
         return frozen, refused
 
     def _release(self, call_ids: set[str]) -> int:

@@ -6,6 +6,7 @@ in a later step, a restore onto fresh servers, and the evidence of the restored 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,10 +29,10 @@ class Crash(Exception):
     """The whole run is killed here (servers SIGKILLed, the run's objects dropped)."""
 
 
-@pytest.fixture
-def servers(tmp_path: Path) -> Iterator[RunServers]:
+@contextmanager
+def run_servers(logs: Path) -> Iterator[RunServers]:
     running = RunServers(
-        tmp_path / "logs",
+        logs,
         INSTANCES,
         seed=SETTINGS.seed,
         engine_token=ENGINE_TOKEN,
@@ -44,23 +45,31 @@ def servers(tmp_path: Path) -> Iterator[RunServers]:
         running.stop()
 
 
-def uninterrupted(servers: RunServers, root: Path) -> Path:
-    run = ReferenceRun(SETTINGS, servers.start(), root, root / "out")
-    try:
-        run.run()
-        run.finish()
-    finally:
-        run.close()
-    servers.crash()
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[RunServers]:
+    with run_servers(tmp_path / "logs") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The evidence of an uninterrupted run with :data:`SETTINGS`' seed, which every
+    deterministic run here must match token for token."""
+    root = tmp_path_factory.mktemp("reference")
+    with run_servers(root / "logs") as servers:
+        run = ReferenceRun(SETTINGS, servers.start(), root, root / "out")
+        try:
+            run.run()
+            run.finish()
+        finally:
+            run.close()
     return root / "out"
 
 
 def test_a_run_crashed_and_restored_trains_the_same_tokens_exactly_once(
-    servers: RunServers, tmp_path: Path
+    servers: RunServers, reference: Path, tmp_path: Path
 ) -> None:
-    reference = uninterrupted(servers, tmp_path / "a")
-
-    root, out = tmp_path / "b", tmp_path / "b" / "out"
+    root, out = tmp_path, tmp_path / "out"
     # The snapshot's own restore path (cut calls resumed from their prefixes): without the
     # journal, whose seals after the snapshot would leave nothing to resume (docs/journal.md).
     settings = SETTINGS.model_copy(update={"journal": False})
@@ -100,6 +109,47 @@ def test_a_run_crashed_and_restored_trains_the_same_tokens_exactly_once(
     assert {row.step for row in evidence.rolled_back} == {1}  # committed after the snapshot
     # The cut path really ran: some rollout resumed a call from its staged prefix.
     assert sum(row.restored_prefix_tokens for row in evidence.trained) > 0
+
+
+def test_a_restore_that_rolls_a_step_back_generates_the_next_step_with_its_retrained_weights(
+    servers: RunServers, reference: Path, tmp_path: Path
+) -> None:
+    """With the journal and a trainer checkpoint every 2 steps, a run killed while step 1
+    generates restores the snapshot at weight version 0 and the journal after it, step 0's
+    commit rolled back. The restored run owns step 1's groups too (handed out after that
+    commit, still generating): they must wait for step 0 to be trained again, not generate at
+    once with the weights before it (they did: tokens differed from the reference run's)."""
+    settings = SETTINGS.model_copy(update={"checkpoint_every": 2})
+    root, out = tmp_path, tmp_path / "out"
+    first = ReferenceRun(settings, servers.start(hold=STEP_1_CALLS), root, out)
+
+    def faults(step: int) -> None:
+        if step == 0:
+            assert first.snapshot()[Phase.PUBLISH].published is not None
+        if step == 1:  # step 1's calls are in flight (held after a token): kill everything
+            eventually(lambda: first.loop.run(first.engine.info()).held, what="a call held")
+            servers.crash()
+            raise Crash
+
+    try:
+        with pytest.raises(Crash):
+            first.run(during=faults)
+    finally:
+        first.close()
+
+    second, plan = ReferenceRun.restored(settings, servers.start(), root, out)
+    try:
+        assert plan.weight_version == 0
+        assert plan.journal is not None and plan.journal.rolled_back_groups == [0, 1]
+        second.run()
+        second.finish()
+    finally:
+        second.close()
+
+    evidence = Evidence.read(out)
+    checks = verify(evidence, Evidence.read(reference))
+    assert all(c.ok for c in checks), [c for c in checks if not c.ok]
+    assert {row.step for row in evidence.rolled_back} == {0}
 
 
 ASYNC = SETTINGS.model_copy(

@@ -22,17 +22,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollsafe.engine.loop import HoldRule
 from rollsafe.engine.protocol import (
     Completion,
     GenerateRequest,
     PrefixRecord,
     SamplingParams,
+    StreamEvent,
     completion_of,
     seal_prefix,
 )
 from rollsafe.engine.vllm.engine import VllmEngine
 from rollsafe.errors import InvalidInput, PrefixMismatch
 from rollsafe.testing.parity import completed, mismatches
+from rollsafe.testing.waiting import eventually_async
 
 VOCAB = 1024
 EXACT = [("dense", "float32"), ("moe", "float32")]
@@ -120,6 +123,43 @@ async def test_calls_cut_at_random_points_resume_exactly(engine: VllmEngine) -> 
         assert (info.active, info.frozen) == (0, 0)
         if engine.kind == "moe":
             assert all(c.routes is not None and len(c.routes) == len(c.tokens) for c in got)
+
+
+@on(*EXACT)
+async def test_a_held_call_waits_outside_vllm_until_a_cut_and_resumes_exactly(
+    engine: VllmEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hold instrument (``ROLLSAFE_ENGINE_HOLD``) on vLLM: a held call leaves vLLM's
+    scheduler after ``after_tokens`` tokens and makes nothing more; the cut freezes it there,
+    ends the hold (``once``), and the released call ends exactly like an uninterrupted one."""
+    async with asyncio.timeout(LIMIT_S):
+        held, free = requests(2, seed=11, tag="hold")
+        reference = await alone(engine, [held, free])
+        # The module's engine, not one built with the variable set: vLLM allows one engine
+        # per process and builds one in tens of seconds. The rule is what the variable carries.
+        monkeypatch.setattr(engine, "_hold", HoldRule(calls="^hold-0$", after_tokens=3))
+        stream = engine.generate(held)
+        reading = asyncio.ensure_future(completion_of_stream(held, stream))
+        await eventually_async(lambda: held_calls(engine), what="the call held")
+        # Other calls run past a held one.
+        assert mismatches([reference[1]], [await completed(engine, free)]) == []
+        report = await engine.cut([held.call_id])
+        assert [len(p.tokens) for p in report.prefixes] == [3]  # nothing made while held
+        info = await engine.info()
+        assert (info.held, info.frozen) == (0, 1)
+        assert await engine.release([held.call_id]) == 1
+        assert mismatches([reference[0]], [await reading]) == []
+        assert engine._hold is None  # the first cut ended it for every call
+
+
+async def held_calls(engine: VllmEngine) -> int:
+    return (await engine.info()).held
+
+
+async def completion_of_stream(
+    request: GenerateRequest, stream: AsyncIterator[StreamEvent]
+) -> Completion:
+    return completion_of(request.call_id, [event async for event in stream])
 
 
 @on(*BF16)

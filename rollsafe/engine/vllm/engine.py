@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 import torch
 
-from rollsafe.engine.loop import HOLD_ENV, CallState, EngineLoop, Sink
+from rollsafe.engine.loop import CallState, EngineLoop, Sink
 from rollsafe.engine.protocol import GenerateRequest, PrefixRecord, Route
 from rollsafe.errors import EngineUnavailable, InvalidInput
 
@@ -91,8 +91,6 @@ class VllmEngine(EngineLoop[VllmCall]):
         engine_args: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__("rollsafe-vllm")
-        if self._hold is not None:  # vLLM's scheduler steps every call it holds
-            raise InvalidInput(f"{HOLD_ENV} holds calls of the reference engine only")
         self.model_dir = Path(model)
         config_file = self.model_dir / "config.json"
         if not config_file.is_file():
@@ -203,7 +201,7 @@ class VllmEngine(EngineLoop[VllmCall]):
             # Token i was sampled from the logits at position prompt + i - 1.
             position = prompt + len(call.tokens) - 1
             route = call.pending_routes.pop(position) if call.routes is not None else None
-            if self._made(call, token, float(logprobs[token].logprob), route):
+            if self._made(call, token, float(logprobs[token].logprob), route) or call.held:
                 return
         if output.finished:  # vLLM ended it and the call's own rules did not: say so
             self._fail(call, f"vLLM ended call {call.call_id} ({completion.finish_reason})")
@@ -268,6 +266,17 @@ class VllmEngine(EngineLoop[VllmCall]):
 
     def _thaw(self, call: VllmCall) -> None:
         self._start(call)
+
+    def _hold_call(self, call: VllmCall) -> None:
+        # vLLM's scheduler steps every request it has: a held call leaves it, as a frozen one
+        # does, and comes back as a new request from its tokens (the same tokens follow).
+        self._stop_generating(call)
+        call.held = True
+
+    def _unhold(self, call: VllmCall) -> None:
+        call.held = False
+        if not call.frozen:
+            self._start(call)
 
     def _drop(self, call: VllmCall) -> None:
         self._stop_generating(call)
