@@ -37,7 +37,7 @@ test-unit: setup
 	$(BIN)/python -m pytest -q --cov=rollsafe --cov-report=term:skip-covered tests/unit
 
 test-integration: setup
-	$(BIN)/python -m pytest -q tests/cluster tests/integration
+	$(BIN)/python -m pytest -q --durations=25 tests/cluster tests/integration
 
 # A Ray cluster of four `ray start` nodes on this machine (the data plane on a node of its own):
 # the node holding a checkpoint worker is killed mid-snapshot, the snapshot publishes, the run

@@ -21,6 +21,7 @@ run is asynchronous unless ``--deterministic`` (see ``rollsafe.reference.rl.run`
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import signal
@@ -28,13 +29,14 @@ import statistics
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 from rollsafe.checkpoint.actor import NAMESPACE, actor_name
 from rollsafe.engine.loop import HoldRule
+from rollsafe.errors import TemporalUnavailable
 from rollsafe.evidence.files import (
     GENERATIONS,
     Evidence,
@@ -62,6 +64,7 @@ from rollsafe.reference.rl.servers import RunServers
 from rollsafe.snapshot import SnapshotStore
 
 WORKER_BANNER = r"rollsafe worker: run '(\S+)'"
+log = logging.getLogger(__name__)
 
 
 class ControllerActorProxy:
@@ -426,15 +429,29 @@ class CheckpointerListener:
     committed step aborts a snapshot that has not captured yet (it would be stale), and a
     trainer checkpoint asks for a snapshot anchored at it."""
 
+    # A notice the server did not take in time (TemporalUnavailable: transient) is sent
+    # again, as the SDK's errors say to; both notices are idempotent.
+    ATTEMPTS = 3
+
     def __init__(self, checkpointer: Any) -> None:
         self.checkpointer = checkpointer
 
     def step_committed(self, step: int) -> None:
         # One signal; a snapshot it made stale shows as skipped in the snapshot watch.
-        asyncio.run(self.checkpointer.train_step_committed(step))
+        self._notify(lambda: self.checkpointer.train_step_committed(step))
 
     def checkpoint_saved(self, weight_version: int, path: Path) -> None:
-        asyncio.run(self.checkpointer.trainer_checkpoint_saved(weight_version, str(path)))
+        self._notify(lambda: self.checkpointer.trainer_checkpoint_saved(weight_version, str(path)))
+
+    def _notify(self, notice: Callable[[], Coroutine[Any, Any, object]]) -> None:
+        for attempt in range(1, self.ATTEMPTS + 1):
+            try:
+                asyncio.run(notice())
+                return
+            except TemporalUnavailable as exc:
+                if attempt == self.ATTEMPTS:
+                    raise
+                log.warning("trainer notice not taken (attempt %d): %s", attempt, exc)
 
 
 def run_demo(options: DemoOptions, say: Callable[[str], None] = print) -> list[Check]:

@@ -17,7 +17,7 @@ from rollsafe.evidence.files import Evidence
 from rollsafe.evidence.verify import verify
 from rollsafe.http.served import rollsafe_command
 
-STEPS = "4"
+STEPS = "3"
 NO_KILL = ["--fault", "coordinator@capture", "--fault", "run@step3", "--fault", "env@prepare"]
 # Whole demos as subprocesses, each bounded by its own 600 s: the test's limit covers two.
 pytestmark = pytest.mark.timeout(1500)
@@ -33,51 +33,59 @@ def demo(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def default_demo(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[Path, Future[subprocess.CompletedProcess[str]]]]:
-    """The default demo, started with the module and run beside the deterministic ones (the
-    last test reads it): each demo leaves much of the two cores idle, so side by side they end
-    minutes sooner than one after another, and none of them depends on its pace."""
-    out = tmp_path_factory.mktemp("default") / "async"
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        yield out, pool.submit(demo, out)
+Demo = Future[subprocess.CompletedProcess[str]]
+ENGINES = ("reference", "vllm")
 
 
-@pytest.mark.parametrize("engine", ["reference", "vllm"])
-def test_deterministic_faulted_and_unfaulted_runs_train_the_same_tokens(
-    tmp_path: Path, engine: str
-) -> None:
-    """``--engine vllm``: vLLM serves the policy (a tiny dense model the demo builds), and the
-    run killed mid-generation resumes from cut prefixes on a fresh vLLM server. The two runs
-    go side by side (each its own Temporal server, Ray and servers on free ports): a
-    deterministic run's tokens do not depend on how fast it goes."""
+def deterministic_faults(engine: str) -> list[str]:
     # With vLLM, no kill between snapshots (the journal's restore does not depend on the
     # engine, and a third vLLM start would cost a minute of the suite): the other faults.
-    faults = [] if engine == "reference" else NO_KILL
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        running = pool.submit(
-            demo, tmp_path / "faulted", "--deterministic", "--engine", engine, *faults
-        )
-        clean = demo(tmp_path / "clean", "--deterministic", "--no-faults", "--engine", engine)
-        faulted = running.result()
+    return [] if engine == "reference" else NO_KILL
+
+
+@pytest.fixture(scope="module")
+def demos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, Demo]]]:
+    """Every demo of the module, all started with it and run side by side (the tests read
+    them): each leaves much of the two cores idle, and none depends on its pace (a
+    deterministic run's tokens do not depend on how fast it goes), so together they end
+    minutes sooner than one after another. Each has its own Temporal server, Ray and servers
+    on free ports. Keys: ``default``, ``<engine>/faulted``, ``<engine>/clean``."""
+    outs = {"default": tmp_path_factory.mktemp("default") / "async"}
+    flags: dict[str, list[str]] = {"default": []}
+    for engine in ENGINES:
+        root = tmp_path_factory.mktemp(engine)
+        outs[f"{engine}/faulted"] = root / "faulted"
+        outs[f"{engine}/clean"] = root / "clean"
+        run = ["--deterministic", "--engine", engine]
+        flags[f"{engine}/faulted"] = [*run, *deterministic_faults(engine)]
+        flags[f"{engine}/clean"] = [*run, "--no-faults"]
+    with ThreadPoolExecutor(max_workers=len(outs)) as pool:
+        yield {key: (out, pool.submit(demo, out, *flags[key])) for key, out in outs.items()}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_deterministic_faulted_and_unfaulted_runs_train_the_same_tokens(
+    demos: dict[str, tuple[Path, Demo]], engine: str
+) -> None:
+    """``--engine vllm``: vLLM serves the policy (a tiny dense model the demo builds), and the
+    run killed mid-generation resumes from cut prefixes on a fresh vLLM server."""
+    faulted_dir, faulted_run = demos[f"{engine}/faulted"]
+    clean_dir, clean_run = demos[f"{engine}/clean"]
+    faulted, clean = faulted_run.result(), clean_run.result()
     assert faulted.returncode == 0, faulted.stdout[-3000:] + faulted.stderr[-3000:]
     assert "[restore]" in faulted.stdout
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
-    assert (tmp_path / "clean" / "faults.jsonl").read_text() == ""
+    assert (clean_dir / "faults.jsonl").read_text() == ""
 
     against = subprocess.run(
-        rollsafe_command(
-            "verify", str(tmp_path / "faulted"), "--against", str(tmp_path / "clean"), "--json"
-        ),
+        rollsafe_command("verify", str(faulted_dir), "--against", str(clean_dir), "--json"),
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert against.returncode == 0, against.stdout
     assert all(check["ok"] for check in json.loads(against.stdout)["checks"])
-    evidence = Evidence.read(tmp_path / "faulted")
+    evidence = Evidence.read(faulted_dir)
     assert len(evidence.trained) == int(STEPS) * 2 * 4
     assert len(evidence.handed_out) == int(STEPS) * 2  # nothing generated ahead
     # The run was killed with calls mid-generation: some resumed from their staged prefixes.
@@ -85,10 +93,10 @@ def test_deterministic_faulted_and_unfaulted_runs_train_the_same_tokens(
 
 
 def test_the_demo_with_its_default_faults_passes_verification(
-    default_demo: tuple[Path, Future[subprocess.CompletedProcess[str]]],
+    demos: dict[str, tuple[Path, Demo]],
 ) -> None:
     """Asynchronous (the default): generation a step ahead, the windowed sampler."""
-    out, running = default_demo
+    out, running = demos["default"]
     run = running.result()
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     for line in ("[fault] checkpoint worker died", "[fault] environment w1", "[restore]"):
