@@ -6,8 +6,10 @@ Checkpoint (timed): ``RunState.capture`` + the ledger/index agreement check + a 
 snapshot with ``ledger.safetensors``, ``replay_index.safetensors``, ``loader.json``,
 ``sampler.json`` and ``run.json`` written by ``CapturedState.write`` (hash while writing, fsync
 per file, directory fsyncs, manifest last, atomic rename, LATEST, retention) — the controller's
-own path without the data plane. Restore (timed): ``store.select()`` (hashes every file) +
-``CapturedState.read`` (hashed again) + ``Ledger.restore`` + ``ReplayIndex.restore``.
+own path without the data plane. Restore (timed): ``store.select(contents=False)`` (manifest,
+file list, sizes) + ``CapturedState.read`` (each file hashed as it is read) +
+``verify_unread`` + ``Ledger.restore`` + ``ReplayIndex.restore``; and, timed apart in the same
+round, the path before (*verify-first*: ``select()`` hashes every file, the reads again).
 
 Baselines, same directory, same run, alternating with the real path: *write* = open a new
 file, write the snapshot's byte count from a pre-built buffer in 8 MiB chunks, fsync it,
@@ -88,10 +90,13 @@ def checkpoint(store: SnapshotStore, run: RunState, sealed: int, seq: int) -> Pu
         )
 
 
-def restore(store: SnapshotStore) -> tuple[Ledger, ReplayIndex]:
-    """What RunState._load does for the same files (select verifies every digest first)."""
-    reader = store.select()
+def restore(store: SnapshotStore, *, verify_first: bool = False) -> tuple[Ledger, ReplayIndex]:
+    """What RunState._load does for the same files: each file hashed as it is loaded, the
+    rest after (``verify_first``: select hashes every file first and the loads hash them
+    again, the path before restores hashed once)."""
+    reader = store.select(contents=verify_first)
     state = CapturedState.read(reader)
+    reader.verify_unread()
     ledger = Ledger.restore(*state.ledger, "ledger")
     index = ReplayIndex.restore(*state.index, "index")
     InOrderSampler().load_state(state.sampler, index)
@@ -139,6 +144,25 @@ def profile_checkpoint(
     pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(15)
 
 
+def real_round(
+    store: SnapshotStore, run: RunState, sealed: int, seq: int
+) -> tuple[tuple[float, ...], tuple[Ledger, ReplayIndex]]:
+    """Seconds of the sweep, the checkpoint, the restore and the verify-first restore, and
+    what the restore gave back. Retention only renames old snapshots to trash; their bytes
+    are deleted by the sweep at the next begin. Timed apart: it is housekeeping, not capture
+    or publish (see docs/benchmarks.md)."""
+    t0 = time.perf_counter()
+    store.sweep()
+    t1 = time.perf_counter()
+    checkpoint(store, run, sealed, seq)
+    t2 = time.perf_counter()
+    restored = restore(store)
+    t3 = time.perf_counter()
+    restore(store, verify_first=True)
+    t4 = time.perf_counter()
+    return (t1 - t0, t2 - t1, t3 - t2, t4 - t3), restored
+
+
 def measure(rollouts: int, repeats: int, root: Path, profile: Path | None) -> dict[str, Any]:
     start = time.perf_counter()
     ledger, index = build(rollouts)
@@ -159,25 +183,15 @@ def measure(rollouts: int, repeats: int, root: Path, profile: Path | None) -> di
     fsync_dir(root)
     baseline_write(base_dir / "warm-up", data)  # untimed, like the real path's warm-up
     (base_dir / "warm-up").unlink()
-    ckpt, rest, bw, br, sweep = [], [], [], [], []
+    ckpt, rest, twice, bw, br, sweep = [], [], [], [], [], []
     for r in range(repeats):
         for real in (r % 2 == 1, r % 2 == 0):  # alternate which one goes first
             os.sync()  # untimed: start each measurement with no dirty pages queued
             if real:
                 seq += 1
-                # Retention only renames old snapshots to trash; their bytes are deleted by
-                # the sweep at the next begin. Timed apart: it is housekeeping, not capture
-                # or publish (see docs/benchmarks.md).
-                s0 = time.perf_counter()
-                store.sweep()
-                sweep.append(time.perf_counter() - s0)
-                t0 = time.perf_counter()
-                checkpoint(store, run, sealed, seq)
-                t1 = time.perf_counter()
-                restored = restore(store)
-                t2 = time.perf_counter()
-                ckpt.append(t1 - t0)
-                rest.append(t2 - t1)
+                times, restored = real_round(store, run, sealed, seq)
+                for into_list, took in zip((sweep, ckpt, rest, twice), times, strict=True):
+                    into_list.append(took)
                 if r == 0 and not (
                     same(ledger.capture(), restored[0]) and same(index.capture(), restored[1])
                 ):
@@ -196,11 +210,13 @@ def measure(rollouts: int, repeats: int, root: Path, profile: Path | None) -> di
     row |= {"checkpoint_s": c, "rollouts_per_s": rollouts / c, "us_per_rollout": c / rollouts * 1e6}
     row |= {"baseline_write_s": w, "write_ratio": w / c, "write_ratio_min": min(bw) / min(ckpt)}
     row |= {"sweep_s": statistics.median(sweep), "restore_s": rs}
+    row |= {"restore_twice_s": statistics.median(twice)}
     row |= {"restore_rollouts_per_s": rollouts / rs, "baseline_read_s": rd, "read_ratio": rd / rs}
     all_runs = {
         "checkpoint": ckpt,
         "baseline_write": bw,
         "restore": rest,
+        "restore_verify_first": twice,
         "baseline_read": br,
         "sweep": sweep,
     }
@@ -220,6 +236,7 @@ TABLE = [
     ("w ratio min", "write_ratio_min", ".2f"),
     ("sweep s", "sweep_s", ".4f"),
     ("restore s", "restore_s", ".4f"),
+    ("hash 2x s", "restore_twice_s", ".4f"),
     ("read s", "baseline_read_s", ".4f"),
     ("r ratio", "read_ratio", ".3f"),
 ]

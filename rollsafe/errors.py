@@ -23,6 +23,7 @@
     │   ├── OwnershipMismatch
     │   ├── TopologyMismatch
     │   ├── SnapshotCorrupt
+    │   │   ├── ContentMismatch        a file's bytes are not those the manifest lists
     │   │   ├── NoValidSnapshot        no candidate verified; one reason per candidate
     │   │   └── RowMismatch            a restored row differs from what was sealed
     │   ├── SchemaMismatch
@@ -124,6 +125,11 @@ class TopologyMismatch(InvariantError):
 
 class SnapshotCorrupt(InvariantError):
     """A snapshot (or a file in it) failed verification."""
+
+
+class ContentMismatch(SnapshotCorrupt):
+    """A snapshot file's bytes are not those its manifest lists (size, sha256, unreadable):
+    a restore that finds one while loading selects the next snapshot."""
 
 
 class NoValidSnapshot(SnapshotCorrupt):

@@ -33,6 +33,7 @@ from rollsafe.core.states import GroupState, RecordKind, RestoreLevel
 from rollsafe.dataplane import DataPlane, Row, row_digest
 from rollsafe.dataplane.protocol import DataPlaneManifest
 from rollsafe.errors import (
+    ContentMismatch,
     InvalidInput,
     LedgerInvariantViolation,
     RowMismatch,
@@ -379,10 +380,7 @@ class RunState:
         directory is unchanged and ``dataplane`` (which may hold imported rows) is discarded
         by the caller.
         """
-        reader = store.select(accept)
-        controller = cls(config, dataplane)
-        controller._load(reader)
-        controller._verify_rows()
+        controller, reader = cls._load_newest(config, store, dataplane, accept)
         replayed = journal(controller, reader) if journal is not None else None
         changed = replayed.changed if replayed is not None else unchanged
         envs = EnvironmentsRestored(dict(restored_episodes or {}))
@@ -393,6 +391,31 @@ class RunState:
         if replayed is not None:  # replaying this restore later must decide the same
             controller._log(RecordKind.RESTART, _restart_meta(envs, replayed.rolled_back))
         return controller, controller._plan(reader, envs, released, partial)
+
+    @classmethod
+    def _load_newest(
+        cls,
+        config: RunConfig,
+        store: SnapshotStore,
+        dataplane: DataPlane,
+        accept: Callable[[SnapshotManifest], str | None] | None,
+    ) -> tuple[RunState, SnapshotReader]:
+        """The newest snapshot that verifies, loaded. Each file is hashed as it is loaded (the
+        bytes hashed are the bytes decoded: one read, one hash), the files no load read after;
+        a file that fails sends the restore to the next snapshot, as select would have."""
+        refused: dict[str, str] = {}
+        while True:
+            reader = store.select(accept, contents=False, refused=refused)
+            controller = cls(config, dataplane)
+            try:
+                controller._load(reader)
+                reader.verify_unread()
+            except ContentMismatch as exc:
+                dataplane.clear()
+                refused[reader.name] = str(exc)
+                continue
+            controller._verify_rows()
+            return controller, reader
 
     def _load(self, reader: SnapshotReader) -> None:
         state = CapturedState.read(reader)
@@ -409,7 +432,8 @@ class RunState:
         self.weight_version = state.loader.weight_version
         self.sampler.load_state(state.sampler, self.index)
         exported = reader.read_json("dataplane.json", DataPlaneManifest)
-        self.dataplane.import_(reader.path / "dataplane", exported)
+        self.dataplane.import_(reader.path / "dataplane", exported)  # checks each file it reads
+        reader.checked_elsewhere({f"dataplane/{f.path}": f.sha256 for f in exported.files})
         try:
             check_agreement(state, self.dataplane.count(ROLLOUT_PARTITION))
         except LedgerInvariantViolation as exc:

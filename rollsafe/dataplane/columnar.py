@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rollsafe.dataplane import BACKENDS
 from rollsafe.dataplane.protocol import DataPlaneManifest, ExportedFile, Row
 from rollsafe.dataplane.rows import check_partition
-from rollsafe.errors import InvalidInput, SchemaMismatch, SnapshotCorrupt
+from rollsafe.errors import ContentMismatch, InvalidInput, SchemaMismatch, SnapshotCorrupt
 from rollsafe.snapshot.tensorfile import HashingWriter, dtype_name, read_tensors, write_tensors
 
 FORMAT_VERSION: Final = 1
@@ -256,7 +256,7 @@ def read_verified(directory: Path, manifest: DataPlaneManifest) -> dict[str, byt
     for path, entry in sorted(listed.items()):
         data = (directory / path).read_bytes()
         if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
-            raise SnapshotCorrupt(f"{directory / path}: sha256 or size differs from the manifest")
+            raise ContentMismatch(f"{directory / path}: sha256 or size differs from the manifest")
         contents[path] = data
     return contents
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import builtins
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -127,11 +127,23 @@ class RemoteSnapshotStore(SnapshotStore):
 
     # -- reading ---------------------------------------------------------------------------
 
-    def select(self, accept: Accept | None = None) -> SnapshotReader:
+    def select(
+        self,
+        accept: Accept | None = None,
+        *,
+        contents: bool = True,
+        refused: Mapping[str, str] | None = None,
+    ) -> SnapshotReader:
         """Newest remote snapshot whose manifest exists, that ``accept`` takes and that
-        verifies after download; NoValidSnapshot names every refused candidate."""
+        verifies after download; NoValidSnapshot names every refused candidate. Downloading
+        reads every byte anyway, so the copy is always verified whole (``contents`` is
+        ignored); ``refused`` as for the local store."""
+        del contents
         candidates, reasons = self._candidates()
         for _seq, name in candidates:
+            if refused is not None and name in refused:
+                reasons[name] = refused[name]
+                continue
             try:
                 manifest = self._read_manifest(name)
                 if accept is not None and (why := accept(manifest)) is not None:

@@ -16,7 +16,13 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from rollsafe.errors import InvalidInput, NoValidSnapshot, SchemaMismatch, SnapshotCorrupt
+from rollsafe.errors import (
+    ContentMismatch,
+    InvalidInput,
+    NoValidSnapshot,
+    SchemaMismatch,
+    SnapshotCorrupt,
+)
 from rollsafe.snapshot._fs import (
     LATEST_NAME,
     SNAPSHOTS_DIR,
@@ -74,6 +80,9 @@ class SnapshotReader:
     manifest_sha256: str
     skipped: Mapping[str, str] = field(default_factory=dict)
     latest_problem: str | None = None
+    # Files whose bytes no read has checked yet (``select(contents=False)``): each read checks
+    # and removes its file; :meth:`verify_unread` checks the rest. Empty: all were checked.
+    unverified: set[str] = field(default_factory=set)
 
     @property
     def name(self) -> str:
@@ -88,12 +97,35 @@ class SnapshotReader:
         try:
             data = read_regular(self.path / relpath)
         except OSError as exc:
-            raise SnapshotCorrupt(f"{source}: unreadable ({exc})") from None
+            raise ContentMismatch(f"{source}: unreadable ({exc})") from None
         if len(data) != entry.bytes:
-            raise SnapshotCorrupt(f"{source}: {len(data)} bytes, manifest says {entry.bytes}")
+            raise ContentMismatch(f"{source}: {len(data)} bytes, manifest says {entry.bytes}")
         if hashlib.sha256(data).hexdigest() != entry.sha256:
-            raise SnapshotCorrupt(f"{source}: sha256 does not match the manifest")
+            raise ContentMismatch(f"{source}: sha256 does not match the manifest")
+        self.unverified.discard(relpath)
         return data
+
+    def checked_elsewhere(self, digests: Mapping[str, str]) -> None:
+        """Files whose bytes another reader loaded after checking them against these sha256s
+        (the data plane's import checks its own files): no second hash, once the digests are
+        the manifest's."""
+        for relpath, sha256 in digests.items():
+            entry = self.manifest.files.get(relpath)
+            if entry is None or entry.sha256 != sha256:
+                raise ContentMismatch(f"{self.name}/{relpath}: not the file the manifest lists")
+            self.unverified.discard(relpath)
+
+    def verify_unread(self) -> None:
+        """Hash the files no read has checked, so that the whole snapshot verified before
+        anything outside this process (an environment) is told to restore from it."""
+        for relpath in sorted(self.unverified):
+            try:
+                digest = hash_file(self.path / relpath).sha256
+            except OSError as exc:
+                raise ContentMismatch(f"{self.name}/{relpath}: unreadable ({exc})") from None
+            if digest != self.manifest.files[relpath].sha256:
+                raise ContentMismatch(f"{self.name}/{relpath}: sha256 does not match the manifest")
+            self.unverified.discard(relpath)
 
     def read_json(self, relpath: str, model: type[_M]) -> _M:
         data = self.read_bytes(relpath)
@@ -112,7 +144,7 @@ def verify_snapshot(path: Path, run_id: str) -> tuple[SnapshotManifest, str]:
         raise type(exc)(f"{path}: {exc}") from None
 
 
-def _verify(path: Path, run_id: str) -> tuple[SnapshotManifest, str]:
+def _verify(path: Path, run_id: str, *, contents: bool = True) -> tuple[SnapshotManifest, str]:
     parsed = parse_dir_name(path.name)
     if parsed is None:
         raise SnapshotCorrupt("not a snapshot directory name")
@@ -125,7 +157,7 @@ def _verify(path: Path, run_id: str) -> tuple[SnapshotManifest, str]:
             f"the directory name says seq {parsed[0]} kind {parsed[1].value}"
         )
     try:
-        _verify_files(path, manifest)
+        _verify_files(path, manifest, contents=contents)
     except OSError as exc:
         raise SnapshotCorrupt(f"unreadable ({exc})") from None
     return manifest, digest
@@ -143,7 +175,7 @@ def load_manifest(path: Path, run_id: str) -> tuple[SnapshotManifest, str]:
     return manifest, hashlib.sha256(data).hexdigest()
 
 
-def _verify_files(path: Path, manifest: SnapshotManifest) -> None:
+def _verify_files(path: Path, manifest: SnapshotManifest, *, contents: bool = True) -> None:
     files, _dirs, oddities = scan_tree(path)
     if oddities:
         raise SnapshotCorrupt(f"symlink or special file(s) not allowed: {_few(oddities)}")
@@ -163,9 +195,9 @@ def _verify_files(path: Path, manifest: SnapshotManifest) -> None:
             )
     if problems:
         raise SnapshotCorrupt("; ".join(problems))
-    for relpath in sorted(listed):
+    for relpath in sorted(listed) if contents else ():
         if hash_file(path / relpath).sha256 != manifest.files[relpath].sha256:
-            raise SnapshotCorrupt(f"{relpath}: sha256 does not match the manifest")
+            raise ContentMismatch(f"{relpath}: sha256 does not match the manifest")
 
 
 def _few(names: list[str], limit: int = 10) -> str:
@@ -221,8 +253,20 @@ def accept_at_or_below(version: int | None) -> Accept | None:
     return accept
 
 
-def select_snapshot(run_dir: Path, run_id: str, accept: Accept | None = None) -> SnapshotReader:
-    """The newest published snapshot that verifies and that ``accept`` (if given) accepts."""
+def select_snapshot(
+    run_dir: Path,
+    run_id: str,
+    accept: Accept | None = None,
+    *,
+    contents: bool = True,
+    refused: Mapping[str, str] | None = None,
+) -> SnapshotReader:
+    """The newest published snapshot that verifies and that ``accept`` (if given) accepts.
+
+    ``contents=False``: the manifest, the file list and every size are checked, no byte is
+    hashed; the reader checks each file as it is read (a restore loads every byte it hashes,
+    once) and :meth:`SnapshotReader.verify_unread` the rest. A file that then fails is the
+    caller's to report: it selects again with the snapshot in ``refused`` (name: why)."""
     snapshots = run_dir / SNAPSHOTS_DIR
     if not snapshots.is_dir():
         raise NoValidSnapshot(str(snapshots), _latest_reasons(run_dir, run_id, None, None))
@@ -233,8 +277,11 @@ def select_snapshot(run_dir: Path, run_id: str, accept: Accept | None = None) ->
         # Trash is retention's normal leftover until the next sweep: not worth reporting.
         reasons = {name: why for name, (state, why) in others.items() if state != EntryState.TRASH}
         for _seq, name in candidates:
+            if refused is not None and name in refused:
+                reasons[name] = refused[name]
+                continue
             try:
-                manifest, digest = _verify(snapshots / name, run_id)
+                manifest, digest = _verify(snapshots / name, run_id, contents=contents)
             except _Refused as exc:
                 reasons[name] = str(exc)
                 continue
@@ -242,7 +289,8 @@ def select_snapshot(run_dir: Path, run_id: str, accept: Accept | None = None) ->
                 reasons[name] = f"not accepted: {why}"
                 continue
             problem = latest_problem(run_dir, run_id, name, digest)
-            return SnapshotReader(snapshots / name, manifest, digest, reasons, problem)
+            unverified = set() if contents else set(manifest.files)
+            return SnapshotReader(snapshots / name, manifest, digest, reasons, problem, unverified)
         reasons.update(_latest_reasons(run_dir, run_id, None, None))
         raise NoValidSnapshot(str(snapshots), reasons)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import builtins
 import logging
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -105,10 +105,21 @@ class SnapshotStore:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def select(self, accept: Accept | None = None) -> SnapshotReader:
+    def select(
+        self,
+        accept: Accept | None = None,
+        *,
+        contents: bool = True,
+        refused: Mapping[str, str] | None = None,
+    ) -> SnapshotReader:
         """Newest snapshot that fully verifies and that ``accept`` returns None for; raises
-        NoValidSnapshot with one reason per refused candidate. Never changes the disk."""
-        return log_selected(self.run_id, select_snapshot(self.run_dir, self.run_id, accept))
+        NoValidSnapshot with one reason per refused candidate. Never changes the disk.
+        ``contents=False``, ``refused``: see :func:`~rollsafe.snapshot.select.select_snapshot`
+        (a restore hashes each byte once, as it loads it)."""
+        reader = select_snapshot(
+            self.run_dir, self.run_id, accept, contents=contents, refused=refused
+        )
+        return log_selected(self.run_id, reader)
 
     def list(self, *, verify: bool = True) -> list[SnapshotEntry]:
         return list_entries(self.run_dir, self.run_id, verify=verify)

@@ -1,8 +1,14 @@
 """The RunState end to end on the memory data plane: checkpoint to disk, restore from it."""
 
+import hashlib
+import types
+
 import numpy as np
 import pytest
 
+import rollsafe.dataplane.columnar as columnar_module
+import rollsafe.snapshot._fs as fs_module
+import rollsafe.snapshot.select as select_module
 from rollsafe.core.config import RunConfig
 from rollsafe.core.ids import snapshot_dir_name
 from rollsafe.core.run_state import ROLLOUT_PARTITION, RunState
@@ -89,6 +95,61 @@ def test_restore_falls_back_to_the_newest_snapshot_that_verifies(tmp_path):
     assert plan.checkpoint_id == "ck-1"
     assert any("ck-2" in name or f"{newest.seq:08d}" in name for name in plan.skipped)
     assert 2 in plan.partial  # the state of ck-1, where group 2 was still half done
+
+
+@pytest.mark.parametrize("which", ["ledger.safetensors", "dataplane/"])
+def test_a_file_changed_in_place_sends_the_restore_to_the_previous_snapshot(tmp_path, which):
+    """Same size, one bit flipped: select (which hashes nothing for a restore) takes the
+    snapshot; loading it finds the file, clears what it imported and takes the previous one."""
+    store = SnapshotStore(tmp_path, RUN)
+    run = busy_run()
+    run.checkpoint(store, "ck-1")
+    commit(run, 2, 1)
+    newest = run.checkpoint(store, "ck-2")
+    snapshot = store.snapshots_dir / snapshot_dir_name(newest.seq, "rollout")
+    files = sorted(p for p in snapshot.rglob("*") if p.is_file())
+    target = next(p for p in files if which in p.as_posix())
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    target.write_bytes(bytes(data))
+    run, plan = restore(store)
+    assert plan.checkpoint_id == "ck-1"
+    assert "sha256" in plan.skipped[snapshot.name]
+    assert run.dataplane.count(ROLLOUT_PARTITION) == 5  # ck-1: group 2 half done
+
+
+def test_a_restore_hashes_each_byte_of_the_snapshot_once(tmp_path, monkeypatch):
+    """The bytes hashed are the bytes loaded: one read and one hash per file (and the
+    manifest), where select used to hash every file before the loads hashed them again."""
+    store = SnapshotStore(tmp_path, RUN)
+    manifest = busy_run().checkpoint(store, "ck-1")
+    snapshot = store.snapshots_dir / snapshot_dir_name(manifest.seq, "rollout")
+    hashed = count_hashed_bytes(monkeypatch)
+    restore(store)
+    files = sum(entry.bytes for entry in manifest.files.values())
+    assert hashed == [files + (snapshot / "manifest.json").stat().st_size]
+
+
+def count_hashed_bytes(monkeypatch) -> list[int]:
+    """Counts the bytes every sha256 of the snapshot and data-plane readers is fed."""
+    total = [0]
+
+    class Counted:
+        def __init__(self, data=b""):
+            self._hash = hashlib.sha256()
+            self.update(data)
+
+        def update(self, data):
+            total[0] += len(data)
+            self._hash.update(data)
+
+        def hexdigest(self):
+            return self._hash.hexdigest()
+
+    counting = types.SimpleNamespace(sha256=Counted)
+    for module in (select_module, fs_module, columnar_module):
+        monkeypatch.setattr(module, "hashlib", counting)
+    return total
 
 
 def test_restore_with_no_snapshot_names_the_directory(tmp_path):

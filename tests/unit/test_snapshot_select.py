@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from rollsafe.errors import InvalidInput, NoValidSnapshot, SchemaMismatch, SnapshotCorrupt
+from rollsafe.errors import (
+    ContentMismatch,
+    InvalidInput,
+    NoValidSnapshot,
+    SchemaMismatch,
+    SnapshotCorrupt,
+)
 from rollsafe.snapshot import (
     MANIFEST_NAME,
     EntryState,
@@ -357,3 +363,37 @@ def test_list_reports_every_entry_with_its_state(tmp_path: Path) -> None:
     unchecked = {e.state for e in store.list(verify=False) if e.seq is not None}
     assert unchecked == {EntryState.UNCHECKED}
     assert tree_digest(tmp_path) == before
+
+
+def test_select_without_contents_leaves_each_file_to_the_read_that_loads_it(
+    tmp_path: Path,
+) -> None:
+    """``contents=False`` (the restore's select): a file changed in place, same size, is
+    chosen (no byte was hashed) and then refused by the read or by ``verify_unread``, with
+    ContentMismatch naming it; the other files' reads still verify."""
+    store = make_store(tmp_path)
+    flip_byte(store.snapshots_dir / NEWEST)
+    reader = store.select(contents=False)
+    assert reader.name == NEWEST
+    assert reader.unverified == {"ledger.bin", "dataplane/rows.bin", "loader.json"}
+    assert reader.read_json("loader.json", Loader) == Loader(position=20)
+    assert reader.unverified == {"ledger.bin", "dataplane/rows.bin"}
+    with pytest.raises(ContentMismatch, match=rf"{NEWEST}/dataplane/rows\.bin: sha256"):
+        reader.verify_unread()
+    with pytest.raises(ContentMismatch, match="sha256 does not match"):
+        reader.read_bytes("dataplane/rows.bin")
+    # Another reader that checked a file against the manifest's digest takes it off the list.
+    reader.checked_elsewhere({"ledger.bin": reader.manifest.files["ledger.bin"].sha256})
+    assert reader.unverified == {"dataplane/rows.bin"}
+    with pytest.raises(ContentMismatch, match="not the file the manifest lists"):
+        reader.checked_elsewhere({"ledger.bin": "0" * 64})
+
+
+def test_select_again_with_refused_names_goes_to_the_next_snapshot(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    why = f"{NEWEST}/dataplane/rows.bin: sha256 does not match the manifest"
+    reader = store.select(contents=False, refused={NEWEST: why})
+    assert reader.name == OLDER and reader.skipped == {NEWEST: why}
+    reader.verify_unread()
+    assert reader.unverified == set()
+    assert store.select().unverified == set()  # a full select checked every file already
