@@ -245,18 +245,21 @@ class Participants:
         _log_prepared(prepared)
         return prepared
 
-    def drain(self, checkpoint_id: str) -> list[EpisodeRef]:
+    def drain(self, checkpoint_id: str, *, wait: bool = True) -> list[EpisodeRef]:
         """Phase 5: wait for the replies on the wire outside the commit scope (O(pending)).
-        Those still out at the timeout are stragglers: not in the snapshot, so restarted."""
+        Those still out at the timeout are stragglers: not in the snapshot, so restarted
+        after a restore from it alone. ``wait=False`` (the run keeps a journal, where each of
+        them seals durably once it lands): none is waited for."""
         prepared = self._prepared(checkpoint_id, "drain")
         scope = {p.episode.key for inv in prepared.instances.values() for p in inv.parked}
+        timeout_s = self.options.drain_timeout_s if wait else 0.0
 
-        async def wait() -> list[EpisodeRef]:
-            return await self.pending.wait_outside(scope, self.options.drain_timeout_s)
+        async def outside() -> list[EpisodeRef]:
+            return await self.pending.wait_outside(scope, timeout_s)
 
-        stragglers = self.loop.run(wait())
+        stragglers = self.loop.run(outside())
         self._state(checkpoint_id).stragglers = stragglers
-        if stragglers:
+        if stragglers and wait:
             log.warning(
                 "checkpoint %s: %d replies still out after the %g s drain, left out of the "
                 "snapshot (their rollouts restart after a restore): %s",
@@ -557,8 +560,16 @@ class ParticipantPhases:
             summary = f"{len(prepared.instances)} instances parked {parked} episodes"
             return f"{summary}, {restarts} to restart", {"parked": parked}
         if phase is Phase.DRAIN:
-            stragglers = self.participants.drain(cid)
-            summary = f"{len(stragglers)} replies still out after the drain (restarted)"
+            # With the journal a reply that lands after the capture is sealed into it, and a
+            # restore replays it: waiting for it would only lengthen the park window.
+            journaled = self.state().journal is not None
+            stragglers = self.participants.drain(cid, wait=not journaled)
+            summary = (
+                f"{len(stragglers)} replies on the wire, not waited for (they seal into the "
+                "journal)"
+                if journaled
+                else f"{len(stragglers)} replies still out after the drain (restarted)"
+            )
             return summary, {"stragglers": len(stragglers)}
         if phase is Phase.CUT_GENERATION:
             return self.cut(spec)

@@ -105,14 +105,14 @@ def servers(tmp_path: Path) -> Iterator[Servers]:
 class Run:
     """A controller service with participants, and a dispatcher on the participants' loop."""
 
-    def __init__(self, servers: Servers, root: Path, *, journal: bool) -> None:
+    def __init__(
+        self, servers: Servers, root: Path, *, journal: bool, drain_timeout_s: float = 5
+    ) -> None:
         self.loop = LoopThread()
         self.fleet, self.engine = self.loop.run(self._clients(servers))
+        options = ParticipantOptions(park_deadline_s=20, drain_timeout_s=drain_timeout_s)
         self.participants = Participants(
-            self.fleet,
-            {"e0": self.engine},
-            loop=self.loop,
-            options=ParticipantOptions(park_deadline_s=20, drain_timeout_s=5),
+            self.fleet, {"e0": self.engine}, loop=self.loop, options=options
         )
         config = RunConfig(
             run_id=RUN, group_size=GROUP_SIZE, groups_per_step=2, restore_level="prefix"
@@ -303,5 +303,41 @@ def test_with_the_journal_what_sealed_after_the_snapshot_is_kept_not_resumed(
             ledger.states(idx) == [AttemptState.SEALED] * GROUP_SIZE for idx in range(GROUPS)
         )
         assert sorted(plan.ready) == list(range(GROUPS))
+    finally:
+        second.close()
+
+
+@pytest.mark.timeout(120)  # a drain that waited would hang here (its timeout is an hour)
+def test_with_the_journal_the_drain_does_not_wait_for_a_reply_on_the_wire(
+    servers: Servers, tmp_path: Path
+) -> None:
+    """An episode whose reply is on the wire (dispatched, outside the commit scope, not
+    sealed) does not hold the park window when the run keeps a journal: the drain names it and
+    goes on; the reply lands after the snapshot and seals into the journal, and a restore from
+    the snapshot and the journal has the rollout sealed, not to run again."""
+    root = tmp_path / "snapshots"
+    first = Run(servers, root, journal=True, drain_timeout_s=3600)
+    try:
+        first.service.handout([0])
+        instance = first.instance(0, 0)
+        episode = first.service.dispatch(0, 0, instance)
+        assert episode is not None
+        first.participants.pending.add(to_ref(episode), instance)  # sent, no reply yet
+        spec = SnapshotSpec(run_id=RUN, seq=1)
+        results = {p: first.service.run_phase(PhaseRequest(spec=spec, phase=p)) for p in PHASES}
+        assert results[Phase.PUBLISH].published is not None
+        drain = results[Phase.DRAIN]
+        assert drain.counts["stragglers"] == 1 and "journal" in drain.summary, drain.summary
+        row = {"tokens": np.array([5, 6, 7], np.int32), "reward": np.array(1.0, np.float32)}
+        first.service.seal(0, 0, episode.attempt, row)  # the reply lands after the snapshot
+        first.participants.pending.done(to_ref(episode))
+    finally:
+        first.close()
+    second = Run(servers, root, journal=True)
+    try:
+        plan = second.service.restore(RestoreRequest(run_id=RUN, restore_id="restore-1"))
+        assert plan.journal is not None and plan.journal.records >= 1
+        assert second.service.state.ledger.states(0)[0] == AttemptState.SEALED
+        assert plan.partial[0].restored == [0] and 0 not in plan.partial[0].regenerate
     finally:
         second.close()
