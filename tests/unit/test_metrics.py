@@ -234,7 +234,7 @@ class FakeParticipants:
     def prepare(self, checkpoint_id: str) -> FleetPrepared:
         return FleetPrepared(checkpoint_id=checkpoint_id, deadline_ts=time.time(), instances={})
 
-    def drain(self, checkpoint_id: str) -> list:
+    def drain(self, checkpoint_id: str, *, wait: bool = True) -> list:
         time.sleep(self.DRAIN_S)
         return []
 
