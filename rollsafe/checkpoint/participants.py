@@ -19,7 +19,8 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -230,17 +231,10 @@ class Participants:
     def prepare(self, checkpoint_id: str) -> FleetPrepared:
         """Phase 4: every instance parks at a turn boundary (or none stays parked)."""
         deadline = time.time() + self.options.park_deadline_s
-        try:
+        # An earlier attempt failed on one instance and resumed the others: they refuse this
+        # id forever. Not the run's fault: the next snapshot, under a new id, can.
+        with spent_if_resumed(checkpoint_id, "an earlier prepare failed and resumed them"):
             prepared = self.loop.run(self.fleet.prepare_all(checkpoint_id, deadline))
-        except EnvRefused as exc:
-            if exc.reason != "checkpoint_resumed":
-                raise
-            # An earlier attempt failed on one instance and resumed the others: they refuse
-            # this id forever. Not the run's fault: the next snapshot, under a new id, can.
-            raise CheckpointSpent(
-                f"{checkpoint_id}: an earlier prepare failed and resumed the instances, which "
-                f"now refuse this checkpoint id; take the snapshot again ({exc})"
-            ) from exc
         self._state(checkpoint_id).prepared = prepared
         _log_prepared(prepared)
         return prepared
@@ -305,7 +299,10 @@ class Participants:
         }
         # Absolute: the environment servers write there themselves, from their own cwd.
         dest = snapshot_dir.resolve() / ENVS_DIR
-        committed = self.loop.run(self.fleet.commit_all(checkpoint_id, scope, dest))
+        # The instances' park lease ran out before the commit (a phase took longer than it,
+        # on a loaded machine): they resumed and refuse this id; the next snapshot can.
+        with spent_if_resumed(checkpoint_id, "their park lease ran out before the commit"):
+            committed = self.loop.run(self.fleet.commit_all(checkpoint_id, scope, dest))
         state.committed = committed
         _log_committed(committed)
         cut = state.cut or _NO_CUT
@@ -519,6 +516,22 @@ def _log_committed(committed: FleetCommitted) -> None:
                 _few([_ref(ref) for ref in commit.missing]),
                 extra={"checkpoint_id": cid, "instance": name, "missing": len(commit.missing)},
             )
+
+
+@contextmanager
+def spent_if_resumed(checkpoint_id: str, why: str) -> Iterator[None]:
+    """An instance's ``checkpoint_resumed`` refusal as :class:`CheckpointSpent` (transient):
+    instances that resumed a checkpoint refuse its id forever, and the snapshot is to be
+    taken again under a new one, not to stop the run's snapshots."""
+    try:
+        yield
+    except EnvRefused as exc:
+        if exc.reason != "checkpoint_resumed":
+            raise
+        raise CheckpointSpent(
+            f"{checkpoint_id}: the instances resumed it ({why}) and now refuse this "
+            f"checkpoint id; take the snapshot again ({exc})"
+        ) from exc
 
 
 Outcome = tuple[str, dict[str, int]]
