@@ -5,7 +5,7 @@ in a later step, a restore onto fresh servers, and the evidence of the restored 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -43,6 +43,15 @@ def run_servers(logs: Path) -> Iterator[RunServers]:
         yield running
     finally:
         running.stop()
+
+
+def run_until_crash(run: ReferenceRun, faults: Callable[[int], None]) -> None:
+    """Run until ``faults`` raises :class:`Crash`; the run's clients closed whatever happens."""
+    try:
+        with pytest.raises(Crash):
+            run.run(during=faults)
+    finally:
+        run.close()
 
 
 @pytest.fixture
@@ -84,11 +93,7 @@ def test_a_run_crashed_and_restored_trains_the_same_tokens_exactly_once(
             servers.crash()
             raise Crash
 
-    try:
-        with pytest.raises(Crash):
-            first.run(during=faults)
-    finally:
-        first.close()
+    run_until_crash(first, faults)
     assert all(r.published is not None for r in first.snapshots)
     assert {row.step for row in read_lines(out / TRAINED, TrainedRow)} == {0, 1}
 
@@ -131,11 +136,7 @@ def test_a_restore_that_rolls_a_step_back_generates_the_next_step_with_its_retra
             servers.crash()
             raise Crash
 
-    try:
-        with pytest.raises(Crash):
-            first.run(during=faults)
-    finally:
-        first.close()
+    run_until_crash(first, faults)
 
     second, plan = ReferenceRun.restored(settings, servers.start(), root, out)
     try:
@@ -181,11 +182,7 @@ def test_an_async_run_restores_from_a_snapshot_its_trainer_checkpoint_anchors(
             servers.crash()
             raise Crash
 
-    try:
-        with pytest.raises(Crash):
-            first.run(during=faults)
-    finally:
-        first.close()
+    run_until_crash(first, faults)
     assert first.anchors() == [0, 2]
 
     second, plan = ReferenceRun.restored(ASYNC, servers.start(), root, out)
