@@ -39,6 +39,7 @@ import numpy as np
 from rollsafe.core.buffer.index import ReplayIndex
 from rollsafe.core.buffer.samplers import InOrderSampler
 from rollsafe.core.capture import CapturedState, check_agreement
+from rollsafe.core.columns import in_key_order
 from rollsafe.core.config import RunConfig
 from rollsafe.core.ledger import Ledger
 from rollsafe.core.run_state import RunState
@@ -79,7 +80,7 @@ def build(rollouts: int) -> tuple[Ledger, ReplayIndex]:
 def checkpoint(store: SnapshotStore, run: RunState, sealed: int, seq: int) -> PublishedSnapshot:
     """RunState.checkpoint minus the data plane (whose rows this benchmark does not hold):
     capture, the agreement check, the state files, publish."""
-    state = run.capture()
+    state = run.capture().in_key_order()
     check_agreement(state, rows=sealed)
     with store.begin(SnapshotKind.ROLLOUT, f"bench-{seq}", seq) as draft:
         state.write(draft)
@@ -129,7 +130,8 @@ def baseline_read(path: Path, into: memoryview) -> float:
 
 def same(a: tuple[dict[str, np.ndarray], dict[str, str]], b: Ledger | ReplayIndex) -> bool:
     arrays, meta = b.capture()
-    return meta == a[1] and all(np.array_equal(arrays[k], v) for k, v in a[0].items())
+    mine, theirs = in_key_order(a[0]), in_key_order(arrays)
+    return meta == a[1] and all(np.array_equal(theirs[k], v) for k, v in mine.items())
 
 
 def profile_checkpoint(

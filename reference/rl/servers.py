@@ -21,6 +21,11 @@ from rollsafe.reference.rl.controller import Endpoints
 from rollsafe.reference.rl.policy import HfModel, PolicyModel
 
 ENGINE_START_S = 240.0  # vLLM: import it and load the model, on a busy 2-core machine
+# The reference engine generates on every core it gets; on GPUs generation does not take the
+# CPUs the run's control plane (environments, worker, Temporal) answers a snapshot with. A lower
+# CPU priority keeps that so here (measured: docs/benchmarks.md, the park window through
+# Temporal). Not vLLM: its cut waits for the running step, which a lower priority lengthens.
+REFERENCE_ENGINE_NICENESS = 10
 
 
 class RunServers:
@@ -55,7 +60,9 @@ class RunServers:
         args = ["engine", "serve", "--port", "0", *self._engine_args()]
         hold_env = {HOLD_ENV: hold.model_dump_json()} if hold is not None else {}
         banner = ENGINE_BANNER.format(kind=r"\S+")
-        engine = self._start(args, banner, "engine", {**tokens, **hold_env}, ENGINE_START_S)
+        niceness = 0 if isinstance(self.model, HfModel) else REFERENCE_ENGINE_NICENESS
+        engine_env = {**tokens, **hold_env}
+        engine = self._start(args, banner, "engine", engine_env, ENGINE_START_S, niceness)
         envs = {}
         for name in self.instances:
             args = ["env", "serve", "workplace", "--port", "0", "--engine-url", engine.url]
@@ -84,9 +91,10 @@ class RunServers:
         name: str,
         env: Mapping[str, str],
         timeout_s: float = START_TIMEOUT_S,
+        niceness: int = 0,
     ) -> ServedProcess:
         logs = self.logs / f"{name}-{self.generation}"
-        server = start_served(args, banner, logs, env=env, timeout_s=timeout_s)
+        server = start_served(args, banner, logs, env=env, timeout_s=timeout_s, niceness=niceness)
         self.started.append(server)
         self.current.append(server)
         return server

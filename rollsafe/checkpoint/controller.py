@@ -471,8 +471,9 @@ class Controller:
         return phase_result(spec, Phase.OPEN, f"draft {current.draft.path.name} open")
 
     def _capture(self, spec: SnapshotSpec, entry: OpenCheckpoint) -> PhaseResult:
-        """Copy what the snapshot needs while the run stands still; written after resume
-        (:meth:`_write_capture`), so the park window does not grow with the ledger."""
+        """Take what the snapshot needs while the run stands still (views, no copy); written
+        after resume (:meth:`_write_capture`), so the park window does not grow with the
+        ledger."""
         with entry.lock, self.barrier:
             self._check_usable(entry)
             if entry.capture is None:

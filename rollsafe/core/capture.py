@@ -1,21 +1,22 @@
 """A controller's state as captured for a snapshot (everything but the data plane's rows),
 and its files: written into a draft, read back from a verified snapshot.
 
-Capturing is copying numpy columns; checking that the ledger, the replay index and the data
-plane agree works on those copies, so it is done once per checkpoint and costs no Python loop
-over rollouts.
+Capturing takes read-only views of numpy columns (copied on the run's next write, not in the
+park window: rollsafe.core.columns); ordering them by key, checking that the ledger, the replay
+index and the data plane agree, and writing all happen after the run resumed, on those views,
+with no Python loop over rollouts.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from rollsafe.core.buffer import SamplerState
-from rollsafe.core.columns import KEY_COLUMN
+from rollsafe.core.columns import KEY_COLUMN, in_key_order
 from rollsafe.core.config import RunConfig
 from rollsafe.core.ids import rollout_key
 from rollsafe.core.states import AttemptState, GroupState
@@ -52,6 +53,15 @@ class CapturedState:
             "retirements": retirements,
         }
 
+    def in_key_order(self) -> CapturedState:
+        """The same state with its columns sorted by key, as files hold them."""
+        ledger, index = self.ledger, self.index
+        return replace(
+            self,
+            ledger=(in_key_order(ledger[0]), ledger[1]),
+            index=(in_key_order(index[0]), index[1]),
+        )
+
     def sealed_keys(self) -> list[str]:
         """The data-plane key of every sealed rollout in the captured ledger."""
         ledger = self.ledger[0]
@@ -63,7 +73,7 @@ class CapturedState:
     def write(self, draft: SnapshotDraft) -> None:
         for relpath, (arrays, metadata) in ((LEDGER_FILE, self.ledger), (INDEX_FILE, self.index)):
             with draft.open(relpath) as out:
-                write_tensors(out, arrays, metadata)
+                write_tensors(out, in_key_order(arrays), metadata)
         draft.write_json("loader.json", self.loader)
         draft.write_json("sampler.json", self.sampler)
         draft.write_json("run.json", self.config)
@@ -91,8 +101,9 @@ def _read_columns(reader: SnapshotReader, relpath: str) -> Columns:
 
 
 def check_agreement(state: CapturedState, rows: int) -> int:
-    """The ledger and the index describe the same groups with the same sealed counts, and the
-    data plane holds one row per sealed rollout. Returns the number of sealed rollouts."""
+    """The ledger and the index (both in key order: :meth:`CapturedState.in_key_order`)
+    describe the same groups with the same sealed counts, and the data plane holds one row per
+    sealed rollout. Returns the number of sealed rollouts."""
     ledger, index = state.ledger[0], state.index[0]
     if not np.array_equal(ledger[KEY_COLUMN], index[KEY_COLUMN]):
         only_ledger = np.setdiff1d(ledger[KEY_COLUMN], index[KEY_COLUMN])[:10].tolist()

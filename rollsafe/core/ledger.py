@@ -114,29 +114,29 @@ class Ledger:
         return slot
 
     def level(self, idx: int) -> RestoreLevel:
-        return RestoreLevel(int(self._table.column("level")[self._slot(idx)]))
+        return RestoreLevel(int(self._table.live("level")[self._slot(idx)]))
 
     def state(self, idx: int, i: int) -> AttemptState:
-        return AttemptState(int(self._table.column("state")[self._sibling(idx, i), i]))
+        return AttemptState(int(self._table.live("state")[self._sibling(idx, i), i]))
 
     def attempt(self, idx: int, i: int) -> int:
-        return int(self._table.column("attempt")[self._sibling(idx, i), i])
+        return int(self._table.live("attempt")[self._sibling(idx, i), i])
 
     def episode(self, idx: int, i: int) -> EpisodeId:
         return self.rollout_id(idx, i).episode(self.attempt(idx, i))
 
     def owner(self, idx: int, i: int) -> str | None:
-        owner = int(self._table.column("owner")[self._sibling(idx, i), i])
+        owner = int(self._table.live("owner")[self._sibling(idx, i), i])
         return None if owner == NO_OWNER else self._owners[owner]
 
     def digest(self, idx: int, i: int) -> bytes | None:
         slot = self._sibling(idx, i)
-        if self._table.column("state")[slot, i] != _SEALED:
+        if self._table.live("state")[slot, i] != _SEALED:
             return None
-        return bytes(self._table.column("digest")[slot, i])
+        return bytes(self._table.live("digest")[slot, i])
 
     def states(self, idx: int) -> list[AttemptState]:
-        return [AttemptState(int(s)) for s in self._table.column("state")[self._slot(idx)]]
+        return [AttemptState(int(s)) for s in self._table.live("state")[self._slot(idx)]]
 
     def sealed(self, idx: int) -> list[int]:
         return [i for i, s in enumerate(self.states(idx)) if s == AttemptState.SEALED]
@@ -167,7 +167,7 @@ class Ledger:
     def drop_group(self, idx: int) -> None:
         """The group left the run (trained or evicted): retire whatever is still out there."""
         slot = self._slot(idx)
-        for i, state in enumerate(self._table.column("state")[slot].tolist()):
+        for i, state in enumerate(self._table.live("state")[slot].tolist()):
             if state == _DISPATCHED:
                 self._queue_retirement(slot, idx, i)
         self._table.remove(idx)
@@ -329,7 +329,8 @@ class Ledger:
     # ---- capture and restore --------------------------------------------------------------
 
     def capture(self) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-        """Arrays and string metadata for a snapshot (no I/O here)."""
+        """Arrays (read-only views in row order: ``in_key_order`` sorts them, as
+        :meth:`restore` takes them) and string metadata for a snapshot; no I/O, no copy."""
         arrays = self._table.capture()
         metadata = {
             **format_metadata(FORMAT),

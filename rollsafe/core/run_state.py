@@ -69,7 +69,7 @@ class Captured:
 
 @dataclass(frozen=True)
 class Capture:
-    """What a capture copied while the run stood still (:meth:`RunState.take_capture`), to be
+    """What a capture took while the run stood still (:meth:`RunState.take_capture`), to be
     written into a draft while the run goes on (:meth:`RunState.write_capture`)."""
 
     state: CapturedState
@@ -297,29 +297,33 @@ class RunState:
             self.release_capture()
 
     def take_capture(self) -> Capture:
-        """Copy what a snapshot needs, after checking that the ledger, the index and the data
-        plane agree; no I/O but the data plane's row count. The caller keeps writers out
-        meanwhile (the controller's barrier); from here until :meth:`release_capture`, rows
-        the run drops stay in the data plane, so the capture's rows can be written later."""
+        """Take what a snapshot needs: views of the columns (copied on the run's next write)
+        and the data plane's row count; nothing else, so the caller's barrier (which keeps
+        writers out meanwhile) does not grow with the run. From here until
+        :meth:`release_capture`, rows the run drops stay in the data plane, so the capture's
+        rows can be written later; :meth:`write_capture` checks that they all agree."""
         if self._held_deletes is not None:
             raise InvalidInput("a capture is taken and not written yet: one at a time")
         state = self.capture()
-        sealed = check_agreement(state, self.dataplane.count(ROLLOUT_PARTITION))
-        counts = {**state.counts(), "sealed_rollouts": sealed}
+        counts = {**state.counts(), "sealed_rollouts": self.dataplane.count(ROLLOUT_PARTITION)}
         if self.journal is not None:  # the records this snapshot covers (docs/journal.md)
             counts[JOURNAL_POSITION] = self.journal.last_id
         self._held_deletes = []
         return Capture(state=state, counts=counts)
 
     def write_capture(self, draft: SnapshotDraft, capture: Capture) -> Captured:
-        """Write ``capture`` into ``draft``: its state files, then the data plane's rows of
-        its sealed rollouts (rows sealed since are left out; rows dropped since are still
-        there) and every row of the other partitions (the staged prefixes). Needs no barrier:
-        it reads the capture's copies and rows the run cannot delete before
-        :meth:`release_capture`, which the caller runs afterwards, whatever happened."""
-        capture.state.write(draft)
+        """Write ``capture`` into ``draft``: its state files in key order, once the ledger,
+        the index and the rows counted at the capture agree (else LedgerInvariantViolation,
+        and nothing is published); then the data plane's rows of its sealed rollouts (rows
+        sealed since are left out; rows dropped since are still there) and every row of the
+        other partitions (the staged prefixes). Needs no barrier: it reads the capture's views
+        and rows the run cannot delete before :meth:`release_capture`, which the caller runs
+        afterwards, whatever happened."""
+        state = capture.state.in_key_order()
+        check_agreement(state, capture.counts["sealed_rollouts"])
+        state.write(draft)
         fault_point(CAPTURE_MID)
-        keys = {ROLLOUT_PARTITION: capture.state.sealed_keys()}
+        keys = {ROLLOUT_PARTITION: state.sealed_keys()}
         exported = self.dataplane.export(draft.path / "dataplane", keys)
         draft.write_json("dataplane.json", exported)
         draft.record_hashed(
@@ -328,7 +332,7 @@ class RunState:
                 for f in exported.files
             }
         )
-        loader = capture.state.loader
+        loader = state.loader
         return Captured(
             weight_version=loader.weight_version,
             loader_position=loader.position,
@@ -349,7 +353,8 @@ class RunState:
             self.journal.wait_durable(position)
 
     def capture(self) -> CapturedState:
-        """Copies of everything but the data plane's rows; no I/O."""
+        """Everything but the data plane's rows, as views in row order (the columns copy on
+        their next write: rollsafe.core.columns); no I/O."""
         return CapturedState(
             ledger=self.ledger.capture(),
             index=self.index.capture(),

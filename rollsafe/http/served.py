@@ -70,7 +70,11 @@ class ServedProcess:
     """One server process; its stdout and stderr go to files under ``logs``."""
 
     def __init__(
-        self, command: list[str], logs: Path, env: Mapping[str, str] | None = None
+        self,
+        command: list[str],
+        logs: Path,
+        env: Mapping[str, str] | None = None,
+        niceness: int = 0,
     ) -> None:
         logs.mkdir(parents=True, exist_ok=True)
         self.command = command
@@ -80,6 +84,8 @@ class ServedProcess:
             self.proc = subprocess.Popen(
                 command, stdout=stdout, stderr=stderr, env={**os.environ, **(env or {})}
             )
+        if niceness:  # by pid, the child we just started (no preexec_fn: we run threads)
+            os.setpriority(os.PRIO_PROCESS, self.proc.pid, niceness)
 
     def wait_listening(self, banner: str, timeout_s: float = START_TIMEOUT_S) -> ServedProcess:
         """Wait for the line matching ``banner`` (its group 1 is the URL); stop the process
@@ -121,6 +127,9 @@ def start_served(
     logs: Path,
     env: Mapping[str, str] | None = None,
     timeout_s: float = START_TIMEOUT_S,
+    niceness: int = 0,
 ) -> ServedProcess:
-    """Start ``rollsafe ARGS`` and wait until it listens."""
-    return ServedProcess(rollsafe_command(*args), logs, env).wait_listening(banner, timeout_s)
+    """Start ``rollsafe ARGS`` (at ``niceness``: a lower CPU priority) and wait until it
+    listens."""
+    server = ServedProcess(rollsafe_command(*args), logs, env, niceness)
+    return server.wait_listening(banner, timeout_s)

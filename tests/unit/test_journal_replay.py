@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from rollsafe.checkpoint.controller import Controller
+from rollsafe.core.columns import in_key_order
 from rollsafe.core.config import RunConfig
 from rollsafe.core.phases import RestoreRequest
 from rollsafe.core.run_state import ROLLOUT_PARTITION, RunState
@@ -84,8 +85,8 @@ class Run:
 
 def picture(run: RunState) -> tuple:
     """Everything a restore must bring back: ledger, index, loader, rows."""
-    ledger, _ = run.ledger.capture()
-    index, _ = run.index.capture()
+    ledger = in_key_order(run.ledger.capture()[0])
+    index = in_key_order(run.index.capture()[0])
     keys = sorted(
         run.row_key(idx, i) for idx in run.ledger.groups() for i in run.ledger.sealed(idx)
     )

@@ -1,7 +1,9 @@
 import hashlib
 
+import numpy as np
 import pytest
 
+from rollsafe.core.columns import in_key_order
 from rollsafe.core.ledger import AttemptState, Ledger, RestoreLevel
 from rollsafe.core.states import ATTEMPT_TRANSITIONS
 from rollsafe.errors import (
@@ -203,7 +205,10 @@ def test_capture_restore_round_trip():
     led.seal(9, 0, 0, digest("x"))
     led.dispatch(5, 1, owner="env-b")
     led.abandon(5, 1)
-    arrays, meta = led.capture()
+    captured, meta = led.capture()
+    with pytest.raises(SnapshotCorrupt, match="out of order"):  # rows as handed out: 3, 9, 5
+        Ledger.restore(captured, meta, "test")
+    arrays = in_key_order(captured)
     again = Ledger.restore(arrays, meta, "test")
     assert again.groups() == [3, 5, 9]
     assert again.digest(9, 0) == digest("x") and again.owner(9, 0) == "env-a"
@@ -211,6 +216,30 @@ def test_capture_restore_round_trip():
     assert [r.episode.key for r in again.retirements()] == ["run-5_g1"]
     a2, m2 = again.capture()
     assert m2 == meta and all((a2[k] == arrays[k]).all() for k in arrays)
+
+
+def test_a_capture_copies_nothing_and_keeps_its_bytes_through_every_later_write():
+    led = ledger(groups=(3, 5, 9), size=2)
+    led.dispatch(3, 0, owner="env-a")
+    arrays, meta = led.capture()
+    kept = {name: array.copy() for name, array in arrays.items()}
+    # Shared, not copied: the park window does not pay for the ledger's size.
+    assert np.shares_memory(arrays["digest"], led._table.live("digest"))
+    with pytest.raises(ValueError, match="read-only"):
+        arrays["state"][0, 0] = 0
+    led.seal(3, 0, 0, digest("x"))  # state and digest columns
+    led.dispatch(5, 1, owner="env-b")  # owner
+    led.abandon(5, 1)
+    led.retry(5, 1)  # attempt
+    led.drop_group(3)  # moves the last row into the hole
+    led.reserve_group(11, RestoreLevel.TURN)  # level, a new row
+    for idx in range(12, 200):  # grows every buffer
+        led.reserve_group(idx, RestoreLevel.PREFIX)
+    assert all(np.array_equal(arrays[name], kept[name]) for name in kept)
+    assert not np.shares_memory(arrays["digest"], led._table.live("digest"))
+    restored = Ledger.restore(in_key_order(arrays), meta, "capture")
+    assert restored.state(3, 0) == A.DISPATCHED and restored.digest(3, 0) is None
+    assert led.groups()[:3] == [5, 9, 11] and led.attempt(5, 1) == 1
 
 
 def test_restore_refuses_bad_metadata_and_states():

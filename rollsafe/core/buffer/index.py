@@ -55,16 +55,16 @@ class ReplayIndex:
             ) from None
 
     def state(self, idx: int) -> GroupState:
-        return GroupState(int(self._table.column("state")[self._slot(idx)]))
+        return GroupState(int(self._table.live("state")[self._slot(idx)]))
 
     def start_version(self, idx: int) -> int:
-        return int(self._table.column("start_version")[self._slot(idx)])
+        return int(self._table.live("start_version")[self._slot(idx)])
 
     def sealed(self, idx: int) -> int:
-        return int(self._table.column("sealed")[self._slot(idx)])
+        return int(self._table.live("sealed")[self._slot(idx)])
 
     def claim_step(self, idx: int) -> int | None:
-        step = int(self._table.column("claim_step")[self._slot(idx)])
+        step = int(self._table.live("claim_step")[self._slot(idx)])
         return None if step == NO_STEP else step
 
     def groups(self) -> list[int]:
