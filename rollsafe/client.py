@@ -177,15 +177,16 @@ class Checkpointer:
         saved) replace the supervisor's."""
         client = await self._connected()
         held = self._anchors
-        await client.start_workflow(
-            SnapshotSupervisor.run,
-            SupervisorInput(config=self.config),
-            id=self.workflow_id,
-            task_queue=self.task_queue,
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            start_signal=None if held is None else "trainer_checkpoints_held",
-            start_signal_args=[] if held is None else [sorted(held)],
-        )
+        with self._outage("starting the supervisor"):
+            await client.start_workflow(
+                SnapshotSupervisor.run,
+                SupervisorInput(config=self.config),
+                id=self.workflow_id,
+                task_queue=self.task_queue,
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                start_signal=None if held is None else "trainer_checkpoints_held",
+                start_signal_args=[] if held is None else [sorted(held)],
+            )
         # Workers and trainer often start together: the first look, a step's, comes after
         # worker_check_every_s, so a worker still connecting is not reported missing.
         self._workers_checked_at = time.monotonic()
@@ -277,9 +278,9 @@ class Checkpointer:
     async def workers(self) -> WorkerPresence:
         """Who polls the run's task queue, as the Temporal server has seen them (no worker
         needed to answer)."""
-        return await worker_presence(
-            await self._connected(), self.task_queue, self.worker_seen_within_s
-        )
+        client = await self._connected()
+        with self._outage("looking for workers"):
+            return await worker_presence(client, self.task_queue, self.worker_seen_within_s)
 
     # `timeout`: as snapshot_now's.
     async def stop(self, *, wait: bool = False, timeout: float | None = None) -> None:  # noqa: ASYNC109
@@ -311,12 +312,13 @@ class Checkpointer:
         anchors = tuple(weight_versions) if weight_versions is not None else None
         request = RestoreRequest(run_id=self.run_id, restore_id=restore_id, weight_versions=anchors)
         try:
-            plan = await client.execute_workflow(
-                RestoreRun.run,
-                request,
-                id=restore_workflow_id(self.run_id, restore_id),
-                task_queue=self.task_queue,
-            )
+            with self._outage(f"restore {restore_id}"):
+                plan = await client.execute_workflow(
+                    RestoreRun.run,
+                    request,
+                    id=restore_workflow_id(self.run_id, restore_id),
+                    task_queue=self.task_queue,
+                )
         except WorkflowFailureError as exc:
             error_type, message = describe_failure(exc)
             raise RestoreFailed(
@@ -346,6 +348,19 @@ class Checkpointer:
 
     # ---- helpers ---------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _outage(self, doing: str) -> Iterator[None]:
+        """An unreachable server (stopped, restarting, the network) is TemporalUnavailable,
+        transient: the same call succeeds once it is back. Every other answer goes through."""
+        try:
+            yield
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.UNAVAILABLE:
+                raise
+            raise TemporalUnavailable(
+                f"run {self.run_id!r}: {doing}: the Temporal server did not answer ({exc.message})"
+            ) from exc
+
     async def _connected(self) -> Client:
         if self._client is None:
             self._client = await connect(self._connection or self._settings.connection())
@@ -372,15 +387,19 @@ class Checkpointer:
     ) -> SnapshotOutcome:
         """Run a supervisor update that answers with a snapshot's outcome, within ``timeout``."""
         handle = await self._supervisor()
-        try:
-            outcome: SnapshotOutcome = await _within(timeout, handle.execute_update(update, *args))
-        except TimeoutError:
-            raise CheckpointTimeout(
-                f"run {self.run_id!r}: the snapshot did not finish within {timeout:g} s"
-            ) from None
-        except (RPCError, WorkflowUpdateFailedError):
-            await self._running(handle)  # raises the supervisor's own error if it closed
-            raise
+        # The server went away while the update waited: TemporalUnavailable, and the snapshot
+        # (if the request reached the supervisor) still runs; its outcome shows in status().
+        with self._outage("waiting for the snapshot"):
+            try:
+                call = handle.execute_update(update, *args)
+                outcome: SnapshotOutcome = await _within(timeout, call)
+            except TimeoutError:
+                raise CheckpointTimeout(
+                    f"run {self.run_id!r}: the snapshot did not finish within {timeout:g} s"
+                ) from None
+            except (RPCError, WorkflowUpdateFailedError):
+                await self._running(handle)  # raises the supervisor's own error if it closed
+                raise
         return outcome
 
     async def _notify(self, signal: Any, *args: Any) -> None:

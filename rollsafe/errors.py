@@ -14,6 +14,7 @@
     │   ├── ControllerUnavailable      no controller for the run can be reached (yet)
     │   ├── ObjectStoreUnavailable     object storage failed in a way that may pass
     │   ├── SnapshotLost               this checkpoint's draft is gone: take the snapshot again
+    │   ├── StorageFailed              the snapshot store's disk refused a write (full, read-only)
     │   ├── AwaitingRestore            a fresh controller of a run with snapshots, until it restores
     │   ├── AdmissionLeaseExpired      the park outlived its lease: the snapshot is abandoned
     │   ├── AdmissionClosed            a dispatch waited past its timeout while a snapshot parked
@@ -220,6 +221,12 @@ class PrefixMismatch(InvariantError):
 
 class InvalidInput(RollsafeError, ValueError):
     """Malformed input from a user: a file, an argument, an identifier."""
+
+
+class StorageFailed(TransientError):
+    """The snapshot store's filesystem refused a write: no space left, read-only, an I/O
+    error. Nothing was published and the run's state is untouched; the next snapshot is taken
+    as usual, and publishes once the disk is writable again."""
 
 
 class SnapshotLost(TransientError):

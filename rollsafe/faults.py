@@ -5,11 +5,12 @@ Arm points with the environment variable ``ROLLSAFE_FAULT`` (read at every check
 subprocess or a Ray actor started with it is armed), a comma-separated list of ``name`` or
 ``name:action``, where action is ``exit`` (``os._exit(137)``, as a kill -9 would look; the
 default), ``raise`` (:class:`InjectedFault`, a transient error), ``invariant``
-(:class:`InjectedInvariantFault`, one that must not be retried) or ``sleep:<seconds>`` (a
-slow step). In-process tests use :func:`arm` (optionally firing only ``times`` times) and
-:func:`disarm_all` instead, and may arm ``hold``: the point blocks the thread that reaches
-it until the test calls :func:`release` (:func:`wait_reached` tells when one got there), so
-a test can catch a call mid-flight without sleeping.
+(:class:`InjectedInvariantFault`, one that must not be retried), ``oserror:<ERRNO>`` (the
+``OSError`` the operating system would raise there, e.g. ``oserror:ENOSPC`` for a full disk)
+or ``sleep:<seconds>`` (a slow step). In-process tests use :func:`arm` (optionally firing
+only ``times`` times) and :func:`disarm_all` instead, and may arm ``hold``: the point blocks
+the thread that reaches it until the test calls :func:`release` (:func:`wait_reached` tells
+when one got there), so a test can catch a call mid-flight without sleeping.
 
 Every point is declared with :func:`register` when its module is imported, so an armed name
 that no code declares (a typo) fails loudly at the first check, listing the known names,
@@ -18,6 +19,7 @@ instead of silently never firing.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import threading
@@ -34,13 +36,14 @@ from rollsafe.errors import (
 
 ENV_VAR = "ROLLSAFE_FAULT"
 EXIT_CODE = 137
-_ACTIONS = "exit, raise, invariant or sleep:<seconds>"
+_ACTIONS = "exit, raise, invariant, oserror:<ERRNO> or sleep:<seconds>"
 
 
 @dataclass
 class _Armed:
-    kind: str  # exit | raise | invariant | sleep | hold
+    kind: str  # exit | raise | invariant | oserror | sleep | hold
     seconds: float = 0.0
+    code: int = 0  # oserror: the errno
     left: int | None = None  # fires this many more times; None: until disarmed
     reached: threading.Event = field(default_factory=threading.Event)  # hold: one got there
     released: threading.Event = field(default_factory=threading.Event)  # hold: let them go
@@ -134,6 +137,8 @@ def fault_point(name: str) -> None:
         raise InjectedFault(name)
     if armed.kind == "invariant":
         raise InjectedInvariantFault(name)
+    if armed.kind == "oserror":
+        raise OSError(armed.code, os.strerror(armed.code), f"<fault point {name}>")
     if armed.kind == "hold":
         armed.reached.set()
         armed.released.wait()
@@ -150,6 +155,8 @@ def _parse_action(action: str, where: str) -> _Armed:
         )
     if kind in ("exit", "raise", "invariant") and not arg:
         return _Armed(kind)
+    if kind == "oserror" and isinstance(number := getattr(errno, arg, None), int):
+        return _Armed(kind, code=number)
     if kind == "sleep":
         try:
             seconds = float(arg)

@@ -60,7 +60,7 @@ from rollsafe.reference.rl.demo_options import DEMO_CALL_TOKENS, INSTANCES, Demo
 from rollsafe.reference.rl.policy import HfModel
 from rollsafe.reference.rl.progress import SnapshotWatch, write_timeline
 from rollsafe.reference.rl.run import ReferenceRun, run_config
-from rollsafe.reference.rl.servers import RunServers
+from rollsafe.reference.rl.servers import DEMO_ENGINE_NICENESS, RunServers
 from rollsafe.snapshot import SnapshotStore
 
 WORKER_BANNER = r"rollsafe worker: run '(\S+)'"
@@ -247,6 +247,8 @@ class Demo:
                 env_token=self.tokens[1],
                 max_tokens=DEMO_CALL_TOKENS,
                 model=self.settings.model,
+                snapshot_root=(self.work / "snapshots").resolve(),
+                engine_niceness=DEMO_ENGINE_NICENESS,
             )
             stack.callback(servers.stop)
             self._make_model()

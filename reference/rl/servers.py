@@ -21,11 +21,13 @@ from rollsafe.reference.rl.controller import Endpoints
 from rollsafe.reference.rl.policy import HfModel, PolicyModel
 
 ENGINE_START_S = 240.0  # vLLM: import it and load the model, on a busy 2-core machine
-# The reference engine generates on every core it gets; on GPUs generation does not take the
-# CPUs the run's control plane (environments, worker, Temporal) answers a snapshot with. A lower
-# CPU priority keeps that so here (measured: docs/benchmarks.md, the park window through
-# Temporal). Not vLLM: its cut waits for the running step, which a lower priority lengthens.
-REFERENCE_ENGINE_NICENESS = 10
+# The demo's reference engine generates on every core it gets; on GPUs generation does not take
+# the CPUs the run's control plane (environments, worker, Temporal) answers a snapshot with. A
+# lower CPU priority keeps that so on a CPU-only machine (measured: docs/benchmarks.md, the park
+# window through Temporal). Only where one run has the machine (`rollsafe demo`): beside other
+# work the engine starves (a test waiting for a call to start timed out, on a machine running
+# more tests). Not vLLM: its cut waits for the running step, which a lower priority lengthens.
+DEMO_ENGINE_NICENESS = 10
 
 
 class RunServers:
@@ -40,12 +42,16 @@ class RunServers:
         env_faults: Mapping[str, str] | None = None,
         max_tokens: int = 12,
         model: PolicyModel | None = None,
+        snapshot_root: Path | None = None,
+        engine_niceness: int = 0,
     ) -> None:
         self.logs, self.instances, self.seed = logs, tuple(instances), seed
         self.engine_token, self.env_token = engine_token, env_token
         self.env_faults = dict(env_faults or {})  # instance -> --faults spec, first start only
         self.max_tokens = max_tokens  # per policy call
         self.model = model or ModelConfig()  # the trainer's: the engine serves the same one
+        self.snapshot_root = snapshot_root  # the environments' commit/restore paths stay inside
+        self.engine_niceness = engine_niceness  # the reference engine's (vLLM's stays 0)
         self.started: list[ServedProcess] = []
         self.current: list[ServedProcess] = []
         self.generation = 0
@@ -60,7 +66,7 @@ class RunServers:
         args = ["engine", "serve", "--port", "0", *self._engine_args()]
         hold_env = {HOLD_ENV: hold.model_dump_json()} if hold is not None else {}
         banner = ENGINE_BANNER.format(kind=r"\S+")
-        niceness = 0 if isinstance(self.model, HfModel) else REFERENCE_ENGINE_NICENESS
+        niceness = 0 if isinstance(self.model, HfModel) else self.engine_niceness
         engine_env = {**tokens, **hold_env}
         engine = self._start(args, banner, "engine", engine_env, ENGINE_START_S, niceness)
         envs = {}
@@ -68,6 +74,8 @@ class RunServers:
             args = ["env", "serve", "workplace", "--port", "0", "--engine-url", engine.url]
             args += ["--instance", name, "--lease-grace-s", "5"]
             args += ["--max-tokens", str(self.max_tokens)]
+            if self.snapshot_root is not None:
+                args += ["--snapshot-root", str(self.snapshot_root)]
             if self.generation == 1 and name in self.env_faults:
                 args += ["--faults", self.env_faults[name]]
             banner = ENV_BANNER.format(name="workplace", instance=name)

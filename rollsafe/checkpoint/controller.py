@@ -80,6 +80,7 @@ from rollsafe.errors import (
     CheckpointRefused,
     InvalidInput,
     SnapshotLost,
+    StorageFailed,
 )
 from rollsafe.faults import fault_point, register
 from rollsafe.journal.run import RunJournal, restore_target
@@ -153,6 +154,7 @@ class CheckpointRecord:
     # Controller._meta, so a late duplicate attempt cannot slip in between).
     resumed: bool = False
     aborted: PhaseResult | None = None
+    thrown_away: str | None = None  # why its draft was discarded: a retry names it
 
 
 def phase_result(
@@ -386,7 +388,8 @@ class Controller:
         if phase is not Phase.RESUME:
             self._check_lease(spec)
         if phase is Phase.OPEN:
-            return self._open_draft(spec, record)
+            with _storage_errors(cid, "opening its draft"):
+                return self._open_draft(spec, record)
         if phase is Phase.RESUME:
             with self._meta:
                 record.resumed = True
@@ -399,7 +402,8 @@ class Controller:
                 self._effect(phase, change.changed)
             return phase_result(spec, phase, f"{resumed}admission {change.detail}")
         if phase is Phase.PUBLISH:
-            return self._publish(spec, self._entry(cid))
+            with _storage_errors(cid, "publishing"):
+                return self._publish(spec, self._entry(cid))
         if phase is Phase.CLOSE_ADMISSION:
             with self._meta:  # resume takes it too: it cannot slip between check and close
                 if record.resumed:
@@ -552,9 +556,17 @@ class Controller:
         lives (on disk, or downloaded from object storage: the local cache may be gone)."""
         published = self.store.verify_published(spec.seq)
         if published is None:
+            with self._meta:
+                record = self._records.get(spec.checkpoint_id)
+            why = record.thrown_away if record is not None else None
+            where = (
+                f"its draft was thrown away ({why})"
+                if why is not None
+                else "no draft here (the controller restarted?)"
+            )
             raise SnapshotLost(
-                f"checkpoint {spec.checkpoint_id}: no draft here (the controller restarted?) "
-                f"and seq {spec.seq} is not published: take the snapshot again"
+                f"checkpoint {spec.checkpoint_id}: {where} and seq {spec.seq} is not "
+                "published: take the snapshot again"
             )
         if published.manifest.checkpoint_id != spec.checkpoint_id:
             raise CheckpointRefused(
@@ -726,9 +738,20 @@ class Controller:
         """The draft will never be published: thrown away, its capture's hold ended, and the
         run may open another. The caller holds ``entry.lock``."""
         entry.broken = why
-        entry.draft.discard()
+        try:
+            entry.draft.discard()
+        except OSError as exc:  # a read-only disk: the next snapshot's sweep removes it
+            log.warning(
+                "checkpoint %s: its draft %s could not be removed (%s); the next snapshot "
+                "removes it",
+                entry.spec.checkpoint_id,
+                entry.draft.path,
+                exc,
+            )
         self._end_capture(entry)
         with self._meta:
+            if (record := self._records.get(entry.spec.checkpoint_id)) is not None:
+                record.thrown_away = why
             if self._open is entry:
                 self._open = None
 
@@ -914,3 +937,16 @@ class Controller:
         """The current attempt number of rollout ``i`` of group ``idx``."""
         with self.barrier:
             return self.state.ledger.attempt(idx, i)
+
+
+@contextmanager
+def _storage_errors(checkpoint_id: str, doing: str) -> Iterator[None]:
+    """The snapshot store's disk refused a write (full, read-only, an I/O error): a transient
+    StorageFailed naming it; the run's state is untouched and the next snapshot tries again."""
+    try:
+        yield
+    except OSError as exc:
+        raise StorageFailed(
+            f"checkpoint {checkpoint_id}: {doing} failed: {exc}; nothing was published and "
+            "the run's state is untouched"
+        ) from exc

@@ -18,6 +18,7 @@ from typing import Annotated
 
 import typer
 
+from rollsafe.children import watch_parent
 from rollsafe.cli.checkpointing import register_checkpointing_commands
 from rollsafe.cli.config import register_config_commands
 from rollsafe.cli.doctor import register_doctor_command
@@ -247,4 +248,5 @@ register_config_commands(app)
 
 
 def main() -> None:  # pragma: no cover - console entry point
+    watch_parent()  # started by another rollsafe process: end with it (rollsafe.children)
     run_command(lambda: app(prog_name="rollsafe"))

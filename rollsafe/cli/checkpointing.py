@@ -50,9 +50,9 @@ def against_temporal(work: Callable[[Client], Awaitable[T]]) -> T:
     from rollsafe.temporal.connect import connect
 
     async def main() -> T:
-        client = await connect(Settings.load().connection())
-        temporal_client_made()
-        return await work(client)
+        settings = Settings.load().connection()
+        temporal_client_made()  # before: a failed connect has started the client's threads too
+        return await work(await connect(settings))
 
     try:
         return asyncio.run(main())

@@ -131,6 +131,13 @@ def env_serve(
     tool_wait_s: Annotated[
         float, typer.Option(help="how long a prepare waits for tool calls to end")
     ] = TOOL_WAIT_S,
+    snapshot_root: Annotated[
+        str | None,
+        typer.Option(
+            help="the local directory the run's snapshots are written under (with object "
+            "storage: its cache_dir); commit and restore may name no path outside it",
+        ),
+    ] = None,
     faults: Annotated[
         str,
         typer.Option(
@@ -151,6 +158,8 @@ def env_serve(
 
     if (problem := _environment_problem(name, hooks)) is not None:
         usage_error(problem)
+    if snapshot_root is not None and "://" in snapshot_root:
+        usage_error(f"--snapshot-root is a local directory, not {snapshot_root!r}")
     from rollsafe.reference.envs.workplace.faults import parse_faults
 
     try:
@@ -167,6 +176,7 @@ def env_serve(
             "instance": instance,
             "lease_grace_s": lease_grace_s,
             "tool_wait_s": tool_wait_s,
+            "snapshot_root": snapshot_root,
         }
         factory = _workplace(max_tokens) if hooks is None else load_hooks_factory(hooks)
         asyncio.run(_serve_hooks(factory, engine_url, engine_secret, switches, served))
@@ -195,6 +205,12 @@ def env_check(
     ] = None,
     engine_token: EngineToken = None,
     engine_token_file: EngineTokenFile = None,
+    snapshot_root: Annotated[
+        Path | None,
+        typer.Option(
+            help="the instance's --snapshot-root, if it has one: the checks commit under it"
+        ),
+    ] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Run the checkpoint protocol's conformance checks against the instance at URL.
@@ -225,6 +241,7 @@ def env_check(
                 lease_wait_s=lease_wait_s,
                 engine_url=engine_url,
                 engine_token=engine_secret,
+                snapshot_root=snapshot_root,
                 progress=lambda line: typer.echo(line, err=as_json),
             )
         )

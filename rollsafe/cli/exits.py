@@ -89,10 +89,10 @@ _temporal_client_made = False
 
 
 def temporal_client_made() -> None:
-    """This process made a Temporal client: :func:`run_command` then ends it without the
-    interpreter's teardown. The client's Rust threads can call into a finalizing interpreter,
-    which aborts it (exit 134, ``Fatal Python error: PyGILState_Release``: temporalio
-    sdk-python#300), after the command has done its work and printed its result."""
+    """This process made (or tried to make) a Temporal client: :func:`run_command` then ends
+    it without the interpreter's teardown. The client's Rust threads can call into a finalizing
+    interpreter, which aborts it (exit 134, ``Fatal Python error: PyGILState_Release``:
+    temporalio sdk-python#300), after the command has done its work and printed its result."""
     global _temporal_client_made
     _temporal_client_made = True
 

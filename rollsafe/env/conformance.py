@@ -239,18 +239,21 @@ async def run_conformance(
     lease_wait_s: float = 60.0,
     engine_url: str | None = None,
     engine_token: str | None = None,
+    snapshot_root: Path | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> ConformanceReport:
     """Run every check against the (idle) instance at ``url``, in turn, reporting each done
     one to ``progress``; with the instance's engine (``engine_url``), a call is cut and must
-    resume. :class:`~rollsafe.errors.EnvUnavailable`: unreachable at all;
+    resume. Commits go to a fresh directory under ``snapshot_root`` (the instance's
+    ``--snapshot-root``, if it has one; else the system's temporary directory).
+    :class:`~rollsafe.errors.EnvUnavailable`: unreachable at all;
     :class:`~rollsafe.errors.InvalidInput`: it refuses the token (401), or the task is too
     short. Nothing to check."""
     began, results = time.monotonic(), []
     engine = None
     if engine_url is not None:
         engine = EngineClient(engine_url, engine_token or "", timeout=15.0)
-    r = Run(url, token, task, lease_wait_s, engine)
+    r = Run(url, token, task, lease_wait_s, engine, snapshot_root)
     try:
         try:
             first = await r.raw("status")

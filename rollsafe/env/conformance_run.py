@@ -55,10 +55,11 @@ class Run:
         task: dict[str, Any] | None,
         wait_s: float,
         engine: Engine | None = None,
+        snapshot_root: Path | None = None,
     ) -> None:
         self.task, self.lease_wait_s, self.auth = task, wait_s, {"authorization": f"Bearer {token}"}
         self.engine = engine  # the instance's policy engine, to cut a call; None: not given
-        self.root = Path(tempfile.mkdtemp(prefix="rollsafe-conformance-"))
+        self.root = Path(tempfile.mkdtemp(prefix="rollsafe-conformance-", dir=snapshot_root))
         self.local_files = urlsplit(url).hostname in ("localhost", "127.0.0.1", "::1")
         self.env = EnvClient(url, token, timeout_s=15.0)
         self.http = http_client(url, None, timeout=15.0)  # each request sends its own auth

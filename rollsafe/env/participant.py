@@ -20,6 +20,7 @@ from the task.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from contextlib import suppress
@@ -33,7 +34,7 @@ from rollsafe.env import store
 from rollsafe.env.hooks import EnvironmentHooks
 from rollsafe.env.participant_records import (
     Restored,
-    absolute,
+    confined,
     export_records,
     install,
     restored_in_scope,
@@ -65,10 +66,14 @@ class Participant:
         *,
         lease_grace_s: float = LEASE_GRACE_S,
         tool_wait_s: float = TOOL_WAIT_S,
+        snapshot_root: str | os.PathLike[str] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.instance = instance
         self.env = env
+        # Where commit and restore may write and read (None: anywhere absolute).
+        root = None if snapshot_root is None else os.path.realpath(snapshot_root)
+        self.snapshot_root = None if root is None else Path(root)
         self.lease_grace_s = lease_grace_s
         self.tool_wait_s = tool_wait_s
         self._clock = clock
@@ -247,7 +252,7 @@ class Participant:
                 return stored
             self._require(cid, "prepared")
             self._check_scope(request.scope)
-            dest = absolute(request.dest, "dest")
+            dest = confined(request.dest, "dest", self.snapshot_root)
             records = export_records(self.env, request.scope, self._parked)
             env = self.env
             manifest = await asyncio.to_thread(
@@ -325,7 +330,7 @@ class Participant:
             self._require_future(request.deadline_ts)
             for ep in request.scope:
                 self._check_free(ep.next_attempt())
-            root = absolute(request.root, "root")
+            root = confined(request.root, "root", self.snapshot_root)
             # Restored from here on, before the records are read: a run of a next attempt
             # arriving meanwhile is refused (parked), not admitted fresh.
             lease = self._open("restored", rid, request.deadline_ts)

@@ -11,6 +11,7 @@ prefix of the restore (a session only uses one whose prompt and sampling match i
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,10 +50,15 @@ def export_records(
     ]
 
 
-def absolute(path: str, field: str) -> Path:
-    # A relative path would land wherever this server happens to run.
+def confined(path: str, field: str, root: Path | None) -> Path:
+    """``path``, absolute (a relative one would land wherever this server happens to run)
+    and, when the server has a snapshot ``root`` (real path), inside it once symlinks are
+    resolved: a request naming any other place on this machine is refused, whoever holds
+    the token."""
     if not Path(path).is_absolute():
         raise InvalidInput(f"{field} must be an absolute path, not {path!r}")
+    if root is not None and not Path(os.path.realpath(path)).is_relative_to(root):
+        raise InvalidInput(f"{field} {path!r} is outside this server's snapshot root {root}")
     return Path(path)
 
 

@@ -105,11 +105,14 @@ async def serve(
     instance: str | None = None,
     lease_grace_s: float = LEASE_GRACE_S,
     tool_wait_s: float = TOOL_WAIT_S,
+    snapshot_root: str | os.PathLike[str] | None = None,
     wrap: Callable[[Asgi], Asgi] | None = None,
 ) -> None:
     """Serve ``hooks`` on ``host:port`` (0: any free port, named in the printed line) behind
-    bearer ``token`` until SIGINT/SIGTERM. ``wrap``: ASGI middleware around the app (the
-    reference environment's fault switches, for tests)."""
+    bearer ``token`` until SIGINT/SIGTERM. ``snapshot_root``: the only tree commit and
+    restore may name (the run's snapshot root; None: any absolute path, with a warning).
+    ``wrap``: ASGI middleware around the app (the reference environment's fault switches, for
+    tests)."""
     # Imported here: the hooks' module may be imported without serving them.
     from rollsafe.env.participant import Participant
     from rollsafe.env.router import participant_app
@@ -118,7 +121,19 @@ async def serve(
         raise InvalidInput("an environment server needs a non-empty token")
     configure_tracing()  # spans per request go where OTEL_TRACES_EXPORTER says
     name = instance or default_instance(hooks.name)
-    participant = Participant(name, hooks, lease_grace_s=lease_grace_s, tool_wait_s=tool_wait_s)
+    if snapshot_root is None:
+        log.warning(
+            "environment instance %s: commit and restore may name any absolute path; give "
+            "it the run's snapshot root (--snapshot-root) to confine them",
+            name,
+        )
+    participant = Participant(
+        name,
+        hooks,
+        lease_grace_s=lease_grace_s,
+        tool_wait_s=tool_wait_s,
+        snapshot_root=snapshot_root,
+    )
     app: Asgi = participant_app(participant, token)
     if wrap is not None:
         app = wrap(app)

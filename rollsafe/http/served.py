@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from rollsafe.children import env_for_child
 from rollsafe.errors import ServerDidNotStart
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ class ServedProcess:
         self.url = ""
         with self.out.open("wb") as stdout, self.err.open("wb") as stderr:
             self.proc = subprocess.Popen(
-                command, stdout=stdout, stderr=stderr, env={**os.environ, **(env or {})}
+                command, stdout=stdout, stderr=stderr, env=env_for_child(env)
             )
         if niceness:  # by pid, the child we just started (no preexec_fn: we run threads)
             os.setpriority(os.PRIO_PROCESS, self.proc.pid, niceness)

@@ -181,8 +181,10 @@ class SnapshotDraft:
         if self._state is not _State.OPEN:
             return
         self._state = _State.DISCARDED
-        self._store.remove_draft_dir(self.path)
-        self._unlock()
+        try:
+            self._store.remove_draft_dir(self.path)
+        finally:  # unlocked even when the disk refused: a later sweep may then remove it
+            self._unlock()
 
     def __enter__(self) -> SnapshotDraft:
         return self

@@ -30,6 +30,7 @@ from typing import IO, Final, Self
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
 from temporalio.service import RPCError
 
+from rollsafe.children import bound_to_parent
 from rollsafe.errors import ExtraNotInstalled, InvalidInput, RollsafeError, TemporalUnavailable
 from rollsafe.temporal.connect import ConnectionSettings, connect
 from rollsafe.temporal.search_attributes import ALL, SEARCH_ATTRIBUTE_CLI_ARGS
@@ -220,7 +221,9 @@ class DevServer:
             # Popen returns once the child is forked; asyncio's subprocess transport would tie
             # the server's life to this event loop, and the server must outlive it.
             self._proc = subprocess.Popen(  # noqa: ASYNC220
-                command,
+                # Killed with the process that started it (rollsafe.children): a starter killed
+                # from outside runs no stop(), and the server would hold its port and state.
+                bound_to_parent(command),
                 stdin=subprocess.DEVNULL,
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
@@ -238,6 +241,15 @@ class DevServer:
             self.stop()
             raise
         return self
+
+    def crash(self) -> None:
+        """SIGKILL the server (by its Popen handle), as an OOM kill or a lost node would end it:
+        no shutdown runs; :meth:`start` brings it back on the state the kill left (a drill and
+        tests' outage, docs/operations.md "What happens when ...")."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self.stop()  # releases the log and the lock: nothing left to signal
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after ``stop_grace_s``; waits until the process is reaped so

@@ -34,6 +34,7 @@ def worker_process(
     default (a Ctrl-C meant for the caller does not reach it); ``new_session=False`` keeps it
     in the caller's, so that it dies with the node of a caller that is a Ray actor
     (:class:`WorkerLauncher`)."""
+    from rollsafe.children import PARENT_PID_ENV
     from rollsafe.faults import ENV_VAR
 
     # A Ray worker process's own RAY_* variables (its job, raylet, address) would mislead the
@@ -51,6 +52,7 @@ def worker_process(
     )
     if fault is not None:
         env[ENV_VAR] = fault
+    env[PARENT_PID_ENV] = str(os.getpid())  # it ends with its caller (rollsafe.children)
     command = [sys.executable, "-m", "rollsafe", "worker", "--run", run_id]
     with log.open("wb") as out:
         return subprocess.Popen(

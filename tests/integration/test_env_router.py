@@ -168,6 +168,39 @@ async def test_wrong_token_changes_nothing(tmp_path: Path) -> None:
         assert ok.status_code == 200 and (await status(http))["phase"] == "prepared"
 
 
+async def test_commit_and_restore_naming_a_path_outside_the_snapshot_root_are_refused(
+    tmp_path: Path,
+) -> None:
+    """422, nothing written or read there, the checkpoint still open; inside, the same
+    commit goes through. A symlink inside the root that points out of it is outside."""
+    root, outside = tmp_path / "snapshots", tmp_path / "elsewhere"
+    root.mkdir()
+    (root / "escape").symlink_to(outside, target_is_directory=True)
+    part = Participant("gated-0", Gated(), snapshot_root=root)
+    async with serving(part) as http:
+        ck = wire.PrepareRequest(checkpoint_id="ck1", deadline_ts=2e9)
+        assert (await http.post(f"{P}/prepare", content=body(ck), headers=AUTH)).is_success
+        for dest in (outside, root / "escape" / "envs", root / ".." / "elsewhere"):
+            commit = wire.CommitRequest(checkpoint_id="ck1", scope=(), dest=str(dest))
+            refused = await http.post(f"{P}/commit", content=body(commit), headers=AUTH)
+            assert refused.status_code == 422, refused.text
+            assert "outside this server's snapshot root" in refused.json()["detail"]
+        assert not outside.exists() and (await status(http))["phase"] == "prepared"
+        commit = wire.CommitRequest(checkpoint_id="ck1", scope=(), dest=str(root / "ck1"))
+        assert (await http.post(f"{P}/commit", content=body(commit), headers=AUTH)).is_success
+        resume = wire.ResumeRequest(checkpoint_id="ck1")
+        assert (await http.post(f"{P}/resume", content=body(resume), headers=AUTH)).is_success
+        restore = wire.RestoreRequest(
+            restore_id="r1",
+            source_checkpoint_id="ck1",
+            root=str(outside),
+            scope=(),
+            deadline_ts=2e9,
+        )
+        refused = await http.post(f"{P}/restore", content=body(restore), headers=AUTH)
+        assert refused.status_code == 422 and (await status(http))["phase"] == "idle"
+
+
 async def test_malformed_bodies_name_the_field(tmp_path: Path) -> None:
     cases = [
         (f"{P}/prepare", {"checkpoint_id": "ck1"}, "deadline_ts"),

@@ -7,8 +7,10 @@ when it fails.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import queue
+import select
 import signal
 import socket
 import subprocess
@@ -354,18 +356,22 @@ def _read_banner(proc: subprocess.Popen[str], timeout_s: float) -> list[str]:
     return banner
 
 
-def test_server_command_prints_the_address_and_stops_on_sigterm(tmp_path: Path) -> None:
+def _server_command(state_dir: Path) -> subprocess.Popen[str]:
     code = (
         "import sys; from pathlib import Path; from rollsafe.cli.server import server_command; "
         "server_command(state_dir=Path(sys.argv[1]), port=0)"
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, str(tmp_path)],
+    return subprocess.Popen(
+        [sys.executable, "-c", code, str(state_dir)],
         cwd=Path(__file__).resolve().parents[2],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def test_server_command_prints_the_address_and_stops_on_sigterm(tmp_path: Path) -> None:
+    proc = _server_command(tmp_path)
     server_pid: int | None = None
     try:
         lines = _read_banner(proc, timeout_s=30)
@@ -384,10 +390,33 @@ def test_server_command_prints_the_address_and_stops_on_sigterm(tmp_path: Path) 
         assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
         assert _pid_gone(server_pid)
     finally:
-        # On failure: stop the command, and the server it started (its own session, so it
-        # outlives a killed parent) by the PID the command printed.
+        # On failure: stop the command, and the server it started by the PID the command
+        # printed (its own session: a Ctrl-C does not reach it; the kernel ends it with a
+        # killed command, the next test).
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         if server_pid is not None and not _pid_gone(server_pid):
             os.kill(server_pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG, pidfds")
+def test_the_server_ends_with_a_server_command_killed_from_outside(tmp_path: Path) -> None:
+    """No cleanup runs in a SIGKILLed `rollsafe server`: the kernel ends its dev server."""
+    proc = _server_command(tmp_path)
+    pidfd: int | None = None
+    try:
+        lines = _read_banner(proc, timeout_s=30)
+        pidfd = os.pidfd_open(int(lines[0].rsplit("pid ", 1)[1].rstrip(")\n")))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        ended, _, _ = select.select([pidfd], [], [], 30)
+        assert ended, "the dev server outlived the command that started it"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            os.close(pidfd)

@@ -60,6 +60,7 @@ def test_a_factory_must_return_hooks() -> None:
         (["workplace"], "workplace needs --engine-url"),
         (["--hooks", "a.b:C", "--engine-url", "http://x"], "go together"),
         (["--hooks", "no_such_module_here:Env"], "cannot import"),
+        (["workplace", "--snapshot-root", "s3://bucket/runs"], "a local directory"),
     ],
 )
 def test_env_serve_refuses_bad_flags_before_serving(args: list[str], message: str) -> None:

@@ -1,5 +1,6 @@
 """Named fault points: ROLLSAFE_FAULT parsing, loud typos, programmatic arming."""
 
+import errno
 import os
 import subprocess
 import sys
@@ -104,9 +105,17 @@ def test_sleep_slows_a_point_down(monkeypatch):
     started = time.monotonic()
     fault_point("phase.drain.before")
     assert time.monotonic() - started >= 0.05
-    for bad in ("sleep", "sleep:-1", "sleep:soon", "raise:2"):
-        with pytest.raises(InvalidInput, match="expected exit, raise, invariant or sleep"):
+    for bad in ("sleep", "sleep:-1", "sleep:soon", "raise:2", "oserror", "oserror:ENOTANERRNO"):
+        with pytest.raises(InvalidInput, match="expected exit, raise, invariant, oserror"):
             arm("phase.drain.before", bad)
+
+
+def test_oserror_raises_what_the_system_would():
+    faults.arm("phase.open.before", "oserror:ENOSPC", times=1)
+    with pytest.raises(OSError, match="No space left on device") as raised:
+        fault_point("phase.open.before")
+    assert raised.value.errno == errno.ENOSPC and "phase.open.before" in str(raised.value)
+    fault_point("phase.open.before")  # fired once
 
 
 def test_invariant_action_raises_an_error_that_is_not_retried():

@@ -173,8 +173,8 @@ async def _reach(
     settings: ConnectionSettings, timeout_s: float
 ) -> tuple[DoctorCheck, Client | None]:
     try:
+        temporal_client_made()  # before: a failed connect has started the client's threads too
         client = await connect(settings, timeout_s=timeout_s, check_namespace=False)
-        temporal_client_made()
         info = await client.workflow_service.get_system_info(
             GetSystemInfoRequest(), timeout=timedelta(seconds=timeout_s)
         )
