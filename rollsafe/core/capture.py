@@ -71,9 +71,11 @@ class CapturedState:
         return [rollout_key(run, idx, i) for idx, i in zip(groups, siblings.tolist(), strict=True)]
 
     def write(self, draft: SnapshotDraft) -> None:
+        """The state's files into ``draft``; the state is in key order (:meth:`in_key_order`,
+        as every caller has it already for the agreement check)."""
         for relpath, (arrays, metadata) in ((LEDGER_FILE, self.ledger), (INDEX_FILE, self.index)):
             with draft.open(relpath) as out:
-                write_tensors(out, in_key_order(arrays), metadata)
+                write_tensors(out, arrays, metadata)
         draft.write_json("loader.json", self.loader)
         draft.write_json("sampler.json", self.sampler)
         draft.write_json("run.json", self.config)

@@ -2,16 +2,17 @@
 
 The ledger and the replay index each hold one row per live group (a million rollouts is a
 hundred thousand groups and more). Keeping them as numpy columns instead of Python objects
-turns a checkpoint's capture into a handful of array copies and its publish into a streamed
+turns a checkpoint's capture into a handful of array views and its publish into a streamed
 write, which is what lets a snapshot run near the disk's own speed. Rows are removed by moving
 the last row into the hole, so the live rows are always ``[0, len)``.
 
 A capture copies nothing: it hands out views of the live buffers and marks them shared; the
-first write after it (:meth:`ColumnTable.column`, :meth:`~ColumnTable.add`,
-:meth:`~ColumnTable.remove`) copies the buffer it is about to change, so the capture keeps the
-bytes it saw. The copy is paid by the run once per capture and column, after the checkpoint's
-park window, not inside it (at a million rollouts the copies are tens of MB: several ms, and
-tens more when fresh pages fault in).
+first write after it into a shared buffer (:meth:`ColumnTable.column`,
+:meth:`~ColumnTable.remove`) copies that buffer first, so the capture keeps the bytes it saw
+(:meth:`~ColumnTable.add` writes past every captured row and copies nothing). The copy is
+paid by the run once per capture and column, after the checkpoint's park window, not inside it
+(at a million rollouts the copies are tens of MB: several ms, and tens more when fresh pages
+fault in).
 """
 
 from __future__ import annotations
