@@ -400,6 +400,8 @@ class Demo:
         resumed = sum(len(g.resumed) for g in plan.partial.values())
         for name, why in plan.environments_failed.items():
             self.say(f"[restore] {name} could not restore its episodes (restarted instead): {why}")
+        for name, what in plan.environments_lost.items():
+            self.say(f"[restore] {name} is {what}")
         journal = f" + {plan.journal.records} journal records" if plan.journal else ""
         self.say(
             f"[restore] {plan.snapshot}{journal}: weight version {plan.weight_version}, "

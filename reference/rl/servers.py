@@ -56,9 +56,14 @@ class RunServers:
         self.current: list[ServedProcess] = []
         self.generation = 0
 
-    def start(self, hold: HoldRule | None = None) -> Endpoints:
+    def start(
+        self, hold: HoldRule | None = None, instances: Sequence[str] | None = None
+    ) -> Endpoints:
         """Fresh servers; ``hold``: the engine holds the calls it names (a test instrument,
-        ``ROLLSAFE_ENGINE_HOLD``)."""
+        ``ROLLSAFE_ENGINE_HOLD``); ``instances``: this fleet from now on (one lost for good,
+        one added), instead of the one before."""
+        if instances is not None:
+            self.instances = tuple(instances)
         self.generation += 1
         self.current = []
         # Tokens through the environment, never argv (`ps` shows argv to every user).

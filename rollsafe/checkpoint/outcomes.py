@@ -82,6 +82,7 @@ def log_restore(request: RestoreRequest, plan: RestorePlan, seconds: float) -> N
         "redispatch": len(plan.redispatch),
         "refused_snapshots": len(plan.skipped),
         "environments_failed": len(plan.environments_failed),
+        "environments_lost": len(plan.environments_lost),
         "journal_records": plan.journal.records if plan.journal else 0,
     }
     log.info(

@@ -50,7 +50,13 @@ from rollsafe.engine.staging import (
 from rollsafe.env.client import EnvClient
 from rollsafe.env.drain import PendingReplies
 from rollsafe.env.fleet import EnvFleet
-from rollsafe.env.fleet_rules import FleetCommitted, FleetPrepared, FleetRestored
+from rollsafe.env.fleet_rules import (
+    FleetCommitted,
+    FleetPrepared,
+    FleetRestored,
+    Placement,
+    place,
+)
 from rollsafe.env.protocol import EpisodeRef, EpisodeResult, RunEpisode
 from rollsafe.errors import CheckpointSpent, EnvRefused, InvalidInput
 from rollsafe.observability import metrics
@@ -218,7 +224,10 @@ class Participants:
         ran them; everywhere when the owner is not known)."""
         by_instance: dict[str, list[EpisodeRef]] = {}
         for retirement in retirements:
-            owners = [retirement.owner] if retirement.owner else list(self.fleet.names)
+            # An owner no longer in the fleet (lost for good) can run nothing: every instance
+            # refuses the attempt instead, as when the owner is not known.
+            known = retirement.owner in self.fleet.names
+            owners = [retirement.owner] if known and retirement.owner else list(self.fleet.names)
             for name in owners:
                 by_instance.setdefault(name, []).append(to_ref(retirement.episode))
         if not by_instance:
@@ -344,15 +353,21 @@ class Participants:
         record: ParticipantsRecord,
         dataplane: DataPlane,
         changed: Changed = unchanged,
-    ) -> FleetRestored:
-        """Bring the committed episodes back as attempt n + 1 on their instances, with the
-        staged prefixes of their cut calls (read from the restored data plane), but those the
-        journal ``changed`` since (sealed, restarted, or their group gone). All or nothing: on
-        failure no instance keeps any (see :class:`FleetRestored`)."""
+    ) -> tuple[FleetRestored, Placement]:
+        """Bring the committed episodes back as attempt n + 1, with the staged prefixes of
+        their cut calls (read from the restored data plane), but those the journal
+        ``changed`` since (sealed, restarted, or their group gone): each on its instance, or,
+        for an instance no longer in the fleet, on a survivor (:func:`place`). All or
+        nothing: on failure no instance keeps any (see :class:`FleetRestored`)."""
+        committed = record.committed.instances
         scope = {
             name: [ref for ref in c.committed if not changed(to_episode(ref))]
-            for name, c in record.committed.instances.items()
+            for name, c in committed.items()
         }
+        portable = {name: all(m.portable for m in c.participants) for name, c in committed.items()}
+        placement = place(scope, portable, self.fleet.names)
+        for name, what in sorted(placement.lost.items()):
+            log.warning("restore %s: instance %s is %s", restore_id, name, what)
         prefixes = load_prefixes(dataplane, record.staged) if record.staged else {}
 
         as_json = {call: p.model_dump(mode="json") for call, p in prefixes.items()}
@@ -362,9 +377,10 @@ class Participants:
                 restore_id,
                 record.committed.checkpoint_id,
                 snapshot_dir.resolve() / ENVS_DIR,
-                scope,
+                placement.own,
                 as_json,
                 deadline,
+                adopted=placement.adopted,
             )
         )
         if restored.ok:
@@ -373,7 +389,7 @@ class Participants:
                 log.debug(
                     "restore %s: instance %s restored %d episodes", restore_id, name, len(refs)
                 )
-        return restored
+        return restored, placement
 
     def resume_restored(self, restore_id: str) -> int:
         """The restore succeeded: the environments resume. Returns the tokens of the staged
@@ -411,13 +427,18 @@ class Participants:
             if RECORD_FILE not in reader.manifest.files:
                 return EnvironmentsRestored({})
             record = reader.read_json(RECORD_FILE, ParticipantsRecord)
-            outcome = self.restore(restore_id, reader.path, record, dataplane, changed)
+            outcome, placement = self.restore(restore_id, reader.path, record, dataplane, changed)
             outcomes.append(outcome)
+            # A stranded episode (placement.stranded) is in neither: it restarts from scratch.
             if not outcome.ok:
                 refused = frozenset(_previous(ref) for ref in outcome.restarts)
-                return EnvironmentsRestored({}, refused=refused, errors=outcome.errors)
+                return EnvironmentsRestored(
+                    {}, refused=refused, errors=outcome.errors, lost=placement.lost
+                )
             return EnvironmentsRestored(
-                {_previous(ref): name for name, refs in outcome.restored.items() for ref in refs}
+                {_previous(ref): name for name, refs in outcome.restored.items() for ref in refs},
+                moved=frozenset(to_episode(ref) for ref in placement.moved),
+                lost=placement.lost,
             )
 
         return restore, outcomes

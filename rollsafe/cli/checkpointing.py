@@ -101,6 +101,7 @@ def plan_summary(run: str, restore_id: str, plan: RestorePlan) -> str:
         f"  environment {instance} did not restore: {why}"
         for instance, why in plan.environments_failed.items()
     ]
+    lines += [f"  environment {name} {what}" for name, what in plan.environments_lost.items()]
     return "\n".join(lines)
 
 

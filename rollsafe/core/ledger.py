@@ -260,12 +260,17 @@ class Ledger:
     # ---- restart after a restore ----------------------------------------------------------
 
     def restart(
-        self, idx: int, restored: Mapping[int, str] | None = None, refused: Collection[int] = ()
+        self,
+        idx: int,
+        restored: Mapping[int, str] | None = None,
+        refused: Collection[int] = (),
+        moved: Collection[int] = (),
     ) -> RestartOutcome:
         """Apply the group's restore level. ``restored`` maps sibling -> the instance that
         restored its current attempt's episode (turn/prefix levels only); ``refused``: siblings
         whose environment restore failed after retiring attempt n + 1 everywhere, so they
-        restart from scratch as attempt n + 2."""
+        restart from scratch as attempt n + 2; ``moved``: restored siblings whose instance is
+        lost for good, restored on another that owns them from now on."""
         restored = dict(restored or {})
         level = self.level(idx)
         states = self.states(idx)
@@ -285,7 +290,7 @@ class Ledger:
             if state == AttemptState.SEALED and not prompt_group:
                 kept.append(i)
             elif state == AttemptState.DISPATCHED and i in restored:
-                self._resume_on(idx, i, restored.pop(i))
+                self._resume_on(idx, i, restored.pop(i), moved=i in moved)
                 resumed.append(i)
             else:
                 if state == AttemptState.SEALED:
@@ -301,15 +306,16 @@ class Ledger:
             )
         return RestartOutcome(tuple(kept), tuple(resumed), tuple(regenerate), tuple(dropped))
 
-    def _resume_on(self, idx: int, i: int, instance: str) -> None:
+    def _resume_on(self, idx: int, i: int, instance: str, *, moved: bool = False) -> None:
         owner = self.owner(idx, i)
-        if owner != instance:
+        if owner != instance and not moved:
             raise LedgerInvariantViolation(
                 f"rollout {self.episode(idx, i)} is owned by {owner!r} but {instance!r} restored it"
             )
-        # The old episode's state lives on as attempt + 1 on the same instance.
-        self._move(idx, i, AttemptState.ABANDONED, "restore")
+        # The old episode's state lives on as attempt + 1 on the instance that restored it.
+        slot = self._move(idx, i, AttemptState.ABANDONED, "restore")
         self.retry(idx, i, keep_owner=True)
+        self._table.column("owner")[slot, i] = self._owner_id(instance)
 
     def _skip_refused(self, idx: int, i: int) -> None:
         """The environments refuse this (reserved) attempt forever: retire it everywhere again

@@ -145,6 +145,9 @@ class RestorePlan(BaseModel):
     # Instances that could not restore their episodes, and why: those episodes restart from
     # scratch (the next attempt but one) instead of resuming.
     environments_failed: dict[str, str] = Field(default_factory=dict)
+    # Instances the snapshot's episodes were committed on that are no longer in the fleet,
+    # and what became of their episodes: restored on survivors, or restarted from scratch.
+    environments_lost: dict[str, str] = Field(default_factory=dict)
     journal: JournalReplayed | None = None  # None: restored without a journal
 
 

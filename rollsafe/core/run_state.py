@@ -86,6 +86,10 @@ class EnvironmentsRestored:
     # retired (refused forever), so the rollout restarts from scratch as attempt n + 2.
     refused: frozenset[EpisodeId] = frozenset()
     errors: Mapping[str, str] = field(default_factory=dict)  # instance -> why it failed
+    # Episodes restored on another instance than the one that ran them (lost for good):
+    # their rollouts are owned by the restoring instance from now on.
+    moved: frozenset[EpisodeId] = frozenset()
+    lost: Mapping[str, str] = field(default_factory=dict)  # lost instance -> what became of it
 
 
 # Whether the journal changed an episode's rollout after the snapshot (Replay.changed).
@@ -476,12 +480,17 @@ class RunState:
             self._check_owned(episode, "refused")
             refused.setdefault(episode.rollout.group.idx, set()).add(episode.rollout.i)
         by_group: dict[int, dict[int, str]] = {}
+        moved: dict[int, set[int]] = {}
         for episode, instance in envs.episodes.items():
             self._check_owned(episode, "restored")
             by_group.setdefault(episode.rollout.group.idx, {})[episode.rollout.i] = instance
+            if episode in envs.moved:
+                moved.setdefault(episode.rollout.group.idx, set()).add(episode.rollout.i)
         partial: dict[int, PartialGroup] = {}
         for idx in self.restartable():
-            outcome = self.ledger.restart(idx, by_group.pop(idx, None), refused.get(idx, ()))
+            outcome = self.ledger.restart(
+                idx, by_group.pop(idx, None), refused.get(idx, ()), moved.get(idx, ())
+            )
             if outcome.dropped_rows:
                 self.dataplane.delete(
                     ROLLOUT_PARTITION, [self.row_key(idx, i) for i in outcome.dropped_rows]
@@ -518,13 +527,17 @@ class RunState:
             released_claims=released,
             redispatch=admitted_first,
             environments_failed=dict(envs.errors),
+            environments_lost=dict(envs.lost),
         )
 
 
 def _restart_meta(envs: EnvironmentsRestored, rolled_back: Sequence[int]) -> dict[str, Any]:
-    return {
+    meta: dict[str, Any] = {
         "why": "restore",
         "rolled_back": list(rolled_back),
         "episodes": {episode.key: name for episode, name in envs.episodes.items()},
         "refused": sorted(episode.key for episode in envs.refused),
     }
+    if envs.moved:  # only then: a journal without a lost instance reads as it always did
+        meta["moved"] = sorted(episode.key for episode in envs.moved)
+    return meta

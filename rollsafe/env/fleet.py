@@ -60,6 +60,7 @@ from rollsafe.env.fleet_rules import (
     _twice,
 )
 from rollsafe.env.protocol import (
+    AdoptedEpisodes,
     CommitRequest,
     EpisodeRef,
     EpisodeResult,
@@ -217,19 +218,28 @@ class EnvFleet:
         scope: Mapping[str, Sequence[EpisodeRef]],
         prefixes: Mapping[str, Any],
         deadline_ts: float,
+        adopted: Mapping[str, Mapping[str, Sequence[EpisodeRef]]] | None = None,
     ) -> FleetRestored:
         """Each instance restores its part of ``scope`` (as committed: attempt n) from
         ``<root>/<name>``, as attempt n + 1; all or nothing (see :class:`FleetRestored`).
-        ``prefixes`` (model call id -> staged prefix) goes to every instance restoring."""
+        ``adopted``: per instance, lost instance -> the episodes it committed that this one
+        restores too (from ``<root>/<lost>``). ``prefixes`` (model call id -> staged prefix)
+        goes to every instance restoring."""
+        adopted = adopted or {}
         self._instances.check_known(scope, "restore scope", TopologyMismatch)
-        names = tuple(name for name in self.names if scope.get(name))
+        self._instances.check_known(adopted, "adopting instances", TopologyMismatch)
+        names = tuple(name for name in self.names if scope.get(name) or adopted.get(name))
         requests = {
             name: _build(
                 RestoreRequest,
                 restore_id=restore_id,
                 source_checkpoint_id=source_checkpoint_id,
                 root=str(Path(root) / name),
-                scope=tuple(scope[name]),
+                scope=tuple(scope.get(name, ())),
+                adopted=tuple(
+                    AdoptedEpisodes(instance=lost, root=str(Path(root) / lost), scope=tuple(refs))
+                    for lost, refs in sorted(adopted.get(name, {}).items())
+                ),
                 prefixes=dict(prefixes),
                 deadline_ts=deadline_ts,
             )
@@ -238,7 +248,7 @@ class EnvFleet:
         replies, failed = await self._instances.each(names, lambda n, c: c.restore(requests[n]))
         why = {name: str(exc) for name, exc in failed.items()}
         for name, reply in replies.items():
-            problem = _restore_problem(requests[name].scope, reply.restored)
+            problem = _restore_problem(requests[name].episodes, reply.restored)
             if problem:
                 why[name] = problem
         restored = {name: reply.restored for name, reply in replies.items()}
@@ -260,7 +270,7 @@ class EnvFleet:
         # the expected n + 1 attempts is retired along with them.
         retire = {
             name: _distinct(
-                (*(ref.next_attempt() for ref in request.scope), *restored.get(name, ()))
+                (*(ref.next_attempt() for ref in request.episodes), *restored.get(name, ()))
             )
             for name, request in requests.items()
         }
@@ -272,7 +282,7 @@ class EnvFleet:
         for what, failures in (("retire", retire_failed), ("resume", resume_failed)):
             for name, exc in failures.items():
                 why[name] = "; ".join(filter(None, (why.get(name), f"{what} failed: {exc}")))
-        restarts = tuple(ref.next_attempt() for r in requests.values() for ref in r.scope)
+        restarts = tuple(ref.next_attempt() for r in requests.values() for ref in r.episodes)
         log.warning("restore %s failed, %d rollout(s) restart: %s", restore_id, len(restarts), why)
         return FleetRestored(
             restore_id=restore_id,

@@ -1,7 +1,8 @@
 """The controller's results and rules across environment instances, without I/O.
 
 :mod:`rollsafe.env.fleet` calls the instances; this module holds what it returns and the pure
-checks it applies to their replies (ownership, scope, restore completeness, error summaries).
+checks it applies to their replies (ownership, scope, restore completeness, error summaries),
+and where a restore places the episodes of instances no longer in the fleet (:func:`place`).
 """
 
 from __future__ import annotations
@@ -93,7 +94,70 @@ class FleetRestored(_Result):
     errors: dict[str, str]
 
 
+class Placement(_Result):
+    """Where a restore's committed episodes go on the fleet it finds (:func:`place`)."""
+
+    own: dict[str, tuple[EpisodeRef, ...]]  # instance -> the episodes it committed itself
+    # Surviving instance -> lost instance -> the lost one's episodes it restores.
+    adopted: dict[str, dict[str, tuple[EpisodeRef, ...]]]
+    # Episodes of lost instances whose records are not portable: they restart from scratch.
+    stranded: tuple[EpisodeRef, ...]
+    lost: dict[str, str]  # lost instance -> what became of its episodes, for the restore plan
+
+    @property
+    def moved(self) -> dict[EpisodeRef, str]:
+        """Each adopted episode -> the instance that restores it."""
+        return {
+            ref: name
+            for name, by_lost in self.adopted.items()
+            for refs in by_lost.values()
+            for ref in refs
+        }
+
+
 # -- rules ----------------------------------------------------------------------------------------
+
+
+def place(
+    scope: Mapping[str, Sequence[EpisodeRef]],
+    portable: Mapping[str, bool],
+    fleet: Sequence[str],
+) -> Placement:
+    """Place a snapshot's committed episodes (``scope``, by the instance that committed them)
+    on ``fleet``: an instance still in it restores its own; the episodes of one that is not
+    (lost for good) go to the survivors, each to the one with the fewest so far (ties by name:
+    the same snapshot and fleet always place alike), when its records are ``portable``;
+    otherwise they restart from scratch, the ladder's next rung. Nothing needs the lost
+    instance back, and the plan says what became of each one's episodes."""
+    present = set(fleet)
+    own = {name: tuple(refs) for name, refs in scope.items() if name in present and refs}
+    load = {name: len(own.get(name, ())) for name in sorted(present)}
+    adopted: dict[str, dict[str, list[EpisodeRef]]] = {}
+    stranded: list[EpisodeRef] = []
+    lost: dict[str, str] = {}
+    for name in sorted(set(scope) - present):
+        refs = sorted(scope[name], key=lambda ref: ref.key)
+        if not refs:
+            continue
+        if not portable.get(name, True) or not load:
+            stranded.extend(refs)
+            why = "its records are not portable" if load else "no instance is left"
+            lost[name] = f"not in the fleet and {why}: {len(refs)} episode(s) restart from scratch"
+            continue
+        counts: dict[str, int] = {}
+        for ref in refs:
+            survivor = min(load, key=lambda n: (load[n], n))
+            load[survivor] += 1
+            adopted.setdefault(survivor, {}).setdefault(name, []).append(ref)
+            counts[survivor] = counts.get(survivor, 0) + 1
+        where = ", ".join(f"{n} ({c})" for n, c in sorted(counts.items()))
+        lost[name] = f"not in the fleet: {len(refs)} episode(s) restored on {where}"
+    return Placement(
+        own=own,
+        adopted={n: {lost_: tuple(r) for lost_, r in by.items()} for n, by in adopted.items()},
+        stranded=tuple(stranded),
+        lost=lost,
+    )
 
 
 def _reported(replies: Mapping[str, PrepareReply]) -> dict[str, tuple[EpisodeRef, ...]]:

@@ -106,6 +106,11 @@ class EnvironmentHooks(ABC):
 
     name: str = "environment"  # the participant name: a directory under the commit's dest
     kind: ParticipantKind = "environment"
+    # Whether another instance of this environment can continue an exported episode: True
+    # when export_episode's record is the whole state (the contract). False when a record
+    # refers to what only its instance holds (a sandbox on its node): if that instance is
+    # lost, its episodes restart from scratch instead of being restored on a survivor.
+    portable: bool = True
 
     @abstractmethod
     async def run_episode(self, run: RunEpisode, session: EpisodeSession) -> EpisodeResult:

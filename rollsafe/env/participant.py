@@ -256,8 +256,9 @@ class Participant:
             records = export_records(self.env, request.scope, self._parked)
             env = self.env
             manifest = await asyncio.to_thread(
-                store.write_records, dest, env.name, env.kind, self.instance, cid, records
-            )
+                store.write_records, dest, env.name, env.kind, self.instance, cid, records,
+                portable=env.portable,
+            )  # fmt: skip
             self._phase = "committed"
             reply = wire.CommitReply(committed=request.scope, participants=(manifest,))
             self._replies[(cid, "commit")] = reply
@@ -328,26 +329,45 @@ class Participant:
                 return stored
             self._require(rid, "idle")
             self._require_future(request.deadline_ts)
-            for ep in request.scope:
+            episodes = request.episodes
+            for ep in episodes:
                 self._check_free(ep.next_attempt())
-            root = confined(request.root, "root", self.snapshot_root)
+            sources = self._sources(request)
             # Restored from here on, before the records are read: a run of a next attempt
             # arriving meanwhile is refused (parked), not admitted fresh.
             lease = self._open("restored", rid, request.deadline_ts)
             try:
-                read = await asyncio.to_thread(self._read, root, request.source_checkpoint_id)
-                restored = restored_in_scope(read, request.scope, root, request.prefixes)
-                install(self.env, request.scope, restored)
+                restored: dict[str, Restored] = {}
+                for root, scope in sources:
+                    read = await asyncio.to_thread(self._read, root, request.source_checkpoint_id)
+                    restored |= restored_in_scope(read, scope, root, request.prefixes)
+                install(self.env, episodes, restored)
             except BaseException:
                 self._phase, self._open_id, self._lease = "idle", None, None
                 self._lease_changed.set()
                 raise
-            for ep in request.scope:  # each next attempt's runs start from its record
+            for ep in episodes:  # each next attempt's runs start from its record
                 self._restored[ep.next_attempt().key] = restored[ep.key]
-            restored_eps = tuple(ep.next_attempt() for ep in request.scope)
+            restored_eps = tuple(ep.next_attempt() for ep in episodes)
             reply = wire.RestoreReply(restored=restored_eps, lease_expires_ts=lease)
             self._replies[(rid, "restore")] = reply
             return reply
+
+    def _sources(self, request: wire.RestoreRequest) -> list[tuple[Path, tuple[EpisodeRef, ...]]]:
+        """Where each part of the request's episodes is read from: this instance's own commit,
+        then each lost instance's it adopts (refused for an environment whose records are not
+        portable: only the instance that wrote them can continue them)."""
+        if request.adopted and not self.env.portable:
+            lost = ", ".join(adopted.instance for adopted in request.adopted)
+            raise InvalidInput(
+                f"restore {request.restore_id}: {self.env.name}'s records are not portable "
+                f"(EnvironmentHooks.portable is False); episodes of {lost} cannot restore here"
+            )
+        sources = [(confined(request.root, "root", self.snapshot_root), request.scope)]
+        for adopted in request.adopted:
+            root = confined(adopted.root, f"adopted root of {adopted.instance}", self.snapshot_root)
+            sources.append((root, adopted.scope))
+        return [(root, scope) for root, scope in sources if scope]
 
     def _read(self, root: Path, checkpoint_id: str) -> list[dict[str, Any]]:
         fault_point(RESTORE_READING)

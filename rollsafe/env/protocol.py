@@ -157,6 +157,9 @@ class ParticipantManifest(_Message):
     file: str = Field(description="records file, relative to dest")
     sha256: str = Field(pattern=_HEX64)
     records: int = Field(ge=0)
+    # Whether another instance of the same environment may restore these records (its
+    # instance lost for good): EnvironmentHooks.portable. Absent in older manifests: True.
+    portable: bool = True
 
 
 class CommitReply(_Message):
@@ -191,11 +194,23 @@ class CountReply(_Message):
 # -- restore ------------------------------------------------------------------------------------
 
 
+class AdoptedEpisodes(_Message):
+    """Episodes another instance committed, restored here because that instance is no longer
+    in the fleet (docs/operations.md, "an environment instance lost for good")."""
+
+    instance: str = Field(min_length=1, description="the instance that committed them")
+    root: str = Field(min_length=1, description="the directory that instance's commit wrote")
+    scope: tuple[EpisodeRef, ...] = Field(min_length=1, description="as committed (attempt n)")
+
+
 class RestoreRequest(_Message):
     restore_id: str = Field(pattern=CHECKPOINT_ID_PATTERN)
     source_checkpoint_id: str = Field(pattern=CHECKPOINT_ID_PATTERN)
     root: str = Field(min_length=1, description="the directory commit wrote (its dest)")
     scope: tuple[EpisodeRef, ...] = Field(description="episodes as committed (attempt n)")
+    adopted: tuple[AdoptedEpisodes, ...] = Field(
+        default=(), description="episodes of lost instances this one restores too"
+    )
     prefixes: dict[str, Any] = Field(
         default_factory=dict,
         description="model call id -> staged PrefixRecord (JSON), for calls cut while parked",
@@ -204,8 +219,13 @@ class RestoreRequest(_Message):
 
     @model_validator(mode="after")
     def _distinct(self) -> RestoreRequest:
-        _unique(self.scope, "scope")
+        _unique(self.episodes, "scope and adopted")
         return self
+
+    @property
+    def episodes(self) -> tuple[EpisodeRef, ...]:
+        """Every episode this request restores: its own scope, then the adopted ones."""
+        return (*self.scope, *(ep for adopted in self.adopted for ep in adopted.scope))
 
 
 class RestoreReply(_Message):

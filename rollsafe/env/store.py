@@ -48,6 +48,8 @@ def write_records(
     instance: str,
     checkpoint_id: str,
     records: Iterable[dict[str, Any]],
+    *,
+    portable: bool = True,
 ) -> ParticipantManifest:
     """Write ``records`` and their manifest under ``<dest_dir>/<name>/``, durably.
 
@@ -68,6 +70,7 @@ def write_records(
         file=records_file(name, sha),
         sha256=sha,
         records=count,
+        portable=portable,
     )
     winner = _link_manifest(folder, manifest)
     if winner.file != manifest.file:  # we lost the race: our records file is nobody's

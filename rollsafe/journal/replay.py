@@ -72,11 +72,13 @@ class RestartMeta(_Meta):
     rolled_back: list[int] = Field(default_factory=list)
     episodes: dict[str, str] = Field(default_factory=dict)
     refused: list[str] = Field(default_factory=list)
+    moved: list[str] = Field(default_factory=list)  # restored off a lost instance
 
     def environments(self) -> EnvironmentsRestored:
         return EnvironmentsRestored(
             {EpisodeId.parse(key): name for key, name in self.episodes.items()},
             refused=frozenset(EpisodeId.parse(key) for key in self.refused),
+            moved=frozenset(EpisodeId.parse(key) for key in self.moved),
         )
 
 

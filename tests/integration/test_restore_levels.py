@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -35,7 +35,7 @@ from rollsafe.core.states import AttemptState
 from rollsafe.engine.loop import HoldRule
 from rollsafe.engine.staging import PREFIX_PARTITION
 from rollsafe.env.client import EnvClient
-from rollsafe.env.protocol import PrepareRequest, ResumeRequest
+from rollsafe.env.protocol import EpisodeRef, PrepareRequest, ResumeRequest
 from rollsafe.evidence.files import Evidence, TrainedRow
 from rollsafe.evidence.verify import verify
 from rollsafe.reference.rl.controller import Endpoints
@@ -142,12 +142,13 @@ def crashed_and_restored(
     ready: Ready,
     caught: Caught,
     busy_during_restore: str | None = None,
+    restore_onto: Sequence[str] | None = None,
 ) -> tuple[RestorePlan, Ledger, Evidence]:
     """One snapshot during step CRASH_STEP, taken once ``ready`` (the first run's engine
     ``hold``s calls, so the state it waits for stays put), must have ``caught`` what the level
     needs; then everything is killed, restored on fresh servers and run to the end. With
     ``busy_during_restore``, that instance is parked by another checkpoint while the restore
-    runs (so it refuses to restore)."""
+    runs (so it refuses to restore); with ``restore_onto``, the fresh servers are that fleet."""
     settings = BASE.model_copy(update={"restore_level": level})
     out = root / "out"
     first = ReferenceRun(settings, servers.start(hold=hold), root, out)
@@ -167,7 +168,7 @@ def crashed_and_restored(
     finally:
         first.close()
     at_snapshot = snapshot_ledger(root)
-    endpoints = servers.start()
+    endpoints = servers.start(instances=restore_onto)
     release = park_elsewhere(endpoints, busy_during_restore) if busy_during_restore else None
     second, plan = ReferenceRun.restored(settings, endpoints, root, out)
     if release is not None:
@@ -361,3 +362,47 @@ def test_a_failed_environment_restore_restarts_those_rollouts_from_scratch(
     for ref in committed:  # committed at attempt n: n + 1 is retired everywhere
         row = rows[ref.rollout_id]
         assert row.attempt == ref.attempt + 2 and row.restored_prefix_tokens == 0
+
+
+def every_call_held(run: ReferenceRun) -> bool:
+    """Every episode of the step waits in a held call: each one's cut stages a prefix."""
+    return run.loop.run(run.engine.info()).held == BASE.group_size * BASE.groups_per_step
+
+
+def committed_on(root: Path, instance: str) -> list[EpisodeRef]:
+    reader = SnapshotStore(root / SNAPSHOTS_DIR, BASE.run_id).select()
+    return list(
+        reader.read_json(RECORD_FILE, ParticipantsRecord).committed.instances[instance].committed
+    )
+
+
+def test_an_instance_lost_for_good_has_its_episodes_resumed_on_the_survivors(
+    servers: RunServers, tmp_path: Path, reference: Evidence
+) -> None:
+    """w2 never comes back and w3 is new: the episodes w2 committed resume on the fleet's
+    least loaded instances (w3, with nothing of its own to restore) from w2's records, their
+    cut calls from the staged prefixes on the new engine; the plan says where; every
+    rollout's tokens are the uninterrupted run's, once."""
+    plan, ledger, evidence = crashed_and_restored(
+        "prefix",
+        servers,
+        tmp_path,
+        EVERY_CALL,
+        every_call_held,
+        lambda results, root: bool(committed_on(root, "w2")),
+        restore_onto=("w0", "w1", "w3"),
+    )
+    assert_same_tokens_once(evidence, reference)
+    lost = committed_on(tmp_path, "w2")
+    assert set(plan.environments_lost) == {"w2"}
+    assert f"{len(lost)} episode(s) restored on" in plan.environments_lost["w2"]
+    assert not plan.environments_failed
+    resumed = set(resumed_rollouts(plan, ledger))
+    assert {(ref.rollout_id, ref.attempt) for ref in lost} <= resumed
+    rows = rows_by_rollout(evidence)
+    ran_on = {(m.rollout_id, m.call_id.split("/")[0]): m.instance for m in evidence.mutations}
+    for ref in lost:
+        adopter = ran_on[(ref.rollout_id, f"{ref.rollout_id}-a{ref.attempt + 1}")]
+        assert adopter in {"w0", "w1", "w3"} and f"{adopter} (" in plan.environments_lost["w2"]
+        assert rows[ref.rollout_id].attempt == ref.attempt + 1
+    assert sum(rows[ref.rollout_id].restored_prefix_tokens for ref in lost) > 0

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from rollsafe.env.client import EnvClient
 from rollsafe.env.fleet import EnvFleet
+from rollsafe.env.fleet_rules import place
 from rollsafe.env.protocol import (
     CommitReply,
     CommitRequest,
@@ -43,6 +44,7 @@ from rollsafe.errors import (
     InvalidInput,
     OwnershipMismatch,
     SchemaMismatch,
+    TopologyMismatch,
 )
 from rollsafe.testing.waiting import eventually_async
 
@@ -181,7 +183,7 @@ class FakeInstance:
     def _restore(self, body: Any) -> RestoreReply:
         request = RestoreRequest.model_validate(body)
         self.phase = "restored"
-        restored = tuple(r.next_attempt() for r in request.scope)
+        restored = tuple(r.next_attempt() for r in request.episodes)
         return RestoreReply(restored=restored, lease_expires_ts=request.deadline_ts + 1)
 
     def _run(self, body: Any) -> BaseModel:
@@ -554,3 +556,53 @@ async def test_run_episode_waits_through_a_parked_instance_that_cannot_answer_fo
         result = await fleet.run_episode("env-a", run, parked_retry_s=0.01)
     assert result.episode == ref(1)
     assert len(a.bodies("status")) == 2 and len(a.bodies("run")) == 2
+
+
+async def test_restore_all_sends_a_lost_instances_episodes_to_their_adopter() -> None:
+    a, b = FakeInstance("env-a"), FakeInstance("env-b")
+    adopted = {"env-b": {"env-z": [ref(3), ref(4)]}}
+    async with fleet_of(a, b) as fleet:
+        result = await fleet.restore_all(
+            "rs-1", "ck-1", "/snap/env", {"env-a": [ref(1)]}, {}, soon(), adopted=adopted
+        )
+    assert result.ok
+    assert result.restored["env-b"] == (ref(3, attempt=1), ref(4, attempt=1))
+    (body,) = b.bodies("restore")
+    assert body["scope"] == [] and body["root"] == "/snap/env/env-b"
+    scope = [r.model_dump() for r in (ref(3), ref(4))]
+    assert body["adopted"] == [{"instance": "env-z", "root": "/snap/env/env-z", "scope": scope}]
+
+
+async def test_restore_all_refuses_an_adopter_outside_the_fleet() -> None:
+    async with fleet_of(FakeInstance("env-a")) as fleet:
+        with pytest.raises(TopologyMismatch, match="adopting instances names unknown"):
+            await fleet.restore_all(
+                "rs-1", "ck-1", "/r", {}, {}, soon(), adopted={"env-q": {"env-z": [ref(1)]}}
+            )
+
+
+# -- place: a restore onto a fleet that lost (or gained) instances -------------------------------
+
+
+def test_place_keeps_each_instances_own_and_spreads_a_lost_ones_over_the_fewest_loaded() -> None:
+    scope = {"a": [ref(1)], "b": [ref(2), ref(3)], "z": [ref(4), ref(5), ref(6)]}
+    placement = place(scope, {"z": True}, ["a", "b", "c"])
+    assert placement.own == {"a": (ref(1),), "b": (ref(2), ref(3))}
+    # c (new, 0) takes the first, then a and c (1 each, a first by name), ...
+    assert placement.adopted == {"c": {"z": (ref(4), ref(6))}, "a": {"z": (ref(5),)}}
+    assert placement.moved == {ref(4): "c", ref(5): "a", ref(6): "c"}
+    assert placement.stranded == ()
+    assert placement.lost == {"z": "not in the fleet: 3 episode(s) restored on a (1), c (2)"}
+
+
+def test_place_restarts_a_lost_instances_episodes_when_its_records_are_not_portable() -> None:
+    placement = place({"a": [ref(1)], "z": [ref(2)]}, {"z": False}, ["a"])
+    assert placement.adopted == {} and placement.stranded == (ref(2),)
+    assert "not portable" in placement.lost["z"] and "restart from scratch" in placement.lost["z"]
+
+
+def test_place_on_the_same_fleet_moves_nothing() -> None:
+    scope = {"a": [ref(1)], "b": []}
+    placement = place(scope, {}, ["a", "b"])
+    assert placement.own == {"a": (ref(1),)}
+    assert (placement.adopted, placement.stranded, placement.lost) == ({}, (), {})

@@ -5,17 +5,20 @@ them (or between them, "running") until the test releases it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from rollsafe import faults
 from rollsafe.engine.protocol import SamplingParams, prompt_digest, seal_prefix
 from rollsafe.env.hooks import EnvironmentHooks, EpisodeSession
 from rollsafe.env.participant import RESTORE_READING, Participant
 from rollsafe.env.protocol import (
+    AdoptedEpisodes,
     CommitRequest,
     EpisodeRef,
     EpisodeResult,
@@ -555,3 +558,41 @@ async def test_a_staged_prefix_that_does_not_verify_refuses_the_restore(
     with pytest.raises(SnapshotCorrupt, match=f"staged prefix of call {call}.*{match}"):
         await part.restore(request)
     assert part.status().phase == "idle" and toy.installed == {}
+
+
+async def test_a_lost_instances_episodes_restore_here_beside_its_own(
+    part: Participant, toy: Toy, tmp_path: Path
+) -> None:
+    """A restore onto a fleet without the instance that committed A and B: this one adopts
+    them (read from that instance's commit) along with its own scope, which is empty here."""
+    root = await _committed(tmp_path)
+    manifest = json.loads((root / toy.name / "manifest.json").read_text())
+    assert manifest["instance"] == "toy-old" and manifest["portable"] is True
+    adopted = AdoptedEpisodes(instance="toy-old", root=str(root), scope=(A, B))
+    request = _restore(tmp_path / "mine", ()).model_copy(update={"adopted": (adopted,)})
+    reply = await part.restore(request)
+    assert reply.restored == (A.next_attempt(), B.next_attempt())
+    assert set(toy.installed) == {A.next_attempt().key, B.next_attempt().key}
+    await part.resume(ResumeRequest(checkpoint_id="r1"))
+    assert (await part.run(RunEpisode(episode=B.next_attempt()))).restored
+
+
+async def test_an_environment_whose_records_are_not_portable_adopts_nothing(
+    part: Participant, toy: Toy, tmp_path: Path
+) -> None:
+    root = await _committed(tmp_path)
+    toy.portable = False
+    adopted = AdoptedEpisodes(instance="toy-old", root=str(root), scope=(A,))
+    request = _restore(tmp_path / "mine", ()).model_copy(update={"adopted": (adopted,)})
+    with pytest.raises(InvalidInput, match=r"not portable.*toy-old"):
+        await part.restore(request)
+    assert toy.installed == {} and part.status().phase == "idle"
+
+
+def test_a_restore_request_names_each_episode_once_across_its_scope_and_adoptions() -> None:
+    adopted = AdoptedEpisodes(instance="old", root="/r/old", scope=(A,))
+    with pytest.raises(ValidationError, match="scope and adopted names episode"):
+        RestoreRequest(
+            restore_id="r1", source_checkpoint_id="ck1", root="/r/me", scope=(A,),
+            adopted=(adopted,), deadline_ts=soon(),
+        )  # fmt: skip

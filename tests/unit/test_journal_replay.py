@@ -18,7 +18,7 @@ from rollsafe.checkpoint.controller import Controller
 from rollsafe.core.columns import in_key_order
 from rollsafe.core.config import RunConfig
 from rollsafe.core.phases import RestoreRequest
-from rollsafe.core.run_state import ROLLOUT_PARTITION, RunState
+from rollsafe.core.run_state import ROLLOUT_PARTITION, EnvironmentsRestored, RunState
 from rollsafe.core.states import AttemptState, GroupState
 from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import JournalCorrupt, LedgerInvariantViolation, NoValidSnapshot
@@ -148,6 +148,33 @@ def test_a_second_crash_replays_the_first_restore_the_same_way(tmp_path):
     run.restore()
     assert picture(run.state) == before
     assert run.state.index.state(3) == GroupState.READY
+
+
+def test_a_restore_that_moved_an_episode_off_a_lost_instance_replays_the_same_way(tmp_path):
+    turn = config().model_copy(update={"restore_level": "turn"})
+    run = Run(tmp_path)
+    run.state = RunState(turn, make_dataplane("memory"))
+    run.journal.start(run.state)
+    run.state.handout([0])
+    lost = run.state.dispatch(0, 1, owner="w-lost")
+    run.checkpoint()
+    run.crash()
+    moved = EnvironmentsRestored({lost: "w0"}, moved=frozenset({lost}), lost={"w-lost": "gone"})
+    run.journal = RunJournal.for_store(run.store, flush_ms=None)
+    run.state, plan = RunState.restore(
+        turn, run.store, make_dataplane("memory"),
+        environments=lambda *_: moved, journal=run.journal.replayer(None),
+    )  # fmt: skip
+    run.journal.resume()
+    assert plan.partial[0].resumed == [1] and plan.environments_lost == {"w-lost": "gone"}
+    assert run.state.ledger.owner(0, 1) == "w0"
+    before = picture(run.state)
+    run.crash()
+    run.journal = RunJournal.for_store(run.store, flush_ms=None)
+    run.state, _ = RunState.restore(
+        turn, run.store, make_dataplane("memory"), journal=run.journal.replayer(None)
+    )
+    assert picture(run.state) == before  # replayed: owned by w0, not refused as a stranger
 
 
 def test_commits_past_the_trainers_weights_are_rolled_back_with_their_rows(tmp_path):

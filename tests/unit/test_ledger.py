@@ -184,6 +184,17 @@ def test_a_failed_environment_restore_restarts_the_sibling_past_its_retired_atte
     assert led.dispatch(7, 1, owner="env-2").key == "run-7_g1-a2"
 
 
+def test_a_restart_moves_an_episode_off_a_lost_instance_to_the_one_that_restored_it():
+    led = ledger(RestoreLevel.TURN, size=3)
+    led.dispatch(7, 1, owner="env-lost")
+    outcome = led.restart(7, {1: "env-2"}, moved={1})
+    assert outcome.resumed == (1,)
+    assert led.owner(7, 1) == "env-2" and led.attempt(7, 1) == 1
+    with pytest.raises(LedgerInvariantViolation, match="must be dispatched there"):
+        led.dispatch(7, 1, owner="env-lost")
+    assert led.dispatch(7, 1, owner="env-2").key == "run-7_g1-a1"
+
+
 def test_turn_restart_refuses_a_different_instance():
     with pytest.raises(LedgerInvariantViolation, match="owned by 'env-1' but 'env-9'"):
         _half_done(RestoreLevel.TURN, restored={1: "env-9"})
