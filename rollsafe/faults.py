@@ -6,8 +6,10 @@ subprocess or a Ray actor started with it is armed), a comma-separated list of `
 ``name:action``, where action is ``exit`` (``os._exit(137)``, as a kill -9 would look; the
 default), ``raise`` (:class:`InjectedFault`, a transient error), ``invariant``
 (:class:`InjectedInvariantFault`, one that must not be retried), ``oserror:<ERRNO>`` (the
-``OSError`` the operating system would raise there, e.g. ``oserror:ENOSPC`` for a full disk)
-or ``sleep:<seconds>`` (a slow step). In-process tests use :func:`arm` (optionally firing
+``OSError`` the operating system would raise there, e.g. ``oserror:ENOSPC`` for a full disk),
+``sleep:<seconds>`` (a slow step) or ``until:<path>`` (another process's hold: the thread that
+reaches the point creates ``<path>.reached`` and waits there until ``<path>`` exists; once it
+does, the point lets every thread through). In-process tests use :func:`arm` (optionally firing
 only ``times`` times) and :func:`disarm_all` instead, and may arm ``hold``: the point blocks
 the thread that reaches it until the test calls :func:`release` (:func:`wait_reached` tells
 when one got there), so a test can catch a call mid-flight without sleeping.
@@ -26,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rollsafe.core.phases import PHASES
 from rollsafe.errors import (
@@ -36,14 +39,17 @@ from rollsafe.errors import (
 
 ENV_VAR = "ROLLSAFE_FAULT"
 EXIT_CODE = 137
-_ACTIONS = "exit, raise, invariant, oserror:<ERRNO> or sleep:<seconds>"
+_ACTIONS = "exit, raise, invariant, oserror:<ERRNO>, sleep:<seconds> or until:<path>"
+UNTIL_POLL_S = 0.01  # how often a point held by until:<path> looks for its release file
+REACHED_SUFFIX = ".reached"
 
 
 @dataclass
 class _Armed:
-    kind: str  # exit | raise | invariant | oserror | sleep | hold
+    kind: str  # exit | raise | invariant | oserror | sleep | hold | until
     seconds: float = 0.0
     code: int = 0  # oserror: the errno
+    path: str = ""  # until: the release file
     left: int | None = None  # fires this many more times; None: until disarmed
     reached: threading.Event = field(default_factory=threading.Event)  # hold: one got there
     released: threading.Event = field(default_factory=threading.Event)  # hold: let them go
@@ -143,7 +149,21 @@ def fault_point(name: str) -> None:
         armed.reached.set()
         armed.released.wait()
         return
+    if armed.kind == "until":
+        _wait_for_file(armed.path)
+        return
     time.sleep(armed.seconds)  # a phase that takes long: heartbeats, timeouts, aborts
+
+
+def _wait_for_file(path: str) -> None:
+    """until:<path>: say so (``<path>.reached``), then wait for the releasing process to create
+    ``<path>`` (a file another process writes is all two processes share here)."""
+    release = Path(path)
+    if release.exists():
+        return
+    Path(path + REACHED_SUFFIX).touch()
+    while not release.exists():
+        time.sleep(UNTIL_POLL_S)
 
 
 def _parse_action(action: str, where: str) -> _Armed:
@@ -157,6 +177,8 @@ def _parse_action(action: str, where: str) -> _Armed:
         return _Armed(kind)
     if kind == "oserror" and isinstance(number := getattr(errno, arg, None), int):
         return _Armed(kind, code=number)
+    if kind == "until" and Path(arg).is_absolute():
+        return _Armed(kind, path=arg)
     if kind == "sleep":
         try:
             seconds = float(arg)

@@ -14,6 +14,12 @@ plus one taken mid-generation before a planned crash). The default faults:
 - ``env@prepare``: instance ``w1`` answers 503 to the checkpoint protocol for a moment, so a
   snapshot's prepare fails and is retried by Temporal.
 
+Not by default: ``temporal@<phase>`` (the first snapshot to reach that phase is held there
+while the Temporal server is SIGKILLed and started again on its state; it then goes on from
+its history and publishes) and ``env-lost@step<k>`` (a snapshot mid-generation, then instance
+``w2`` SIGKILLed for good: the run is restarted with the fleet that is left, its episodes
+restored on the others).
+
 Then the evidence files are checked (``rollsafe verify``) and ``timeline.png`` drawn. The
 run is asynchronous unless ``--deterministic`` (see ``rollsafe.reference.rl.run``).
 """
@@ -52,11 +58,17 @@ from rollsafe.reference.rl.controller import Endpoints, ReferenceController
 from rollsafe.reference.rl.demo_faults import (
     crash_step,
     fail_env_checkpoint_calls,
+    kill_temporal_mid_snapshot,
     snapshot_mid_generation,
     wait_for_kill_moment,
     worker_fault_spec,
 )
-from rollsafe.reference.rl.demo_options import DEMO_CALL_TOKENS, INSTANCES, DemoOptions
+from rollsafe.reference.rl.demo_options import (
+    DEMO_CALL_TOKENS,
+    INSTANCES,
+    LOST_INSTANCE,
+    DemoOptions,
+)
 from rollsafe.reference.rl.policy import HfModel
 from rollsafe.reference.rl.progress import SnapshotWatch, write_timeline
 from rollsafe.reference.rl.run import ReferenceRun, run_config
@@ -110,6 +122,8 @@ class Demo:
         self.workers: list[ServedProcess] = []
         self.faults = {f.kind: f for f in options.faults}
         self.crashed = False
+        # temporal@<phase>: the worker holds a snapshot in the phase until this file exists.
+        self.temporal_release = self.work / "faults" / f"temporal-release-{uuid.uuid4().hex[:8]}"
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -136,7 +150,10 @@ class Demo:
         ray.get(handle.status.remote())  # constructed, or its error raised here
         return ControllerActorProxy(handle, actor_name(self.settings.run_id))
 
-    def start_worker(self, env: dict[str, str], fault: str | None = None) -> ServedProcess:
+    def start_worker(self, env: dict[str, str], *, first: bool = False) -> ServedProcess:
+        """A checkpoint worker; the ``first`` one carries the coordinator fault."""
+        coordinator = self.faults.get("coordinator") if first else None
+        fault = worker_fault_spec(coordinator, self.faults.get("temporal"), self.temporal_release)
         extra = {ENV_VAR: fault} if fault else {}
         logs = self.work / "logs" / f"worker-{len(self.workers)}"
         command = rollsafe_command("worker", "--run", self.settings.run_id)
@@ -188,14 +205,15 @@ class Demo:
             max_consecutive_failures=10,
         )
 
-    def _crash_hold(self, step: int | None) -> HoldRule | None:
-        """The engine (reference or vLLM) holds the crash step's calls after their first token
-        until a cut freezes them, so the snapshot before the crash is sure to cut calls
-        mid-generation (the restore then resumes them from their prefixes) instead of hoping
-        to catch some."""
-        if step is None:
+    def _crash_hold(self, crashes: dict[str, int]) -> HoldRule | None:
+        """The engine (reference or vLLM) holds the calls of the next step that crashes after
+        a snapshot mid-generation (run, env-lost) after their first token until a cut freezes
+        them, so that snapshot is sure to cut calls mid-generation (the restore then resumes
+        them from their prefixes) instead of hoping to catch some."""
+        steps = [step for kind, step in crashes.items() if kind in ("run", "env-lost")]
+        if not steps:
             return None
-        return HoldRule(from_weight_version=step, once=False)
+        return HoldRule(from_weight_version=min(steps), once=False)
 
     def _make_model(self) -> None:
         """--engine vllm: the tiny Hugging Face model the engine serves and the trainer
@@ -233,7 +251,8 @@ class Demo:
                 log_to_driver=False,
             )
             stack.callback(ray.shutdown)
-            self.temporal = dev.settings()
+            self.dev, self.temporal = dev, dev.settings()
+            self.temporal_release.parent.mkdir(parents=True, exist_ok=True)
             env = {
                 "TEMPORAL_ADDRESS": dev.address,
                 "TEMPORAL_NAMESPACE": dev.namespace,
@@ -251,18 +270,22 @@ class Demo:
                 engine_niceness=DEMO_ENGINE_NICENESS,
             )
             stack.callback(servers.stop)
+            self.servers = servers
             self._make_model()
             stack.callback(self.stop_workers)
-            step_to_crash = crash_step(self.faults.get("run"))
-            step_to_kill = crash_step(self.faults.get("kill"))
-            endpoints = servers.start(hold=self._crash_hold(step_to_crash))
+            crashes = {
+                kind: step
+                for kind in ("run", "kill", "env-lost")
+                if (step := crash_step(self.faults.get(kind))) is not None
+            }
+            endpoints = servers.start(hold=self._crash_hold(crashes))
             self.say(
                 f"[start] Temporal {dev.address}, Ray, engine, {len(INSTANCES)} environments "
                 f"({self.elapsed():.1f}s)"
             )
             # A new run: snapshots a previous demo left in --out are not its own to restore.
             controller = self.start_actor(endpoints, start_over=True)
-            self.start_worker(env, worker_fault_spec(self.faults.get("coordinator")))
+            self.start_worker(env, first=True)
             checkpointer = self._checkpointer(dev)
             asyncio.run(checkpointer.start())
             run = ReferenceRun(self.settings, endpoints, self.work, self.options.out, controller)
@@ -273,14 +296,11 @@ class Demo:
             ) as watch:
                 while True:
                     try:
-                        self._steps(run, checkpointer, endpoints, step_to_crash, step_to_kill)
+                        self._steps(run, checkpointer, endpoints, crashes)
                         break
                     except _Crash as crash:
-                        if crash.kind == "run":
-                            step_to_crash = None
-                        else:
-                            step_to_kill = None
-                        hold = self._crash_hold(step_to_crash)  # a crash still to come
+                        del crashes[crash.kind]
+                        hold = self._crash_hold(crashes)  # for a crash still to come
                         run, endpoints, checkpointer = self._recover(
                             run, servers, env, dev, crash, hold
                         )
@@ -312,15 +332,18 @@ class Demo:
         self.say(f"[done] {run.step} steps in {self.elapsed():.1f}s; timeline: {path}")
 
     def _steps(
-        self,
-        run: ReferenceRun,
-        checkpointer: Any,
-        endpoints: Endpoints,
-        crash_step: int | None,
-        kill_step: int | None,
+        self, run: ReferenceRun, checkpointer: Any, endpoints: Endpoints, crashes: dict[str, int]
     ) -> None:
         def during(step: int) -> None:
-            if step == kill_step:
+            if "temporal" in self.faults and not self.temporal_release.exists():  # not yet
+                store = SnapshotStore(self.work / "snapshots", self.settings.run_id)
+                fault, release = self.faults["temporal"], self.temporal_release
+                self.record(
+                    kill_temporal_mid_snapshot(
+                        self.dev, fault, release, store, self.say, self.elapsed
+                    )
+                )
+            if step == crashes.get("kill"):
                 rollouts = self.settings.groups_per_step * self.settings.group_size
                 moment = random.Random(self.settings.seed).randint(1, max(1, rollouts - 1))
                 store = SnapshotStore(self.work / "snapshots", self.settings.run_id)
@@ -343,9 +366,16 @@ class Demo:
                         self.elapsed,
                     )
                 )
-            if step == crash_step:
+            if step == crashes.get("run"):
                 snapshot_mid_generation(run, checkpointer, self.say, self.elapsed)
                 raise _Crash("run", "mid-generation, just after a snapshot")
+            if step == crashes.get("env-lost"):
+                snapshot_mid_generation(run, checkpointer, self.say, self.elapsed)
+                self.servers.lose(LOST_INSTANCE)
+                self.say(
+                    f"[fault] environment {LOST_INSTANCE} is lost for good ({self.elapsed():.1f}s)"
+                )
+                raise _Crash("env-lost", f"without {LOST_INSTANCE}, just after a snapshot")
 
         while run.step < run.settings.steps:
             step, began = run.step, self.elapsed()
@@ -383,7 +413,9 @@ class Demo:
         assert isinstance(run.controller, ControllerActorProxy)
         run.controller.kill()
         run.abandon()
-        endpoints = servers.start(hold=hold)
+        lost = crash.kind == "env-lost"
+        fleet = [name for name in servers.instances if name != LOST_INSTANCE] if lost else None
+        endpoints = servers.start(hold=hold, instances=fleet)
         # The run has published snapshots: until its restore the new controller is fenced,
         # so a periodic snapshot of its empty state cannot displace the real one.
         controller = self.start_actor(endpoints, start_over=False)
@@ -405,15 +437,16 @@ class Demo:
         journal = f" + {plan.journal.records} journal records" if plan.journal else ""
         self.say(
             f"[restore] {plan.snapshot}{journal}: weight version {plan.weight_version}, "
-            f"{len(plan.ready)} groups ready, {resumed} episodes resumed on their instances "
+            f"{len(plan.ready)} groups ready, {resumed} episodes resumed "
             f"({self.elapsed():.1f}s)"
         )
+        onto = f" onto {', '.join(endpoints.envs)}" if lost else ""
         self.record(
             FaultRecord(
                 kind=crash.kind,
                 where=f"step{run.step + 1}",
                 at_s=at,
-                recovered=f"everything restarted; restored {plan.snapshot}",
+                recovered=f"everything restarted; restored {plan.snapshot}{onto}",
                 recovery_s=self.elapsed() - at,
             )
         )

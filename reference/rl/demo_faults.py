@@ -16,24 +16,69 @@ from typing import Any
 import httpx
 
 from rollsafe.evidence.files import FaultRecord
+from rollsafe.faults import REACHED_SUFFIX
 from rollsafe.reference.rl.controller import Endpoints
 from rollsafe.reference.rl.demo_options import Fault
 from rollsafe.reference.rl.run import ReferenceRun
 from rollsafe.snapshot import SnapshotStore
 from rollsafe.temporal.connect import ConnectionSettings, connect
+from rollsafe.temporal.devserver import DevServer
 
 Say = Callable[[str], None]
 Clock = Callable[[], float]  # seconds since the demo started
 
 
-def worker_fault_spec(coordinator: Fault | None) -> str | None:
-    """The ``rollsafe.faults`` spec that makes the first checkpoint worker exit in a phase."""
-    return f"worker.phase.{coordinator.where}.before:exit" if coordinator else None
+def worker_fault_spec(
+    coordinator: Fault | None, temporal: Fault | None, release: Path
+) -> str | None:
+    """The ``rollsafe.faults`` spec of a checkpoint worker: the first exits in the coordinator
+    fault's phase; every one holds the first snapshot to reach the temporal fault's phase
+    until ``release`` exists (once it does, the point lets every snapshot through)."""
+    points = [f"worker.phase.{temporal.where}.before:until:{release}"] if temporal else []
+    points += [f"worker.phase.{coordinator.where}.before:exit"] if coordinator else []
+    return ",".join(points) or None
 
 
 def crash_step(run_fault: Fault | None) -> int | None:
     """The 0-based step of ``run@step<k>`` (k counts from 1, as the demo prints steps)."""
     return int(run_fault.where[4:]) - 1 if run_fault else None
+
+
+def kill_temporal_mid_snapshot(
+    dev: DevServer, fault: Fault, release: Path, snapshots: SnapshotStore, say: Say, elapsed: Clock
+) -> FaultRecord:
+    """Once a snapshot is held in the fault's phase (its worker wrote ``<release>.reached``):
+    the Temporal server SIGKILLed, started again on its state, the snapshot let go; returns
+    once a snapshot published after it (the held one, gone on from its history)."""
+    reached = Path(f"{release}{REACHED_SUFFIX}")
+
+    def newest() -> int:  # retention removes old ones: their count need not grow
+        return max((m.seq for m in snapshots.published_manifests()), default=0)
+
+    _until(reached.exists, 120, f"a snapshot in {fault.where} (the temporal fault)")
+    before = newest()  # the held snapshot has not published
+    at = elapsed()
+    dev.crash()
+    say(f"[fault] the Temporal server is killed while a snapshot is in {fault.where} ({at:.1f}s)")
+    asyncio.run(dev.start())  # the same state directory, port and SQLite file
+    release.touch()
+    _until(lambda: newest() > before, 180, "a snapshot published after the outage")
+    return FaultRecord(
+        kind="temporal",
+        where=fault.where,
+        at_s=at,
+        recovered="the server started again on its state; the held snapshot went on and "
+        "published",
+        recovery_s=elapsed() - at,
+    )
+
+
+def _until(done: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the demo waited {timeout_s:g} s for {what}")
+        time.sleep(0.05)
 
 
 def snapshot_mid_generation(run: ReferenceRun, checkpointer: Any, say: Say, elapsed: Clock) -> None:

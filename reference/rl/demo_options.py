@@ -23,7 +23,12 @@ DEFAULT_FAULTS = ("coordinator@capture", "kill@step2", "run@step3", "env@prepare
 # rollsafe demo --engine vllm: the tiny dense model it builds (engine make-model) and serves,
 # one per seed (the seed draws its weights).
 MODEL_DIR = "work/model-s{seed}"
-_FAULT = re.compile(r"(coordinator|run|kill|env)@(\S+)")
+_FAULT = re.compile(r"(coordinator|run|kill|env-lost|env|temporal)@(\S+)")
+KINDS = "coordinator, run, kill, env, temporal, env-lost"
+# Faults that end the run's processes at a step: one per step.
+_AT_STEP = ("run", "kill", "env-lost")
+# The environment instance env-lost@step<k> kills for good.
+LOST_INSTANCE = INSTANCES[-1]
 _STEP = re.compile(r"step[1-9][0-9]*")
 
 
@@ -31,22 +36,23 @@ class Fault(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # run: a snapshot mid-generation, then every process killed; kill: every process killed
-    # at a random moment between two snapshots (what the journal is for).
-    kind: Literal["coordinator", "run", "kill", "env"]
+    # at a random moment between two snapshots (what the journal is for); temporal: the
+    # Temporal server SIGKILLed while a snapshot is in a phase, started again on its state;
+    # env-lost: a snapshot mid-generation, then an environment instance killed for good and
+    # the run restored onto the others.
+    kind: Literal["coordinator", "run", "kill", "env", "temporal", "env-lost"]
     where: str
 
     @classmethod
     def parse(cls, text: str) -> Fault:
         match = _FAULT.fullmatch(text)
         if match is None:
-            raise InvalidInput(
-                f"fault {text!r}: expected KIND@WHERE, KIND one of coordinator, run, kill, env"
-            )
+            raise InvalidInput(f"fault {text!r}: expected KIND@WHERE, KIND one of {KINDS}")
         kind, where = match.groups()
         phases = [p.value for p in PHASES]
-        if kind == "coordinator" and where not in phases:
+        if kind in ("coordinator", "temporal") and where not in phases:
             raise InvalidInput(f"fault {text!r}: the phase must be one of {', '.join(phases)}")
-        if kind in ("run", "kill") and not _STEP.fullmatch(where):
+        if kind in _AT_STEP and not _STEP.fullmatch(where):
             raise InvalidInput(f"fault {text!r}: expected {kind}@step<k>, k >= 1")
         if kind == "env" and where != "prepare":
             raise InvalidInput(f"fault {text!r}: only env@prepare is available")
@@ -79,6 +85,12 @@ class DemoOptions(BaseModel):
         kinds = [f.kind for f in faults]
         if len(set(kinds)) != len(kinds):
             raise ValueError("at most one fault of each kind")
+        steps = [f.where for f in faults if f.kind in _AT_STEP]
+        if len(set(steps)) != len(steps):
+            raise ValueError(f"at most one of {', '.join(_AT_STEP)} at each step")
+        phases = {f.kind: f.where for f in faults if f.kind in ("coordinator", "temporal")}
+        if len(phases) == 2 and len(set(phases.values())) == 1:
+            raise ValueError("coordinator and temporal faults need different phases")
         return faults
 
     @model_validator(mode="after")
@@ -92,7 +104,7 @@ class DemoOptions(BaseModel):
     @model_validator(mode="after")
     def _crash_within_the_run(self) -> DemoOptions:
         for fault in self.faults:
-            if fault.kind in ("run", "kill") and int(fault.where[4:]) > self.steps:
+            if fault.kind in _AT_STEP and int(fault.where[4:]) > self.steps:
                 raise ValueError(f"{fault}: the run has only {self.steps} steps")
         return self
 

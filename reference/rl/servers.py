@@ -54,6 +54,7 @@ class RunServers:
         self.engine_niceness = engine_niceness  # the reference engine's (vLLM's stays 0)
         self.started: list[ServedProcess] = []
         self.current: list[ServedProcess] = []
+        self.current_envs: dict[str, ServedProcess] = {}  # this generation's, by instance
         self.generation = 0
 
     def start(
@@ -65,7 +66,7 @@ class RunServers:
         if instances is not None:
             self.instances = tuple(instances)
         self.generation += 1
-        self.current = []
+        self.current, self.current_envs = [], {}
         # Tokens through the environment, never argv (`ps` shows argv to every user).
         tokens = {ENGINE_TOKEN_ENV: self.engine_token, ENV_TOKEN_ENV: self.env_token}
         args = ["engine", "serve", "--port", "0", *self._engine_args()]
@@ -84,7 +85,8 @@ class RunServers:
             if self.generation == 1 and name in self.env_faults:
                 args += ["--faults", self.env_faults[name]]
             banner = ENV_BANNER.format(name="workplace", instance=name)
-            envs[name] = self._start(args, banner, name, tokens).url
+            self.current_envs[name] = self._start(args, banner, name, tokens)
+            envs[name] = self.current_envs[name].url
         return Endpoints(
             engine_url=engine.url,
             engine_token=self.engine_token,
@@ -115,6 +117,11 @@ class RunServers:
     def crash(self) -> None:
         for server in self.current:
             server.crash()
+
+    def lose(self, instance: str) -> None:
+        """SIGKILL one environment instance, as a lost node would end it; the next
+        :meth:`start` names the fleet without it."""
+        self.current_envs[instance].crash()
 
     def stop(self) -> None:
         for server in self.started:

@@ -95,7 +95,10 @@ def register_run_commands(app: typer.Typer) -> None:
             typer.Option(
                 help="KIND@WHERE, repeatable: coordinator@<phase>, run@step<k> (a snapshot "
                 "mid-generation, then everything killed), kill@step<k> (everything killed "
-                "between two snapshots), env@prepare"
+                "between two snapshots), env@prepare, temporal@<phase> (the Temporal server "
+                "killed while a snapshot is in that phase, then started again), "
+                "env-lost@step<k> (an environment instance killed for good; the run restores "
+                "onto the others)"
             ),
         ] = None,
         no_faults: Annotated[bool, typer.Option("--no-faults", help="inject nothing")] = False,

@@ -38,10 +38,17 @@ ENGINES = ("reference", "vllm")
 SIDE_BY_SIDE = 3  # demos at a time (the fixture says why)
 
 
+# On the reference engine, the faults around the run too: the Temporal server killed while a
+# snapshot is in commit_envs, and (in place of run@step3: the same, and more) an environment
+# instance lost for good after a snapshot mid-generation, the run restored onto the others.
+AROUND = ["--fault", "temporal@commit_envs", "--fault", "env-lost@step3"]
+WITH_ALL = ["--fault", "coordinator@capture", "--fault", "kill@step2", "--fault", "env@prepare"]
+
+
 def deterministic_faults(engine: str) -> list[str]:
     # With vLLM, no kill between snapshots (the journal's restore does not depend on the
     # engine, and a third vLLM start would cost a minute of the suite): the other faults.
-    return [] if engine == "reference" else NO_KILL
+    return [*WITH_ALL, *AROUND] if engine == "reference" else NO_KILL
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +100,10 @@ def test_deterministic_faulted_and_unfaulted_runs_train_the_same_tokens(
     assert len(evidence.handed_out) == int(STEPS) * 2  # nothing generated ahead
     # The run was killed with calls mid-generation: some resumed from their staged prefixes.
     assert sum(row.restored_prefix_tokens for row in evidence.trained) > 0
+    if engine == "reference":  # the faults around the run, recorded and recovered from
+        kinds = {json.loads(line)["kind"] for line in (faulted_dir / "faults.jsonl").open()}
+        assert {"temporal", "env-lost", "kill", "coordinator", "env"} <= kinds, kinds
+        assert "[restore] w2 is not in the fleet" in faulted.stdout, faulted.stdout
 
 
 def test_the_demo_with_its_default_faults_passes_verification(

@@ -409,6 +409,11 @@ def test_a_value_outside_a_choice_is_a_usage_error(args):
         (("env-check", "localhost:8400", "--token", "t"), "give http://host:port"),
         (("demo", "--interval-s", "0"), "interval_s: Input should be greater than 0"),
         (("demo", "--deterministic", "--sampler", "windowed"), "cannot use sampler windowed"),
+        (("demo", "--fault", "temporal@nowhere"), "the phase must be one of open,"),
+        (("demo", "--fault", "env-lost@step0"), "expected env-lost@step<k>, k >= 1"),
+        (("demo", "--fault", "run@step2", "--fault", "env-lost@step2"), "at each step"),
+        (("demo", "--fault", "temporal@drain", "--fault", "coordinator@drain"), "different"),
+        (("demo", "--steps", "2", "--fault", "env-lost@step3"), "has only 2 steps"),
     ],
 )
 def test_a_bad_argument_found_by_the_command_is_a_usage_error(args, message):

@@ -11,6 +11,7 @@ import pytest
 from rollsafe import faults
 from rollsafe.errors import InjectedFault, InvalidInput, TransientError
 from rollsafe.faults import ENV_VAR, arm, disarm_all, fault_point
+from rollsafe.testing.waiting import eventually
 
 
 @pytest.fixture(autouse=True)
@@ -166,3 +167,34 @@ def test_hold_is_for_in_process_tests_only(monkeypatch):
         fault_point("phase.open.before")
     with pytest.raises(InvalidInput, match="not armed with hold"):
         faults.release("phase.capture.before")
+
+
+def test_until_holds_another_process_at_the_point_until_its_release_file_exists(tmp_path):
+    """The hold across processes: the child says it got there (``<path>.reached``) and waits
+    until this process creates ``<path>``; then it goes on, and so does every later pass."""
+    release = tmp_path / "release"
+    env = {**os.environ, ENV_VAR: f"phase.capture.before:until:{release}"}
+    code = (
+        "from rollsafe.faults import fault_point\n"
+        "fault_point('phase.capture.before'); print('through', flush=True)\n"
+        "fault_point('phase.capture.before'); print('again', flush=True)\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        reached = tmp_path / f"release{faults.REACHED_SUFFIX}"
+        eventually(reached.exists, what="the child held at the point")
+        assert child.poll() is None  # held: nothing printed, still running
+        release.touch()
+        out, _ = child.communicate(timeout=30)
+    finally:
+        child.kill()
+        child.wait()
+    assert out.split() == ["through", "again"] and child.returncode == 0
+
+
+def test_until_needs_an_absolute_path(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "phase.open.before:until:relative/file")
+    with pytest.raises(InvalidInput, match="until:<path>"):
+        fault_point("phase.open.before")
