@@ -58,7 +58,7 @@ from rollsafe.env.fleet_rules import (
     place,
 )
 from rollsafe.env.protocol import EpisodeRef, EpisodeResult, RunEpisode
-from rollsafe.errors import CheckpointSpent, EnvRefused, InvalidInput
+from rollsafe.errors import CheckpointSpent, EnvRefused, InvalidInput, TransientError
 from rollsafe.observability import metrics
 from rollsafe.snapshot import SnapshotReader
 
@@ -86,6 +86,10 @@ class ParticipantOptions(BaseModel):
     park_deadline_s: float = Field(default=30.0, gt=0, description="prepare: parked by then")
     drain_timeout_s: float = Field(default=10.0, ge=0, description="replies on the wire")
     restore_deadline_s: float = Field(default=60.0, gt=0)
+    # An engine's answer to a cut or a release, within this: past it (or unreachable), its
+    # calls are committed at turn level and its release given up, named (docs/operations.md).
+    # Above a vLLM cut's wait for its running step; below the environments' park deadline.
+    engine_deadline_s: float = Field(default=20.0, gt=0)
 
 
 class ParticipantsRecord(BaseModel):
@@ -327,14 +331,18 @@ class Participants:
         The staged prefixes stay in the live data plane until the capture is written (the
         controller drops them then: kept, every later capture would export them again)."""
         state = self._checkpoints.get(checkpoint_id)
-        frozen = list(state.cut.staged) if state is not None and state.cut is not None else []
+        frozen = _maybe_frozen(state.cut) if state is not None and state.cut is not None else []
 
-        async def resume_all() -> None:
+        async def resume_all() -> list[str]:
             await self.fleet.resume_all(checkpoint_id)
-            if frozen:
-                await asyncio.gather(*(e.release(frozen) for e in self.engines.values()))
+            if not frozen:
+                return []
+            failed = await asyncio.gather(
+                *(self._release(name, engine, frozen) for name, engine in self.engines.items())
+            )
+            return [why for why in failed if why]
 
-        self.loop.run(resume_all())
+        not_released = self.loop.run(resume_all())
         log.debug(
             "checkpoint %s: %d instances resumed, %d cut calls released",
             checkpoint_id,
@@ -342,7 +350,22 @@ class Participants:
             len(frozen),
         )
         self._checkpoints.pop(checkpoint_id, None)  # kept until done: a retry releases too
-        return f"{len(self.fleet.names)} instances resumed, {len(frozen)} cut calls released"
+        summary = f"{len(self.fleet.names)} instances resumed, {len(frozen)} cut calls released"
+        return summary + "".join(f" ({why})" for why in not_released)
+
+    async def _release(self, name: str, engine: Engine, calls: list[str]) -> str | None:
+        """Release ``calls`` on one engine; why not, if it did not answer in time. Not raised:
+        an engine that cannot be reached either died, and its frozen calls with it (their
+        episodes' runs fail and are sent again), or hangs and generates nothing either way;
+        failing the phase would only keep the snapshot from publishing until it is back."""
+        try:
+            await asyncio.wait_for(engine.release(calls), self.options.engine_deadline_s)
+            return None
+        except (TimeoutError, TransientError) as exc:
+            failure = _engine_failure(exc, self.options.engine_deadline_s)
+            why = f"engine {name} did not release its cut calls: {failure}"
+            log.warning("%s", why, extra={"engine": name})
+            return why
 
     # ---- restore ---------------------------------------------------------------------------
 
@@ -449,9 +472,31 @@ class Participants:
         """Cut on every engine at once (one pass: every engine answers for every call at
         once, so no call is tried again) and merge (:func:`merge_cuts`)."""
         results = await asyncio.gather(
-            *(cut_and_stage(engine, calls, dataplane) for engine in self.engines.values())
+            *(self._cut_on(name, engine, calls, dataplane) for name, engine in self.engines.items())
         )
         return merge_cuts(calls, results)
+
+    async def _cut_on(
+        self, name: str, engine: Engine, calls: list[str], dataplane: DataPlane
+    ) -> StagedCut:
+        """One engine's cut, or, when it does not answer (dead, unreachable, past the
+        deadline), every call refused as ``engine_unavailable``: committed at turn level,
+        those calls are made again from their turn after a restore, never resumed from a
+        prefix nobody staged. The snapshot goes on with the other engines' cuts."""
+        try:
+            return await asyncio.wait_for(
+                cut_and_stage(engine, calls, dataplane), self.options.engine_deadline_s
+            )
+        except (TimeoutError, TransientError) as exc:
+            detail = f"engine {name}: {_engine_failure(exc, self.options.engine_deadline_s)}"
+            log.warning(
+                "cut on engine %s failed; its calls are committed at turn level: %s", name, detail
+            )
+            refused = tuple(
+                CutRefusal(call_id=call, reason="engine_unavailable", detail=detail)
+                for call in calls
+            )
+            return StagedCut(staged={}, refused=refused, handoffs=0)
 
     def _state(self, checkpoint_id: str) -> _Checkpoint:
         return self._checkpoints.setdefault(checkpoint_id, _Checkpoint())
@@ -468,13 +513,16 @@ _NO_CUT = StagedCut(staged={}, refused=(), handoffs=0)
 
 def merge_cuts(calls: Sequence[str], results: Sequence[StagedCut]) -> StagedCut:
     """Every engine's cut of ``calls`` as one: a call staged by one engine is staged; else the
-    reason of the engine that held it (the others say ``not_admitted``), or ``not_admitted``
-    from all of them."""
+    reason of the engine that held it (the others say ``not_admitted``), else
+    ``engine_unavailable`` if an engine did not answer (it may have held it), or
+    ``not_admitted`` from all of them."""
     staged = {call: tokens for result in results for call, tokens in result.staged.items()}
     reasons: dict[str, CutRefusal] = {}
     for refusal in (refusal for result in results for refusal in result.refused):
         known = reasons.get(refusal.call_id)
-        if refusal.call_id not in staged and (known is None or known.reason in NOT_HERE):
+        if refusal.call_id not in staged and (
+            known is None or _weight(refusal.reason) > _weight(known.reason)
+        ):
             reasons[refusal.call_id] = refusal
     refused = tuple(
         reasons.get(call) or CutRefusal(call_id=call, reason="unknown_call")  # no engine
@@ -483,6 +531,23 @@ def merge_cuts(calls: Sequence[str], results: Sequence[StagedCut]) -> StagedCut:
     )
     handoffs = sum(result.handoffs for result in results)
     return StagedCut(staged=staged, refused=refused, handoffs=handoffs)
+
+
+def _maybe_frozen(cut: StagedCut) -> list[str]:
+    """The calls a cut may have frozen: those staged, and those of an engine that did not
+    answer (a slow one may have frozen them after all): every engine releases them all."""
+    unanswered = [r.call_id for r in cut.refused if r.reason == "engine_unavailable"]
+    return [*cut.staged, *unanswered]
+
+
+def _weight(reason: str) -> int:
+    """Which engine's refusal of a call says most: one that held it, then one that did not
+    answer (it may have held it), then one that never saw it."""
+    return 0 if reason in NOT_HERE else 1 if reason == "engine_unavailable" else 2
+
+
+def _engine_failure(exc: BaseException, deadline_s: float) -> str:
+    return f"no answer within {deadline_s:g} s" if isinstance(exc, TimeoutError) else str(exc)
 
 
 def _log_prepared(prepared: FleetPrepared) -> None:

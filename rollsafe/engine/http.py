@@ -50,6 +50,7 @@ from rollsafe.errors import (
     RollsafeError,
     TransientError,
 )
+from rollsafe.faults import fault_point, register
 from rollsafe.http import bearer
 from rollsafe.http.bearer import Handler
 from rollsafe.http.client import http_client
@@ -58,6 +59,8 @@ from rollsafe.http.tracing import ServerSpans
 from rollsafe.observability.tracing import configure_tracing
 
 M = TypeVar("M", bound=BaseModel)
+# An engine server's cut, received and not yet answered (issue 22: an engine dying mid-cut).
+CUT_RECEIVED = register("engine.cut.received")[0]
 log = logging.getLogger(__name__)
 NDJSON = "application/x-ndjson"
 HEARTBEAT_S = 10.0
@@ -188,6 +191,7 @@ def engine_app(engine: Engine, token: str, *, heartbeat_s: float = HEARTBEAT_S) 
 
     async def cut(request: Request) -> Response:
         body = await _parse(request, CutBody)
+        fault_point(CUT_RECEIVED)  # a drill's engine dies here: a cut in flight, no answer
         return _json(await engine.cut(body.call_ids, batch_size=body.batch_size))
 
     async def release(request: Request) -> Response:

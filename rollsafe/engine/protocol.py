@@ -43,6 +43,9 @@ RefusalReason = Literal[
     "unknown_call",
     "no_tokens",
     "constrained_decoding",
+    # Never an engine's answer: the controller's, for the calls of an engine that did not
+    # answer the cut (dead, unreachable, or past the deadline): they restart from their turn.
+    "engine_unavailable",
 ]
 
 _HEX64 = r"^[0-9a-f]{64}$"

@@ -69,17 +69,28 @@ class Session:
     @asynccontextmanager
     async def generating(self, call_id: str) -> AsyncIterator[None]:
         """While parked, a model response is held here until resume: the episode then still
-        stands where prepare reported it (in flight), whether or not the cut froze the call."""
+        stands where prepare reported it (in flight), whether or not the cut froze the call.
+        So is a call's failure (its engine died mid-cut): raised only after resume, so the
+        commit still finds the episode parked in the call, which a restore makes again."""
         self._mark("generating", call_id)
         try:
             yield
-        except BaseException:
+        except Exception:
+            try:
+                await self._until_resumed()
+            finally:
+                self._unmark()
+            raise
+        except BaseException:  # cancelled (retired): at once
             self._unmark()
             raise
+        await self._until_resumed()
+        self._unmark()
+
+    async def _until_resumed(self) -> None:
         release = self._owner._release
         if release is not None:
             await release.wait()
-        self._unmark()
 
     @contextmanager
     def tool(self) -> Iterator[None]:

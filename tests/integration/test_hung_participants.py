@@ -1,8 +1,9 @@
 """A participant that accepts a connection and never answers (issue 22, part 5): a hung
 environment instance fails ``prepare`` as a transient error naming it, within its deadline,
-and the instances that did park are resumed. The hung side is a socket that accepts and never
-reads: what a wedged process or a half-dead node looks like from the caller. (A hung engine
-during the cut or the resume is not covered yet: docs/operations.md "What happens when".)"""
+and the instances that did park are resumed; a hung engine holds neither the cut nor the
+resume past ``engine_deadline_s``: its calls are committed at turn level and its release is
+given up, both named. The hung side is a socket that accepts and never reads: what a wedged
+process or a half-dead node looks like from the caller."""
 
 from __future__ import annotations
 
@@ -16,8 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from rollsafe.checkpoint.loop import LoopThread
+from rollsafe.checkpoint.participants import ParticipantOptions, Participants
+from rollsafe.dataplane import make_dataplane
+from rollsafe.engine.http import EngineClient
 from rollsafe.env.client import EnvClient
 from rollsafe.env.fleet import EnvFleet
+from rollsafe.env.fleet_rules import FleetPrepared, InstanceInventory
+from rollsafe.env.protocol import EpisodeRef, ParkedEpisode
 from rollsafe.errors import TransientError
 from rollsafe.http.bearer import ENGINE_TOKEN_ENV, ENV_TOKEN_ENV
 from rollsafe.http.served import ENV_BANNER, start_served
@@ -86,3 +93,52 @@ def test_a_hung_instance_fails_prepare_as_transient_and_the_parked_ones_resume(
         assert w0_phase == "idle"  # parked, then resumed when w1 failed
     finally:
         server.stop()
+
+
+class OneInstance:
+    """The fleet half a cut and a resume use: one instance, resumed on request."""
+
+    names = ("w0",)
+
+    async def resume_all(self, checkpoint_id: str) -> None:
+        return None
+
+
+def test_a_hung_engine_bounds_the_cut_and_the_resume_by_its_deadline() -> None:
+    parked = ParkedEpisode(
+        episode=EpisodeRef(rollout_id="run-0_g0", attempt=0),
+        turn=1,
+        activity="generating",
+        model_call_id="run-0_g0/t1",
+    )
+    inventory = InstanceInventory(parked=(parked,), restarts=(), lease_expires_ts=time.time() + 60)
+    prepared = FleetPrepared(
+        checkpoint_id="c1", deadline_ts=time.time() + 60, instances={"w0": inventory}
+    )
+    loop = LoopThread("hung-engine")
+    try:
+        with black_hole() as hung:
+            engine = loop.run(_client(hung))
+            options = ParticipantOptions(engine_deadline_s=CONTROL_S)
+            participants = Participants(
+                OneInstance(),  # type: ignore[arg-type]
+                {"e-hung": engine},
+                loop=loop,
+                options=options,
+            )
+            participants._state("c1").prepared = prepared
+            cut = participants.cut("c1", make_dataplane("memory"))
+            resumed = participants.resume("c1")
+            loop.run(engine.aclose())
+    finally:
+        loop.close()
+    [refusal] = cut.refused
+    assert refusal.reason == "engine_unavailable" and "e-hung" in refusal.detail
+    assert f"no answer within {CONTROL_S:g} s" in refusal.detail
+    assert (
+        f"engine e-hung did not release its cut calls: no answer within {CONTROL_S:g} s" in resumed
+    )
+
+
+async def _client(url: str) -> EngineClient:
+    return EngineClient(url, "hung-engine-token")

@@ -43,12 +43,14 @@ from rollsafe.core.phases import (
 )
 from rollsafe.core.states import AttemptState
 from rollsafe.dataplane.protocol import DataPlaneManifest
-from rollsafe.engine.http import EngineClient
+from rollsafe.engine.http import CUT_RECEIVED, EngineClient
 from rollsafe.engine.loop import HOLD_ENV, HoldRule
 from rollsafe.engine.staging import PREFIX_PARTITION
 from rollsafe.env.client import EnvClient
 from rollsafe.env.fleet import EnvFleet
 from rollsafe.env.protocol import EpisodeRef, EpisodeResult, RunEpisode
+from rollsafe.errors import EnvUnavailable
+from rollsafe.faults import ENV_VAR as FAULT_ENV
 from rollsafe.http.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
 from rollsafe.testing.waiting import eventually, eventually_async
 
@@ -63,14 +65,19 @@ TWO_TURNS_IN = HoldRule(calls=r"/t([2-9]|\d\d)")
 
 
 class Servers:
-    def __init__(self, logs: Path) -> None:
+    def __init__(self, logs: Path, engine_env: dict[str, str] | None = None) -> None:
         self.logs = logs
         self.started: list[ServedProcess] = []
-        args = ["engine", "serve", "--port", "0", "--token", ENGINE_TOKEN, "--seed", "1"]
-        hold = {HOLD_ENV: TWO_TURNS_IN.model_dump_json()}
-        self.engine = self._start(args, ENGINE_BANNER.format(kind="dense"), "engine", hold)
+        self.engine = self.start_engine(engine_env or {})
         self.envs: dict[str, ServedProcess] = {}
         self.start_envs()
+
+    def start_engine(self, env: dict[str, str], *, hold: bool = True) -> ServedProcess:
+        """An engine (the same seed: the same model), holding calls two turns in until the
+        first cut unless told not to."""
+        args = ["engine", "serve", "--port", "0", "--token", ENGINE_TOKEN, "--seed", "1"]
+        held = {HOLD_ENV: TWO_TURNS_IN.model_dump_json()} if hold else {}
+        return self._start(args, ENGINE_BANNER.format(kind="dense"), "engine", {**held, **env})
 
     def _start(
         self, args: list[str], banner: str, name: str, env: dict[str, str] | None = None
@@ -93,8 +100,11 @@ class Servers:
 
 
 @pytest.fixture
-def servers(tmp_path: Path) -> Iterator[Servers]:
-    running = Servers(tmp_path / "logs")
+def servers(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Servers]:
+    """The servers; a test marked ``engine_fault(SPEC)`` has its first engine armed with it."""
+    marker = request.node.get_closest_marker("engine_fault")
+    engine_env = {FAULT_ENV: marker.args[0]} if marker is not None else None
+    running = Servers(tmp_path / "logs", engine_env)
     try:
         yield running
     finally:
@@ -341,3 +351,61 @@ def test_with_the_journal_the_drain_does_not_wait_for_a_reply_on_the_wire(
         assert plan.partial[0].restored == [0] and 0 not in plan.partial[0].regenerate
     finally:
         second.close()
+
+
+@pytest.mark.engine_fault(f"{CUT_RECEIVED}:exit")
+def test_an_engine_that_dies_mid_cut_leaves_its_calls_at_turn_level_and_loses_none(
+    servers: Servers, tmp_path: Path
+) -> None:
+    """Issue 22, part 3. The engine dies as the cut reaches it (fault point
+    ``engine.cut.received:exit``): the cut commits every call at turn level, named
+    (``engine_unavailable``), the snapshot publishes, and resume names the engine it could
+    not release on. The episodes' calls fail after resume (their runs fail, to be sent
+    again). Restored onto a new engine, each episode makes its interrupted call again from
+    its turn: every turn once, no token from a prefix (none was staged: nothing resumed
+    twice)."""
+    root = tmp_path / "snapshots"
+    first = Run(servers, root, journal=False)
+    try:
+        first.service.handout(list(range(GROUPS)))
+        running = [first.drive(idx, i) for idx in range(GROUPS) for i in range(GROUP_SIZE)]
+        eventually(
+            lambda: first.loop.run(first.engine.info()).held == len(running),
+            what="every episode held two turns in",
+        )
+        spec = SnapshotSpec(run_id=RUN, seq=1)
+        results = {p: first.service.run_phase(PhaseRequest(spec=spec, phase=p)) for p in PHASES}
+        for future in running:  # the engine is gone: each run fails after resume
+            with pytest.raises(EnvUnavailable, match=r"503|engine"):
+                future.result(timeout=DRIVE_TIMEOUT_S)
+    finally:
+        first.close()
+    cut = results[Phase.CUT_GENERATION].counts
+    assert cut["cut"] == 0 and cut["failed"] == len(running), cut
+    assert "engine e0 did not release" in results[Phase.RESUME].summary
+    published = results[Phase.PUBLISH].published
+    assert published is not None
+    record = ParticipantsRecord.model_validate_json(
+        (Path(published.path) / RECORD_FILE).read_bytes()
+    )
+    assert not record.staged and set(record.refused.values()) == {"engine_unavailable"}
+    committed = {ref for c in record.committed.instances.values() for ref in c.committed}
+    assert len(committed) == len(running)
+
+    servers.engine = servers.start_engine({}, hold=False)  # a new one, the same model
+    servers.crash_envs()
+    servers.start_envs()
+    second = Run(servers, root, journal=False)
+    try:
+        plan = second.service.restore(RestoreRequest(run_id=RUN, restore_id="restore-1"))
+        resumed = {(idx, i) for idx, g in plan.partial.items() for i in g.resumed}
+        assert resumed == {(e.rollout.group.idx, e.rollout.i) for e in map(to_episode, committed)}
+        again = {(idx, i): second.drive(idx, i) for idx, i in sorted(resumed)}
+        outcomes = {key: future.result(timeout=DRIVE_TIMEOUT_S) for key, future in again.items()}
+    finally:
+        second.close()
+    for key, result in outcomes.items():
+        assert result.restored and result.episode.attempt == 1 and result.turns == TURNS, key
+        history = result.info["history"]
+        assert [turn["turn"] for turn in history] == list(range(TURNS)), key
+        assert all(not turn.get("resumed_from") for turn in history), key

@@ -49,6 +49,7 @@ class Toy(EnvironmentHooks):
         self.sessions: dict[str, EpisodeSession] = {}
         self.fail_first: set[str] = set()  # these episodes' next run fails (engine down)
         self.went_on: list[tuple[str, str]] = []  # (episode key, where): held, then released
+        self.fail_in_call: set[str] = set()  # these episodes' held model call fails on release
 
     def hold(self, ep: EpisodeRef, where: str) -> None:
         """The episode's next pass through ``where`` waits for :meth:`release`."""
@@ -63,6 +64,8 @@ class Toy(EnvironmentHooks):
         if held is not None and held[0] == where:
             await held[1].wait()
             self.went_on.append((key, where))
+            if where == "generating" and key in self.fail_in_call:
+                raise EngineUnavailable("the engine died mid-call")
 
     async def run_episode(self, run: RunEpisode, session: EpisodeSession) -> EpisodeResult:
         key = run.episode.key
@@ -335,6 +338,28 @@ async def test_a_model_response_arriving_while_parked_is_held_until_resume(
     assert (await part.commit(commit)).committed == (A,)
     await part.resume(ResumeRequest(checkpoint_id="ck1"))
     assert (await asyncio.wait_for(run, 2.0)).turns == TURNS
+
+
+async def test_a_model_call_failing_while_parked_is_held_until_resume_too(
+    part: Participant, toy: Toy, tmp_path: Path
+) -> None:
+    """The engine died mid-cut: the call's error reaches the episode while it is parked. It
+    waits there, so the commit still exports the episode as prepare reported it (in its
+    call); after resume the run fails as the engine's error (a 503: sent again)."""
+    toy.hold(A, "generating")
+    toy.fail_in_call.add(A.key)
+    run = start(part, A)
+    await eventually_async(lambda: A.key in toy.sessions, what="A started")
+    reply = await part.prepare(prep("ck1"))
+    assert reply.parked[0].activity == "generating"
+    toy.release(A)  # the call fails: its engine is gone
+    await eventually_async(lambda: (A.key, "generating") in toy.went_on, what="A's call failed")
+    assert not run.done() and part.status().live_episodes == 1
+    commit = CommitRequest(checkpoint_id="ck1", scope=(A,), dest=str(tmp_path))
+    assert (await part.commit(commit)).committed == (A,)
+    await part.resume(ResumeRequest(checkpoint_id="ck1"))
+    with pytest.raises(EngineUnavailable, match="died mid-call"):
+        await asyncio.wait_for(run, 2.0)
 
 
 async def test_retire_marks_refuse_runs_until_forget(part: Participant, toy: Toy) -> None:
