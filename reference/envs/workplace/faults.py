@@ -107,7 +107,7 @@ class FaultMiddleware:
             await self._faults(scope, receive, send)
             return
         op, s = _op(scope["path"]), self.switches
-        if op is None:
+        if op is None or not self._authorized(scope):  # refused by the app: nothing fires
             await self.app(scope, receive, send)
             return
         if op == s.die_on:
@@ -122,7 +122,7 @@ class FaultMiddleware:
             await asyncio.sleep(s.slow_prepare)
         if op == "run" and s.slow_run:
             await asyncio.sleep(s.slow_run)
-        if op == "resume" and s.lose_resume and self._authorized(scope):
+        if op == "resume" and s.lose_resume:
             reply = ResumeReply(phase="idle", resumed=True)
             await JSONResponse(reply.model_dump())(scope, receive, send)
             return
