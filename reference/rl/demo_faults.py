@@ -67,8 +67,7 @@ def kill_temporal_mid_snapshot(
         kind="temporal",
         where=fault.where,
         at_s=at,
-        recovered="the server started again on its state; the held snapshot went on and "
-        "published",
+        recovered="the server started again on its state; the held snapshot went on and published",
         recovery_s=elapsed() - at,
     )
 
