@@ -60,7 +60,7 @@ demo: setup
 
 # Not in CI: the demo under randomized faults, seeds, samplers and restore levels; every run is
 # verified and the table goes to docs/soak.md. RUNS=n for more.
-RUNS ?= 8
+RUNS ?= 20
 soak: setup
 	$(BIN)/python bench/soak.py --runs $(RUNS)
 

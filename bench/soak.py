@@ -56,15 +56,22 @@ class Outcome:
     prefix_tokens: int
 
 
+KINDS = ("coordinator", "temporal", "run", "kill", "env-lost", "env")
+
+
 def plan_run(rng: random.Random, seed: int, steps: int) -> Plan:
-    """One to four faults, never two of a kind (the demo injects at most one of each)."""
-    kinds = rng.sample(["coordinator", "run", "kill", "env"], k=rng.randint(1, 4))
-    faults = []
+    """One to four faults, never two of a kind (the demo injects at most one of each), the
+    crashes (run, kill, env-lost) at different steps, coordinator and temporal in different
+    phases."""
+    kinds = rng.sample(KINDS, k=rng.randint(1, 4))
+    faults, phases = [], rng.sample(PHASES, k=2)
+    crash_steps = rng.sample(range(1, steps + 1), k=min(3, steps))
     for kind in sorted(kinds):
-        if kind == "coordinator":
-            faults.append(f"coordinator@{rng.choice(PHASES).value}")
-        elif kind in ("run", "kill"):
-            faults.append(f"{kind}@step{rng.randint(1, steps)}")
+        if kind in ("coordinator", "temporal"):
+            faults.append(f"{kind}@{phases.pop().value}")
+        elif kind in ("run", "kill", "env-lost"):
+            if crash_steps:
+                faults.append(f"{kind}@step{crash_steps.pop()}")
         else:
             faults.append("env@prepare")
     deterministic = rng.random() < 0.3
@@ -130,8 +137,10 @@ def table(outcomes: list[Outcome], steps: int, command: str) -> str:
         "",
         f"`{command}` on {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, {steps} steps a run."
         " Each run draws a seed, a mode (deterministic in 3 of 10, else a random sampler), a"
-        " restore level, and one to four faults (a random phase for the coordinator, a random"
-        " step for the crash); `rollsafe verify` checks its evidence.",
+        " restore level, and one to four faults of six kinds (docs/demo.md: a random phase for"
+        " the coordinator and the Temporal server, a random step for each crash: the whole run"
+        " killed after a snapshot mid-generation or between two, or an environment instance"
+        " lost for good); `rollsafe verify` checks its evidence.",
         "",
         f"**{len(outcomes)} runs, {faults} faults injected, {violations} violations, "
         f"{unfinished} runs that did not finish.**",

@@ -197,14 +197,7 @@ def snapshot_mid_run(servers: Servers, root: Path, *, journal: bool) -> FirstLif
     them."""
     first = Run(servers, root, journal=journal)
     try:
-        first.service.handout(list(range(GROUPS)))
-        running = [first.drive(idx, i) for idx in range(GROUPS) for i in range(GROUP_SIZE)]
-        eventually(
-            lambda: first.loop.run(first.engine.info()).held == len(running),
-            what="every episode held two turns in",
-        )
-        spec = SnapshotSpec(run_id=RUN, seq=1)
-        results = {p: first.service.run_phase(PhaseRequest(spec=spec, phase=p)) for p in PHASES}
+        running, results = every_call_held_then_a_snapshot(first)
         published = results[Phase.PUBLISH].published
         assert published is not None
         snapshot = Path(published.path)
@@ -213,6 +206,21 @@ def snapshot_mid_run(servers: Servers, root: Path, *, journal: bool) -> FirstLif
     finally:
         first.close()
     return FirstLife(first.service, results, snapshot, record, finished)
+
+
+def every_call_held_then_a_snapshot(
+    first: Run,
+) -> tuple[list[Future[EpisodeResult]], dict[Phase, PhaseResult]]:
+    """Every episode dispatched; once each is held mid-call, one snapshot's ten phases. The
+    episodes' runs, and the phases' results."""
+    first.service.handout(list(range(GROUPS)))
+    running = [first.drive(idx, i) for idx in range(GROUPS) for i in range(GROUP_SIZE)]
+    eventually(
+        lambda: first.loop.run(first.engine.info()).held == len(running),
+        what="every episode held two turns in",
+    )
+    spec = SnapshotSpec(run_id=RUN, seq=1)
+    return running, {p: first.service.run_phase(PhaseRequest(spec=spec, phase=p)) for p in PHASES}
 
 
 def check_the_snapshot_and_the_first_life(life: FirstLife) -> set[EpisodeRef]:
@@ -367,14 +375,7 @@ def test_an_engine_that_dies_mid_cut_leaves_its_calls_at_turn_level_and_loses_no
     root = tmp_path / "snapshots"
     first = Run(servers, root, journal=False)
     try:
-        first.service.handout(list(range(GROUPS)))
-        running = [first.drive(idx, i) for idx in range(GROUPS) for i in range(GROUP_SIZE)]
-        eventually(
-            lambda: first.loop.run(first.engine.info()).held == len(running),
-            what="every episode held two turns in",
-        )
-        spec = SnapshotSpec(run_id=RUN, seq=1)
-        results = {p: first.service.run_phase(PhaseRequest(spec=spec, phase=p)) for p in PHASES}
+        running, results = every_call_held_then_a_snapshot(first)
         for future in running:  # the engine is gone: each run fails after resume
             with pytest.raises(EnvUnavailable, match=r"503|engine"):
                 future.result(timeout=DRIVE_TIMEOUT_S)

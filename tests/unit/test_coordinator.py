@@ -24,6 +24,7 @@ from rollsafe.errors import (
 from rollsafe.evidence.scenario import row_content
 from rollsafe.faults import ENV_VAR, arm, disarm_all
 from rollsafe.snapshot import EntryState, SnapshotStore
+from rollsafe.testing.waiting import holding
 
 RUN = "ops"
 SPEC = SnapshotSpec(run_id=RUN, seq=1)
@@ -304,6 +305,27 @@ def test_a_capture_whose_write_failed_part_way_loses_the_snapshot_and_nothing_el
     ops.commit_step([])  # the run's deletions are not held by a capture that never wrote
     second = SnapshotSpec(run_id=RUN, seq=2)
     assert run_all(ops, second)[-1].counts["sealed_rollouts"] == 5
+
+
+def test_a_slow_fsync_at_publish_holds_nothing_of_the_run_and_the_snapshot_publishes(ops):
+    """Disk faults (issue 22, part 4): a publish whose writes and fsyncs take seconds (held
+    where the manifest is written) is not a failure. It runs after resume: admission is open
+    and rollouts dispatch and seal meanwhile; once the disk answers, the snapshot publishes."""
+    for phase in PHASES[: PHASES.index(Phase.RESUME) + 1]:
+        run(ops, phase)
+    outcome: list[object] = []
+    with holding("store.before_manifest") as slow:
+        publishing = threading.Thread(target=lambda: outcome.append(run(ops, Phase.PUBLISH)))
+        publishing.start()
+        slow.reached()
+        assert ops.status().gate_open
+        episode = ops.dispatch(3, 0)
+        assert episode is not None
+        ops.seal(3, 0, episode.attempt, row_content(3, 0, episode.attempt))
+        assert not outcome  # (listing the store waits: publish holds its directory lock)
+    publishing.join(timeout=30)
+    assert published(ops.store) == ["00000001-rollout"]
+    assert outcome and outcome[0].published.counts == EXPECTED_COUNTS  # the capture, not later
 
 
 def test_the_run_goes_on_between_capture_and_publish_and_the_snapshot_is_the_capture(ops):
