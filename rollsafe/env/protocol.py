@@ -30,7 +30,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 PROTOCOL_VERSION = 1
 PREFIX = "/checkpoint/v1"
@@ -70,6 +77,14 @@ def _unique(refs: tuple[EpisodeRef, ...], what: str) -> None:
     if len(set(keys)) != len(keys):
         twice = sorted({k for k in keys if keys.count(k) > 1})
         raise ValueError(f"{what} names episode(s) more than once: {', '.join(twice[:5])}")
+
+
+def _omit_if(data: Any, field: str, omit: bool) -> Any:
+    """A field added to protocol version 1 is left out while it holds its default: a peer of
+    an earlier rollsafe (``extra="forbid"``) still reads the message when it is unused."""
+    if omit and isinstance(data, dict):
+        data.pop(field, None)
+    return data
 
 
 class ErrorReply(_Message):
@@ -161,6 +176,10 @@ class ParticipantManifest(_Message):
     # instance lost for good): EnvironmentHooks.portable. Absent in older manifests: True.
     portable: bool = True
 
+    @model_serializer(mode="wrap")
+    def _as_before_when_portable(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _omit_if(handler(self), "portable", self.portable)
+
 
 class CommitReply(_Message):
     committed: tuple[EpisodeRef, ...]
@@ -221,6 +240,10 @@ class RestoreRequest(_Message):
     def _distinct(self) -> RestoreRequest:
         _unique(self.episodes, "scope and adopted")
         return self
+
+    @model_serializer(mode="wrap")
+    def _as_before_without_adoptions(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return _omit_if(handler(self), "adopted", not self.adopted)
 
     @property
     def episodes(self) -> tuple[EpisodeRef, ...]:

@@ -592,7 +592,7 @@ async def test_a_lost_instances_episodes_restore_here_beside_its_own(
     them (read from that instance's commit) along with its own scope, which is empty here."""
     root = await _committed(tmp_path)
     manifest = json.loads((root / toy.name / "manifest.json").read_text())
-    assert manifest["instance"] == "toy-old" and manifest["portable"] is True
+    assert manifest["instance"] == "toy-old" and "portable" not in manifest  # True: as before
     adopted = AdoptedEpisodes(instance="toy-old", root=str(root), scope=(A, B))
     request = _restore(tmp_path / "mine", ()).model_copy(update={"adopted": (adopted,)})
     reply = await part.restore(request)
@@ -612,6 +612,16 @@ async def test_an_environment_whose_records_are_not_portable_adopts_nothing(
     with pytest.raises(InvalidInput, match=r"not portable.*toy-old"):
         await part.restore(request)
     assert toy.installed == {} and part.status().phase == "idle"
+
+
+def test_the_fields_added_for_lost_instances_are_left_out_while_unused() -> None:
+    """A peer of an earlier rollsafe (every message ``extra="forbid"``) still reads a restore
+    without adoptions and the manifest of a portable environment."""
+    plain = _restore(Path("/r/me"), (A,))
+    assert "adopted" not in json.loads(plain.model_dump_json())
+    adopted = AdoptedEpisodes(instance="old", root="/r/old", scope=(B,))
+    assert "adopted" in plain.model_copy(update={"adopted": (adopted,)}).model_dump()
+    assert RestoreRequest.model_validate_json(plain.model_dump_json()) == plain
 
 
 def test_a_restore_request_names_each_episode_once_across_its_scope_and_adoptions() -> None:

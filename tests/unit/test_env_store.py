@@ -161,3 +161,12 @@ def test_racing_writers_other_checkpoint_one_fails(tmp_path: Path, attempt: int)
     assert len(read_records(tmp_path, "toy", won[0].checkpoint_id)) == won[0].records
     on_disk = ParticipantManifest.model_validate_json((tmp_path / "toy" / MANIFEST).read_bytes())
     assert on_disk == won[0]
+
+
+def test_records_of_an_environment_that_is_not_portable_say_so(tmp_path: Path) -> None:
+    """Read back by a restore that must decide where a lost instance's episodes go."""
+    records = [{"episode": {"rollout_id": "r-0_g0", "attempt": 0}, "state": {}}]
+    written = write_records(tmp_path, "toy", "environment", "toy-0", "ck1", records, portable=False)
+    on_disk = json.loads((tmp_path / "toy" / MANIFEST).read_text())
+    assert on_disk["portable"] is False and not written.portable
+    assert not ParticipantManifest.model_validate(on_disk).portable
