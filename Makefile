@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-unit test-integration lint bench demo soak clean
+.PHONY: setup test test-unit test-integration lint bench demo soak load clean
 
 setup: $(STAMP)
 
@@ -63,6 +63,12 @@ demo: setup
 RUNS ?= 20
 soak: setup
 	$(BIN)/python bench/soak.py --runs $(RUNS)
+
+# Not in CI: 1,000 live episodes over eight environment instances, a snapshot every 5 s for
+# 10 minutes; invariant violations (exit 1 if any), RSS, rows and files at the start and the
+# end (docs/benchmarks.md, "Load").
+load: setup
+	$(BIN)/python bench/load.py
 
 bench: setup
 	$(BIN)/python bench/snapshot_bench.py
