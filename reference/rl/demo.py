@@ -15,8 +15,8 @@ plus one taken mid-generation before a planned crash). The default faults:
   snapshot's prepare fails and is retried by Temporal.
 
 Not by default: ``temporal@<phase>`` (the first snapshot to reach that phase is held there
-while the Temporal server is SIGKILLed and started again on its state; it then goes on from
-its history and publishes) and ``env-lost@step<k>`` (a snapshot mid-generation, then instance
+while the Temporal server is SIGKILLed and started again on its state; it then goes on and
+publishes) and ``env-lost@step<k>`` (a snapshot mid-generation, then instance
 ``w2`` SIGKILLed for good: the run is restarted with the fleet that is left, its episodes
 restored on the others).
 
