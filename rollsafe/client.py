@@ -298,7 +298,11 @@ class Checkpointer:
             ) from None
 
     async def restore(
-        self, restore_id: str, weight_versions: Sequence[int] | None = None
+        self,
+        restore_id: str,
+        weight_versions: Sequence[int] | None = None,
+        *,
+        accept_journal_loss: bool = False,
     ) -> RestorePlan:
         """Restore the run's controller from its newest snapshot that verifies, through the
         RestoreRun workflow (docs/design.md section 6). Idempotent per ``restore_id``: a retried
@@ -307,10 +311,17 @@ class Checkpointer:
         anchors, which :meth:`start` then hands to the supervisor); only a snapshot taken at
         one of them is restored (None: any). A snapshot that cannot be restored raises
         :class:`RestoreFailed` naming the error; the run refuses to start rather than start
-        from nothing."""
+        from nothing. ``accept_journal_loss``: restore although the journal does not continue
+        the snapshot (refused by default, naming the gap: docs/journal.md, "What a restore
+        does with damage"); the plan says what was given up."""
         client = await self._connected()
         anchors = tuple(weight_versions) if weight_versions is not None else None
-        request = RestoreRequest(run_id=self.run_id, restore_id=restore_id, weight_versions=anchors)
+        request = RestoreRequest(
+            run_id=self.run_id,
+            restore_id=restore_id,
+            weight_versions=anchors,
+            accept_journal_loss=accept_journal_loss,
+        )
         try:
             with self._outage(f"restore {restore_id}"):
                 plan = await client.execute_workflow(

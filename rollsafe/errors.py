@@ -29,6 +29,7 @@
     │   │   └── RowMismatch            a restored row differs from what was sealed
     │   ├── SchemaMismatch
     │   ├── JournalCorrupt             a journal segment that is not one, or not this run's
+    │   │   └── JournalGap             the journal does not continue the snapshot (names what)
     │   ├── LedgerInvariantViolation
     │   │   ├── IllegalTransition      names the rollout/group and both states
     │   │   └── SealConflict           a second seal with different content
@@ -160,6 +161,12 @@ class RowMismatch(SnapshotCorrupt):
 class JournalCorrupt(InvariantError):
     """A journal segment that cannot be read: not a journal, another format version, another
     run's, or a header that does not match its checksum."""
+
+
+class JournalGap(JournalCorrupt):
+    """The journal does not hold every record after the snapshot: a gap between segments, a
+    segment or the whole folder missing, segments of another journal. A restore refuses it
+    unless told to accept the loss (``accept_journal_loss``), which its plan then records."""
 
 
 class SchemaMismatch(InvariantError):

@@ -513,13 +513,7 @@ class Controller:
                 done = entry.captured or self._write_capture(entry, entry.capture)
                 if entry.draft.path.exists():  # else an earlier attempt renamed it, then failed
                     self.state.journaled(done)
-                    published = entry.draft.publish(
-                        weight_version=done.weight_version,
-                        loader_position=done.loader_position,
-                        anchor_step=spec.anchor_step,
-                        counts=done.counts,
-                        anchors=spec.anchors,
-                    )
+                    published = done.publish(entry.draft, spec.anchor_step, spec.anchors)
                     self._effect(Phase.PUBLISH, not published.reused)
                 with self._meta:
                     self._open = None
@@ -609,7 +603,9 @@ class Controller:
             if self.participants is not None
             else (None, [])
         )
-        accept, replayer = restore_target(self.journal, request.weight_versions)
+        accept, replayer = restore_target(
+            self.journal, request.weight_versions, accept_loss=request.accept_journal_loss
+        )
         with self.barrier:
             current = self.state
             fresh = make_dataplane(current.dataplane.name)

@@ -57,6 +57,7 @@ from rollsafe.env.fleet_rules import (
     Placement,
     place,
 )
+from rollsafe.env.participant import MAX_LEASE_S
 from rollsafe.env.protocol import EpisodeRef, EpisodeResult, RunEpisode
 from rollsafe.errors import CheckpointSpent, EnvRefused, InvalidInput, TransientError
 from rollsafe.observability import metrics
@@ -83,9 +84,12 @@ def _ref(ref: EpisodeRef) -> str:
 class ParticipantOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    park_deadline_s: float = Field(default=30.0, gt=0, description="prepare: parked by then")
+    # At most the lease an environment instance grants: a longer deadline would be refused.
+    park_deadline_s: float = Field(
+        default=30.0, gt=0, le=MAX_LEASE_S, description="prepare: parked by then"
+    )
     drain_timeout_s: float = Field(default=10.0, ge=0, description="replies on the wire")
-    restore_deadline_s: float = Field(default=60.0, gt=0)
+    restore_deadline_s: float = Field(default=60.0, gt=0, le=MAX_LEASE_S)
     # An engine's answer to a cut or a release, within this: past it (or unreachable), its
     # calls are committed at turn level and its release given up, named (docs/operations.md).
     # Above a vLLM cut's wait for its running step; below the environments' park deadline.

@@ -6,15 +6,18 @@ API-key variables, or a temporal config profile)."""
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
+from typer.core import TyperGroup
 
 from rollsafe.cli.exits import EXIT_CODES, ExitCode, fail, temporal_client_made
-from rollsafe.cli.options import JsonOption, RunArgument
+from rollsafe.cli.options import AcceptJournalLossOption, JsonOption, RunArgument
 from rollsafe.cli.progress import progress
+from rollsafe.cli.snapshots import ROOT_ENV, ROOT_HELP
 from rollsafe.core.ids import validate_run_id
 from rollsafe.errors import CheckpointTimeout, RollsafeError
 
@@ -22,7 +25,7 @@ if TYPE_CHECKING:
     from temporalio.client import Client
 
     from rollsafe.client import Checkpointer
-    from rollsafe.core.phases import RestorePlan
+    from rollsafe.core.phases import JournalReplayed, RestorePlan
     from rollsafe.workflows.models import SnapshotOutcome
 
 T = TypeVar("T")
@@ -87,10 +90,11 @@ def outcome_summary(run: str, outcome: SnapshotOutcome) -> str:
     return f"run {run!r}: snapshot {outcome.seq} {outcome.status}: {why}"
 
 
-def plan_summary(run: str, restore_id: str, plan: RestorePlan) -> str:
+def plan_summary(done: str, plan: RestorePlan) -> str:
+    """The plan in lines; ``done`` starts the first (``run 'r' restored (restore id i)``)."""
     regenerate = sum(len(group.regenerate) for group in plan.partial.values())
     lines = [
-        f"run {run!r} restored (restore id {restore_id}) from {plan.snapshot} (checkpoint "
+        f"{done} from {plan.snapshot} (checkpoint "
         f"{plan.checkpoint_id}): weight version {plan.weight_version}, loader position "
         f"{plan.loader_position}",
         f"  {len(plan.ready)} group(s) ready, {len(plan.partial)} partial "
@@ -102,7 +106,26 @@ def plan_summary(run: str, restore_id: str, plan: RestorePlan) -> str:
         for instance, why in plan.environments_failed.items()
     ]
     lines += [f"  environment {name} {what}" for name, what in plan.environments_lost.items()]
+    lines += journal_lines(plan.journal)
     return "\n".join(lines)
+
+
+def journal_lines(journal: JournalReplayed | None) -> list[str]:
+    """What the plan says of the journal, a line each: its replay, every stop, every loss."""
+    if journal is None:
+        return []
+    lines = [
+        f"  journal: {journal.records} record(s) replayed after record {journal.covered} "
+        f"(to record {journal.last_id})"
+    ]
+    lines += [
+        f"  journal stop: {stop.segment} record {stop.record} at offset {stop.offset}: "
+        f"{stop.reason} ({stop.detail})"
+        + (" [a restore went on after it]" if stop.superseded else "")
+        for stop in journal.stops
+    ]
+    lines += [f"  journal loss accepted: {loss}" for loss in journal.accepted_loss]
+    return lines
 
 
 def snapshot_now_command(
@@ -149,6 +172,7 @@ def restore_command(
         float | None,
         typer.Option(min=0.0, help="seconds to wait for the plan (default: until it ends)"),
     ] = None,
+    accept_journal_loss: AcceptJournalLossOption = False,
     as_json: JsonOption = False,
 ) -> None:
     """Restore RUN's controller from its newest snapshot that verifies; print the plan.
@@ -162,7 +186,11 @@ def restore_command(
     async def call(checkpointer: Checkpointer) -> RestorePlan:
         try:
             async with asyncio.timeout(timeout):
-                return await checkpointer.restore(restore_id, weight_versions=weight_version)
+                return await checkpointer.restore(
+                    restore_id,
+                    weight_versions=weight_version,
+                    accept_journal_loss=accept_journal_loss,
+                )
         except TimeoutError:
             # The workflow goes on without us: the same id later returns its plan.
             raise CheckpointTimeout(
@@ -171,7 +199,11 @@ def restore_command(
             ) from None
 
     plan = _checkpointer_call(_valid(run), f"restore of run {run!r}", call)
-    typer.echo(plan.model_dump_json(indent=2) if as_json else plan_summary(run, restore_id, plan))
+    typer.echo(
+        plan.model_dump_json(indent=2)
+        if as_json
+        else plan_summary(f"run {run!r} restored (restore id {restore_id})", plan)
+    )
 
 
 def _valid(run: str) -> str:
@@ -182,7 +214,62 @@ def _valid(run: str) -> str:
         fail(exc)
 
 
+def restore_plan_command(
+    run: RunArgument,
+    root: Annotated[str | None, typer.Option(envvar=ROOT_ENV, help=ROOT_HELP)] = None,
+    weight_version: Annotated[
+        list[int] | None,
+        typer.Option(min=0, help="repeatable: as for `rollsafe restore` (default: any)"),
+    ] = None,
+    accept_journal_loss: AcceptJournalLossOption = False,
+    as_json: JsonOption = False,
+) -> None:
+    """What restoring RUN would do, found offline; nothing on disk changes.
+
+    The snapshot it would restore, every newer candidate passed over and why, the journal's
+    replay (records, every stop, any gap) and what each group would become. Needs no Temporal
+    server, worker or environment. Fails (1) when a restore would be refused, naming why."""
+    from rollsafe.checkpoint.preview import preview_restore
+    from rollsafe.settings import Settings
+    from rollsafe.snapshot.location import open_snapshot_store
+
+    try:
+        root = root if root is not None else Settings.load().require_snapshot_root()
+        with tempfile.TemporaryDirectory(prefix="rollsafe-plan-") as cache:
+            store = open_snapshot_store(root, validate_run_id(run), cache_dir=cache)
+            preview = preview_restore(
+                store, weight_versions=weight_version, accept_journal_loss=accept_journal_loss
+            )
+    except RollsafeError as exc:
+        fail(exc)
+    if as_json:
+        typer.echo(preview.model_dump_json(indent=2))
+    elif preview.plan is not None:
+        typer.echo(plan_summary(f"run {run!r} would be restored", preview.plan))
+    if preview.refused is not None:
+        fail(f"a restore of run {run!r} would be refused: {preview.refused}", ExitCode.FAILURE)
+
+
+class _RestoreGroup(TyperGroup):
+    """``rollsafe restore RUN`` restores (its command ``run``, the default); ``rollsafe restore
+    plan RUN`` only says what a restore would do. (A run named "plan": ``restore run plan``.)"""
+
+    # ctx: typer's own (vendored) click Context, which typer does not export.
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
 def register_checkpointing_commands(app: typer.Typer, snapshot_group: typer.Typer) -> None:
-    """Add ``snapshot now`` (to the ``snapshot`` group) and ``restore``."""
+    """Add ``snapshot now`` (to the ``snapshot`` group), ``restore`` and ``restore plan``."""
     snapshot_group.command("now", epilog=EXIT_CODES)(snapshot_now_command)
-    app.command("restore", epilog=EXIT_CODES)(restore_command)
+    restore = typer.Typer(
+        cls=_RestoreGroup,
+        no_args_is_help=True,
+        help="Restore a run (`rollsafe restore RUN`), or see what a restore would do "
+        "(`rollsafe restore plan RUN --root DIR`).",
+    )
+    app.add_typer(restore, name="restore")
+    restore.command("run", epilog=EXIT_CODES, hidden=True)(restore_command)
+    restore.command("plan", epilog=EXIT_CODES)(restore_plan_command)

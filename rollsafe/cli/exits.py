@@ -97,14 +97,30 @@ def temporal_client_made() -> None:
     _temporal_client_made = True
 
 
+# Set (to anything) to see the traceback of an error no command anticipated.
+TRACEBACK_ENV = "ROLLSAFE_TRACEBACK"
+
+
 def run_command(main: Callable[[], object]) -> NoReturn:
     """Run the ``rollsafe`` command (``main``: the typer app, which exits with its code) and
-    exit with that code; skips the teardown after a Temporal client (see above)."""
+    exit with that code; skips the teardown after a Temporal client (see above). An error no
+    command anticipated is a bug, and still one line (exit 1), never a traceback: whatever a
+    command reads, its user sees what failed (``ROLLSAFE_TRACEBACK=1`` shows where)."""
     try:
         main()
         code: object = 0
     except SystemExit as exit_:
         code = exit_.code
+    except Exception as exc:  # the last resort: every anticipated error has its own line
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        what = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        print(
+            f"error: internal error: {what} (a bug in rollsafe: please report it; "
+            f"{TRACEBACK_ENV}=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        code = int(ExitCode.FAILURE)
     status = code if isinstance(code, int) else (0 if code is None else 1)
     if not _temporal_client_made:
         sys.exit(status)

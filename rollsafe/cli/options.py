@@ -12,6 +12,15 @@ RunArgument = Annotated[str, typer.Argument(help="run id")]
 JsonOption = Annotated[
     bool, typer.Option("--json", help="one JSON document on stdout (and nothing else there)")
 ]
+AcceptJournalLossOption = Annotated[
+    bool,
+    typer.Option(
+        "--accept-journal-loss",
+        help="restore although the journal does not continue the snapshot (a gap, a missing "
+        "segment or folder, another journal's segments): what does not continue it is set "
+        "aside, and the plan names what was lost (docs/journal.md)",
+    ),
+]
 PortOption = Annotated[
     int,
     typer.Option(min=0, max=65535, help="TCP port (0: any free one; the line printed names it)"),

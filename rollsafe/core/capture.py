@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, model_validator
 
 from rollsafe.core.buffer import SamplerState
 from rollsafe.core.columns import KEY_COLUMN, in_key_order
@@ -32,9 +33,19 @@ Columns = tuple[dict[str, np.ndarray], dict[str, str]]  # arrays, string metadat
 class LoaderState(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    format_version: int = 1
-    position: int
-    weight_version: int
+    format_version: Literal[1, 2] = 2
+    position: NonNegativeInt
+    weight_version: NonNegativeInt
+    # Groups handed out since the run began (format 2; 1 is an earlier rollsafe's, without):
+    # each is owned (in the replay index), trained or evicted, so the loader and the index of
+    # one capture agree on it, and those of two captures, put together, do not.
+    handed_out: NonNegativeInt | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_its_version(self) -> LoaderState:
+        if (self.handed_out is None) != (self.format_version == 1):
+            raise ValueError("handed_out is a field of format_version 2, and only of it")
+        return self
 
 
 @dataclass(frozen=True)
@@ -127,4 +138,25 @@ def check_agreement(state: CapturedState, rows: int) -> int:
         raise LedgerInvariantViolation(
             f"data plane holds {rows} rollout rows but {total} are sealed"
         )
+    _check_loader(state)
     return total
+
+
+def _check_loader(state: CapturedState) -> None:
+    """The loader handed out every group the index holds, and (format 2) as many groups as the
+    index holds, trained and evicted: a loader and an index of two different captures are
+    refused, naming both counts, before their groups go missing or are handed out twice."""
+    loader, keys = state.loader, state.index[0][KEY_COLUMN]
+    if keys.size and int(keys.max()) >= loader.position:
+        raise LedgerInvariantViolation(
+            f"the replay index holds group {int(keys.max())}, at or above the loader position "
+            f"{loader.position}: the loader never handed it out"
+        )
+    metadata = state.index[1]
+    accounted = keys.size + int(metadata["trained_total"]) + int(metadata["evicted_total"])
+    if loader.handed_out is not None and loader.handed_out != accounted:
+        raise LedgerInvariantViolation(
+            f"the loader handed out {loader.handed_out} groups; the replay index accounts for "
+            f"{accounted} ({keys.size} owned, {metadata['trained_total']} trained, "
+            f"{metadata['evicted_total']} evicted)"
+        )

@@ -28,22 +28,30 @@ KEY_COLUMN = "idx"
 COLUMNS_FORMAT_VERSION = "1"
 
 
-def format_metadata(kind: str) -> dict[str, str]:
+def format_metadata(kind: str, version: str = COLUMNS_FORMAT_VERSION) -> dict[str, str]:
     """The metadata every columns file starts with: what it is and its format version."""
-    return {"format": kind, "format_version": COLUMNS_FORMAT_VERSION}
+    return {"format": kind, "format_version": version}
 
 
-def check_metadata(metadata: Mapping[str, str], kind: str, fields: set[str], source: str) -> None:
-    """``metadata`` is a ``kind`` file of this format version with exactly ``fields`` more."""
+def check_metadata(
+    metadata: Mapping[str, str],
+    kind: str,
+    fields: set[str],
+    source: str,
+    versions: tuple[str, ...] = (COLUMNS_FORMAT_VERSION,),
+) -> str:
+    """``metadata`` is a ``kind`` file of one of ``versions`` with exactly ``fields`` more;
+    returns its version."""
     if metadata.get("format") != kind:
         raise SnapshotCorrupt(f"{source}: not a {kind} file (format {metadata.get('format')!r})")
-    if metadata.get("format_version") != COLUMNS_FORMAT_VERSION:
-        version = metadata.get("format_version")
+    version = metadata.get("format_version")
+    if version not in versions:
         raise SnapshotCorrupt(f"{source}: unknown {kind} format_version {version!r}")
     expected = {"format", "format_version", *fields}
     if set(metadata) != expected:
         unknown, missing = sorted(set(metadata) - expected), sorted(expected - set(metadata))
         raise SnapshotCorrupt(f"{source}: metadata unknown {unknown}, missing {missing}")
+    return str(version)
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,11 @@
 
 One row per live group (handed out, not yet trained or evicted) holding, per sibling: the
 current attempt number, its state, the environment instance that owns it (turn/prefix levels),
-and the digest of its sealed rows. The group's restore level is stored with it, so a later
-config change never reinterprets an old group.
+and its *seal digest*: the sha256 of the sealed row's digest together with every field of its
+ledger entry (run, group, sibling, attempt, restore level, owner: :func:`seal_digest`), so a
+restore that finds any of them changed refuses the row by name, as it does a changed row. The
+group's restore level is stored with it, so a later config change never reinterprets an old
+group. (Format version 1, an earlier rollsafe's, stored the row's digest alone: still read.)
 
 Rules (docs/design.md section 2; tables in :mod:`rollsafe.core.states`):
 
@@ -20,6 +23,7 @@ Rules (docs/design.md section 2; tables in :mod:`rollsafe.core.states`):
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -36,10 +40,12 @@ from rollsafe.errors import (
     SnapshotCorrupt,
     UnknownGroup,
 )
+from rollsafe.snapshot.bounded import parse_json
 
 __all__ = ["AttemptState", "Ledger", "RestartOutcome", "RestoreLevel", "Retirement"]
 
 FORMAT = "rollsafe.ledger"
+FORMAT_VERSION = "2"  # seal digests; "1" (row digests alone) is still read
 DIGEST_BYTES = 32
 NO_OWNER = -1
 _SEALED = int(AttemptState.SEALED)
@@ -75,6 +81,7 @@ class Ledger:
         self._owners: list[str] = []
         self._owner_ids: dict[str, int] = {}
         self._retire: dict[str, Retirement] = {}
+        self._row_digests_only = False  # restored from format version 1
 
     @staticmethod
     def _spec(group_size: int) -> dict[str, Column]:
@@ -130,10 +137,23 @@ class Ledger:
         return None if owner == NO_OWNER else self._owners[owner]
 
     def digest(self, idx: int, i: int) -> bytes | None:
+        """The seal digest of a sealed sibling (:func:`seal_digest`); None if not sealed."""
         slot = self._sibling(idx, i)
         if self._table.live("state")[slot, i] != _SEALED:
             return None
         return bytes(self._table.live("digest")[slot, i])
+
+    def seals(self, idx: int, i: int, attempt: int, row_digest: bytes) -> bytes:
+        """The seal digest of sibling ``i``'s row with ``row_digest`` sealed by ``attempt``:
+        what :meth:`digest` holds once it is sealed."""
+        if self._row_digests_only:
+            return row_digest
+        owner = self.owner(idx, i)
+        return seal_digest(self.run_id, idx, i, attempt, self.level(idx), owner, row_digest)
+
+    def sealed_row_matches(self, idx: int, i: int, row_digest: bytes) -> bool:
+        """Whether a sealed sibling's entry and a row with ``row_digest`` are what was sealed."""
+        return self.seals(idx, i, self.attempt(idx, i), row_digest) == self.digest(idx, i)
 
     def states(self, idx: int) -> list[AttemptState]:
         return [AttemptState(int(s)) for s in self._table.live("state")[self._slot(idx)]]
@@ -205,7 +225,7 @@ class Ledger:
         current_attempt = self.attempt(idx, i)
         state = self.state(idx, i)
         if state == AttemptState.SEALED:
-            if attempt == current_attempt and self.digest(idx, i) == digest:
+            if attempt == current_attempt and self.sealed_row_matches(idx, i, digest):
                 return False
             raise SealConflict(
                 f"rollout {self.episode(idx, i)} is already sealed with different content "
@@ -220,11 +240,12 @@ class Ledger:
         return True
 
     def seal(self, idx: int, i: int, attempt: int, digest: bytes) -> bool:
-        """Seal with the rows' digest. Returns False when this exact seal was already applied."""
+        """Seal with the row's digest. Returns False when this exact seal was already applied."""
         if not self.check_seal(idx, i, attempt, digest):
             return False
+        sealed = self.seals(idx, i, attempt, digest)
         slot = self._move(idx, i, AttemptState.SEALED, "seal")
-        self._table.column("digest")[slot, i] = np.frombuffer(digest, dtype=np.uint8)
+        self._table.column("digest")[slot, i] = np.frombuffer(sealed, dtype=np.uint8)
         return True
 
     def fail(self, idx: int, i: int) -> None:
@@ -339,7 +360,7 @@ class Ledger:
         :meth:`restore` takes them) and string metadata for a snapshot; no I/O, no copy."""
         arrays = self._table.capture()
         metadata = {
-            **format_metadata(FORMAT),
+            **format_metadata(FORMAT, "1" if self._row_digests_only else FORMAT_VERSION),
             "run_id": self.run_id,
             "group_size": str(self.group_size),
             "owners": json.dumps(self._owners),
@@ -351,11 +372,12 @@ class Ledger:
     def restore(
         cls, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str], source: str
     ) -> Ledger:
-        check_metadata(metadata, FORMAT, {"run_id", "group_size", "owners", "retire"}, source)
+        fields = {"run_id", "group_size", "owners", "retire"}
+        version = check_metadata(metadata, FORMAT, fields, source, ("1", FORMAT_VERSION))
         try:
             ledger = cls(metadata["run_id"], int(metadata["group_size"]))
-            owners = [str(o) for o in json.loads(metadata["owners"])]
-            retire = [(str(k), o) for k, o in json.loads(metadata["retire"])]
+            owners = [str(o) for o in parse_json(metadata["owners"])]
+            retire = [(str(k), o) for k, o in parse_json(metadata["retire"])]
             episodes = [(EpisodeId.parse(k), o) for k, o in retire]
         except (ValueError, TypeError, InvalidInput) as exc:
             raise SnapshotCorrupt(f"{source}: bad ledger metadata ({exc})") from None
@@ -363,6 +385,7 @@ class Ledger:
         ledger._owners = owners
         ledger._owner_ids = {name: n for n, name in enumerate(owners)}
         ledger._retire = {e.key: Retirement(e, o) for e, o in episodes}
+        ledger._row_digests_only = version == "1"
         ledger._validate(source)
         return ledger
 
@@ -378,3 +401,19 @@ class Ledger:
             raise SnapshotCorrupt(f"{source}: owner reference outside the owner table")
         if (self._table.live("attempt") < 0).any():
             raise SnapshotCorrupt(f"{source}: negative attempt number")
+
+
+def seal_digest(
+    run_id: str,
+    idx: int,
+    i: int,
+    attempt: int,
+    level: RestoreLevel,
+    owner: str | None,
+    row_digest: bytes,
+) -> bytes:
+    """What a sealed sibling's ledger entry stores: the sha256 of its row's digest and every
+    field of the entry, so that neither can change unnoticed (a snapshot whose ledger says
+    attempt 2 where attempt 1 sealed the row is refused, as a changed row is)."""
+    entry = json.dumps([run_id, idx, i, attempt, int(level), owner], separators=(",", ":"))
+    return hashlib.sha256(b"rollsafe.seal/2\x00" + entry.encode() + b"\x00" + row_digest).digest()

@@ -8,12 +8,20 @@ of heavy imports and side effects.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
 from rollsafe.core.gate import ADMISSION_LEASE_S
 from rollsafe.core.ids import checkpoint_id_for
+from rollsafe.core.wire import omit_unused
 
 
 class Phase(StrEnum):
@@ -115,6 +123,22 @@ class PartialGroup(BaseModel):
     regenerate: list[int]  # siblings to generate again
 
 
+class StopReport(BaseModel):
+    """A record the journal could not read (docs/journal.md, "What a restore does with
+    damage"): reading stopped there, and nothing from it on in its segment was applied."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    segment: str  # the segment file's name
+    offset: int  # of the record's frame in it
+    record: int  # the id the record there should have had
+    reason: Literal["torn", "corrupt"]
+    detail: str
+    # An earlier restore went on after it (the run's later records are in a segment of its
+    # own); the damaged segment is kept as it was, so the stop is reported by every restore.
+    superseded: bool = False
+
+
 class JournalReplayed(BaseModel):
     """What a restore replayed from the journal after its snapshot (docs/journal.md)."""
 
@@ -126,6 +150,15 @@ class JournalReplayed(BaseModel):
     rolled_back_groups: list[int] = Field(default_factory=list)  # commits past the weights
     # Where reading stopped (a torn tail after a crash, or a corrupt record), if it did.
     stop: str | None = None
+    # Every stop reading found, earlier restores' included (stop is the last one, if no
+    # restore went on after it).
+    stops: list[StopReport] = Field(default_factory=list)
+    # What the restore was told to go on without (RestoreRequest.accept_journal_loss).
+    accepted_loss: list[str] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _as_before_when_whole(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return omit_unused(handler(self), self, "stops", "accepted_loss")
 
 
 class RestorePlan(BaseModel):
@@ -161,3 +194,11 @@ class RestoreRequest(BaseModel):
     # With the journal, the newest of them is restored to: a snapshot at or below it, then
     # the journal, steps committed past it rolled back.
     weight_versions: tuple[int, ...] | None = None
+    # Go on although the journal does not continue the snapshot (a gap, a segment or the
+    # folder missing, another journal's segments): the records that continue it are replayed,
+    # the rest set aside, and the plan (and the restore's journal record) says what was lost.
+    accept_journal_loss: bool = False
+
+    @model_serializer(mode="wrap")
+    def _as_before_when_strict(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return omit_unused(handler(self), self, "accept_journal_loss")

@@ -13,7 +13,7 @@ group's restart rule and returns a :class:`RestorePlan` saying what is owed and 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -43,6 +43,7 @@ from rollsafe.errors import (
 from rollsafe.faults import fault_point, register
 from rollsafe.snapshot import (
     FileEntry,
+    PublishedSnapshot,
     SnapshotDraft,
     SnapshotKind,
     SnapshotManifest,
@@ -65,6 +66,20 @@ class Captured:
     weight_version: int
     loader_position: int
     counts: dict[str, int]
+    journal_id: str | None = None  # the journal whose records up to counts' position it covers
+
+    def publish(
+        self, draft: SnapshotDraft, anchor_step: int | None, anchors: Collection[int] = ()
+    ) -> PublishedSnapshot:
+        """Publish ``draft`` with the manifest this capture's values make."""
+        return draft.publish(
+            weight_version=self.weight_version,
+            loader_position=self.loader_position,
+            anchor_step=anchor_step,
+            counts=self.counts,
+            anchors=anchors,
+            journal_id=self.journal_id,
+        )
 
 
 @dataclass(frozen=True)
@@ -74,6 +89,7 @@ class Capture:
 
     state: CapturedState
     counts: dict[str, int]
+    journal_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +135,11 @@ class JournalSink(Protocol):
         """The id of the last record appended."""
         ...
 
+    @property
+    def journal_id(self) -> str | None:
+        """The journal's identity, named in each snapshot's manifest."""
+        ...
+
     def wait_durable(self, record_id: int) -> None:
         """Return once record ``record_id`` (and every one before it) is durable."""
         ...
@@ -144,6 +165,7 @@ class RunState:
         self.sampler = make_sampler(config.sampler, config.staleness_window)
         self.level = RestoreLevel.parse(config.restore_level)
         self.loader_position = 0
+        self.handed_out = 0  # groups, ever: the loader's count (LoaderState.handed_out)
         self.weight_version = 0
         # Each change below is appended here once it is made (None: no journal).
         self.journal: JournalSink | None = None
@@ -172,6 +194,7 @@ class RunState:
             self.index.reserve(idx, self.weight_version)
             self.ledger.reserve_group(idx, self.level)
         self.loader_position = max(groups) + 1
+        self.handed_out += len(groups)
         self._log(RecordKind.HANDOUT, {"groups": [int(idx) for idx in groups]})
 
     def row_key(self, idx: int, i: int) -> str:
@@ -285,12 +308,7 @@ class RunState:
         with store.begin(kind, checkpoint_id, seq) as draft:
             captured = self.write_snapshot(draft)
             self.journaled(captured)
-            return draft.publish(
-                weight_version=captured.weight_version,
-                loader_position=captured.loader_position,
-                anchor_step=anchor_step,
-                counts=captured.counts,
-            ).manifest
+            return captured.publish(draft, anchor_step).manifest
 
     def write_snapshot(self, draft: SnapshotDraft) -> Captured:
         """Capture and write at once (:meth:`take_capture`, :meth:`write_capture`)."""
@@ -310,10 +328,12 @@ class RunState:
             raise InvalidInput("a capture is taken and not written yet: one at a time")
         state = self.capture()
         counts = {**state.counts(), "sealed_rollouts": self.dataplane.count(ROLLOUT_PARTITION)}
+        journal_id = None
         if self.journal is not None:  # the records this snapshot covers (docs/journal.md)
             counts[JOURNAL_POSITION] = self.journal.last_id
+            journal_id = self.journal.journal_id
         self._held_deletes = []
-        return Capture(state=state, counts=counts)
+        return Capture(state=state, counts=counts, journal_id=journal_id)
 
     def write_capture(self, draft: SnapshotDraft, capture: Capture) -> Captured:
         """Write ``capture`` into ``draft``: its state files in key order, once the ledger,
@@ -341,6 +361,7 @@ class RunState:
             weight_version=loader.weight_version,
             loader_position=loader.position,
             counts=capture.counts,
+            journal_id=capture.journal_id,
         )
 
     def release_capture(self) -> None:
@@ -362,7 +383,11 @@ class RunState:
         return CapturedState(
             ledger=self.ledger.capture(),
             index=self.index.capture(),
-            loader=LoaderState(position=self.loader_position, weight_version=self.weight_version),
+            loader=LoaderState(
+                position=self.loader_position,
+                weight_version=self.weight_version,
+                handed_out=self.handed_out,
+            ),
             sampler=self.sampler.state(),
             config=self.config,
         )
@@ -423,7 +448,7 @@ class RunState:
                 dataplane.clear()
                 refused[reader.name] = str(exc)
                 continue
-            controller._verify_rows()
+            controller._verify_rows(reader.name)
             return controller, reader
 
     def _load(self, reader: SnapshotReader) -> None:
@@ -439,16 +464,22 @@ class RunState:
         self.index = ReplayIndex.restore(*state.index, f"{reader.name}/{INDEX_FILE}")
         self.loader_position = state.loader.position
         self.weight_version = state.loader.weight_version
+        index = self.index
+        self.handed_out = state.loader.handed_out or (
+            len(index) + index.trained_total + index.evicted_total  # format 1: as it agreed
+        )
         self.sampler.load_state(state.sampler, self.index)
         exported = reader.read_json("dataplane.json", DataPlaneManifest)
         self.dataplane.import_(reader.path / "dataplane", exported)  # checks each file it reads
         reader.checked_elsewhere({f"dataplane/{f.path}": f.sha256 for f in exported.files})
+        rows = self.dataplane.count(ROLLOUT_PARTITION)
         try:
-            check_agreement(state, self.dataplane.count(ROLLOUT_PARTITION))
+            check_agreement(state, rows)
         except LedgerInvariantViolation as exc:
             raise SnapshotCorrupt(f"{reader.name}: {exc}") from None
+        _check_counts(reader, {**state.counts(), "sealed_rollouts": rows})
 
-    def _verify_rows(self) -> None:
+    def _verify_rows(self, snapshot: str) -> None:
         """Every sealed rollout's row must come back byte for byte (its sealed digest)."""
         pending: list[tuple[int, int, str]] = []
         for idx in self.ledger.groups():
@@ -457,8 +488,10 @@ class RunState:
             batch = pending[start : start + _VERIFY_BATCH]
             rows = self.dataplane.get(ROLLOUT_PARTITION, [key for _, _, key in batch])
             for idx, i, key in batch:
-                if row_digest(rows[key]) != self.ledger.digest(idx, i):
-                    raise RowMismatch(idx, i, key, "restored row differs from its sealed digest")
+                if not self.ledger.sealed_row_matches(idx, i, row_digest(rows[key])):
+                    raise RowMismatch(
+                        idx, i, key, f"snapshot {snapshot}: row or ledger entry is not what sealed"
+                    )
 
     def _check_owned(self, episode: EpisodeId, what: str) -> None:
         """An episode the environments name must be the ledger's current attempt."""
@@ -541,3 +574,15 @@ def _restart_meta(envs: EnvironmentsRestored, rolled_back: Sequence[int]) -> dic
     if envs.moved:  # only then: a journal without a lost instance reads as it always did
         meta["moved"] = sorted(episode.key for episode in envs.moved)
     return meta
+
+
+def _check_counts(reader: SnapshotReader, found: Mapping[str, int]) -> None:
+    """The counts the manifest carries are those of the files it lists: files of another
+    snapshot, each with its right digest, are refused naming the count that differs."""
+    listed = reader.manifest.counts
+    differ = [f"{name} {listed[name]} in the manifest, {n} in its files"
+              for name, n in found.items() if name in listed and listed[name] != n]  # fmt: skip
+    if differ:
+        raise SnapshotCorrupt(
+            f"{reader.name}: its files disagree with its manifest: " + "; ".join(differ)
+        )

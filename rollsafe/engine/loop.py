@@ -178,11 +178,13 @@ CallT = TypeVar("CallT", bound=CallState)
 
 class EngineLoop(Generic[CallT]):
     """The protocol over a loop thread. Subclasses set :attr:`fingerprint`, :attr:`kind`,
-    :attr:`vocab_size` and :attr:`weight_version`, then call ``self._thread.start()``."""
+    :attr:`vocab_size`, :attr:`context` and :attr:`weight_version`, then call
+    ``self._thread.start()`` (:attr:`context` may wait for :meth:`_owning`)."""
 
     fingerprint: str
     kind: Literal["dense", "moe"]
     vocab_size: int
+    context: int  # positions one call may fill: its prompt plus max_tokens, at most
     weight_version: int
 
     def __init__(self, name: str) -> None:
@@ -316,6 +318,24 @@ class EngineLoop(Generic[CallT]):
         bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
             raise InvalidInput(f"call {request.call_id}: token ids {bad[:5]} outside [0, {vocab})")
+        self._check_length(request)
+
+    def _check_length(self, request: GenerateRequest) -> None:
+        """Refuse a call that could outgrow the model's context: it would be cut short (or run
+        until its caller left, ``max_tokens`` being unbounded otherwise). A resumed prefix is
+        within ``max_tokens`` (:class:`PrefixRecord` checks it)."""
+        call, context = request.call_id, self.context
+        prompt, budget = len(request.prompt_tokens), request.sampling.max_tokens
+        if prompt >= context:
+            raise InvalidInput(
+                f"call {call}: prompt_tokens: {prompt} tokens fill the model's {context} "
+                f"positions of context, leaving none to generate"
+            )
+        if prompt + budget > context:
+            raise InvalidInput(
+                f"call {call}: sampling.max_tokens: {budget} after a prompt of {prompt} tokens "
+                f"exceeds the model's {context} positions of context (at most {context - prompt})"
+            )
 
     def _made(self, call: CallT, token: int, logprob: float, route: Route | None) -> bool:
         """Record and stream one token the call made; whether that ended the call."""

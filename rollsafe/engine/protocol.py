@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import AsyncIterator, Sequence
-from typing import Literal, Protocol, runtime_checkable
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from rollsafe.errors import InvalidInput, PrefixMismatch
 
@@ -49,6 +49,9 @@ RefusalReason = Literal[
 ]
 
 _HEX64 = r"^[0-9a-f]{64}$"
+# Ints on the wire are strict: a JSON ``true``, ``1.0`` or ``"1"`` is refused by name, never
+# taken as token 1 (lax validation would). Python callers hand over ints (:func:`plain_ints`).
+TokenIds = tuple[StrictInt, ...]
 
 
 class _Model(BaseModel):
@@ -58,13 +61,18 @@ class _Model(BaseModel):
 class SamplingParams(_Model):
     """How one call samples. ``seed`` and the token position fix the noise of every draw."""
 
-    seed: int = Field(ge=0, lt=2**63)
+    seed: StrictInt = Field(ge=0, lt=2**63)
     temperature: float = Field(default=1.0, ge=0.0, description="0 means greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    max_tokens: int = Field(default=64, ge=1)
-    stop_token_ids: tuple[int, ...] = ()
-    allowed_token_ids: tuple[int, ...] | None = Field(
+    # At most the engine's context less the prompt: checked at admission, where the engine's
+    # context is known (EngineLoop._check_request).
+    max_tokens: StrictInt = Field(default=64, ge=1)
+    stop_token_ids: TokenIds = ()
+    # Not empty: an empty set can sample nothing, a malformed request rather than a call that
+    # fails in the engine (it did, as a retryable 503).
+    allowed_token_ids: TokenIds | None = Field(
         default=None,
+        min_length=1,
         description="constrained decoding: only these tokens may be sampled. Such calls are "
         "refused by cut (a grammar's state is not part of a prefix record).",
     )
@@ -72,7 +80,7 @@ class SamplingParams(_Model):
 
 class GenerateRequest(_Model):
     call_id: str = Field(min_length=1, max_length=256)
-    prompt_tokens: tuple[int, ...] = Field(min_length=1)
+    prompt_tokens: TokenIds = Field(min_length=1)
     sampling: SamplingParams
 
 
@@ -123,7 +131,7 @@ class PrefixRecord(_Model):
     model: str = Field(pattern=_HEX64)
     prompt_digest: str = Field(pattern=_HEX64)
     sampling: SamplingParams
-    tokens: tuple[int, ...] = Field(min_length=1)
+    tokens: TokenIds = Field(min_length=1)
     logprobs: tuple[float, ...]
     weight_versions: tuple[int, ...]
     routes: tuple[Route, ...] | None = None
@@ -217,6 +225,13 @@ class Engine(Protocol):
         ...
 
     async def info(self) -> EngineInfo: ...
+
+
+def plain_ints(values: Iterable[int | np.integer[Any]]) -> tuple[int, ...]:
+    """``values`` with numpy's integers made Python ints, which the strict wire models take
+    (a tokenizer's output often holds numpy's). Anything else is left for the model to judge:
+    a bool or a float is refused there, not converted here."""
+    return tuple(int(v) if isinstance(v, np.integer) else v for v in values)
 
 
 def prompt_digest(tokens: Sequence[int]) -> str:

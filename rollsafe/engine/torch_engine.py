@@ -61,6 +61,7 @@ class TorchEngine(EngineLoop[Call]):
         self.fingerprint = self.config.fingerprint()
         self.kind = self.config.kind
         self.vocab_size = self.config.vocab_size
+        self.context = self.config.max_positions
         self.weight_version = weight_version
         self._thread.start()
 

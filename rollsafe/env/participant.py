@@ -52,6 +52,11 @@ RESTORE_READING = register("env.restore.reading")[0]
 
 # A checkpoint's lease runs this long past its deadline before the instance resumes by itself.
 LEASE_GRACE_S = 30.0
+# The furthest a prepare, renew or restore may put its deadline_ts: a deadline years away
+# (1e308, say) would park the instance for good. The controller asks for a minute or so
+# (ParticipantOptions' park and restore deadlines; its renewals as long as the prepare):
+# an hour is far above that and still ends a lost controller's checkpoint.
+MAX_LEASE_S = 3600.0
 # How long a prepare waits for the tool calls in flight to end.
 TOOL_WAIT_S = 5.0
 
@@ -164,6 +169,17 @@ class Participant:
         now = self._clock()
         if deadline_ts <= now:
             raise InvalidInput(f"deadline_ts {deadline_ts:.3f} has passed (now {now:.3f})")
+        self._require_capped(deadline_ts)
+
+    def _require_capped(self, deadline_ts: float) -> None:
+        # Refused, not clamped: a caller asking for a lease this long has its arithmetic wrong
+        # (or means harm), and a lease shorter than asked would run out under it unannounced.
+        now = self._clock()
+        if deadline_ts - now > MAX_LEASE_S:
+            raise InvalidInput(
+                f"deadline_ts {deadline_ts!r} is more than MAX_LEASE_S={MAX_LEASE_S:g} s "
+                f"away (now {now:.3f}): at most {now + MAX_LEASE_S:.3f}"
+            )
 
     def _open(self, phase: InstancePhase, cid: str, deadline_ts: float) -> float:
         self._phase, self._open_id = phase, cid
@@ -242,6 +258,7 @@ class Participant:
         async with self._lock:
             self._expire_if_due()
             self._require(request.checkpoint_id, "prepared", "committed", "restored")
+            self._require_capped(request.deadline_ts)
             return wire.RenewReply(lease_expires_ts=self._set_lease(request.deadline_ts))
 
     async def commit(self, request: wire.CommitRequest) -> wire.CommitReply:

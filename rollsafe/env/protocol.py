@@ -39,6 +39,8 @@ from pydantic import (
     model_validator,
 )
 
+from rollsafe.core.wire import omit_unused
+
 PROTOCOL_VERSION = 1
 PREFIX = "/checkpoint/v1"
 EPISODES_RUN = "/episodes/run"
@@ -77,14 +79,6 @@ def _unique(refs: tuple[EpisodeRef, ...], what: str) -> None:
     if len(set(keys)) != len(keys):
         twice = sorted({k for k in keys if keys.count(k) > 1})
         raise ValueError(f"{what} names episode(s) more than once: {', '.join(twice[:5])}")
-
-
-def _omit_if(data: Any, field: str, omit: bool) -> Any:
-    """A field added to protocol version 1 is left out while it holds its default: a peer of
-    an earlier rollsafe (``extra="forbid"``) still reads the message when it is unused."""
-    if omit and isinstance(data, dict):
-        data.pop(field, None)
-    return data
 
 
 class ErrorReply(_Message):
@@ -178,7 +172,7 @@ class ParticipantManifest(_Message):
 
     @model_serializer(mode="wrap")
     def _as_before_when_portable(self, handler: SerializerFunctionWrapHandler) -> Any:
-        return _omit_if(handler(self), "portable", self.portable)
+        return omit_unused(handler(self), self, "portable")
 
 
 class CommitReply(_Message):
@@ -243,7 +237,7 @@ class RestoreRequest(_Message):
 
     @model_serializer(mode="wrap")
     def _as_before_without_adoptions(self, handler: SerializerFunctionWrapHandler) -> Any:
-        return _omit_if(handler(self), "adopted", not self.adopted)
+        return omit_unused(handler(self), self, "adopted")
 
     @property
     def episodes(self) -> tuple[EpisodeRef, ...]:

@@ -19,6 +19,7 @@ from rollsafe.engine.protocol import (
     PrefixRecord,
     SamplingParams,
     completion_of,
+    plain_ints,
     prompt_digest,
 )
 from rollsafe.env.protocol import EpisodeRef, EpisodeResult
@@ -164,10 +165,10 @@ def turn_request(
         temperature=temperature,
         top_p=top_p,
         max_tokens=max_tokens,
-        stop_token_ids=tuple(stop_token_ids),
+        stop_token_ids=plain_ints(stop_token_ids),
     )
     call_id = f"{episode.key}/t{turn}" + (f"/{name}" if name else "")
-    prompt = tuple(prompt_tokens)
+    prompt = plain_ints(prompt_tokens)  # a tokenizer's numpy ints: the request takes ints only
     return GenerateRequest(call_id=call_id, prompt_tokens=prompt, sampling=sampling)
 
 

@@ -24,7 +24,8 @@ from pydantic import ValidationError
 
 from rollsafe.env.protocol import ParticipantKind, ParticipantManifest
 from rollsafe.errors import OwnershipMismatch, SnapshotCorrupt
-from rollsafe.snapshot._fs import fsync_dir, make_dirs_durable, read_regular, token
+from rollsafe.snapshot._fs import fsync_dir, make_dirs_durable, token
+from rollsafe.snapshot.bounded import parse_json, read_regular
 
 MANIFEST = "manifest.json"
 RECORDS_PREFIX = "records-"
@@ -145,7 +146,7 @@ def _load_manifest(path: Path) -> ParticipantManifest:
     try:
         raw = read_regular(path)
     except OSError as exc:
-        raise SnapshotCorrupt(f"{path}: cannot read the manifest ({exc.strerror})") from None
+        raise SnapshotCorrupt(f"{path}: cannot read the manifest ({exc.strerror or exc})") from None
     try:
         return ParticipantManifest.model_validate_json(raw)
     except ValidationError as exc:
@@ -173,7 +174,9 @@ def read_records(dest_dir: Path | str, name: str, checkpoint_id: str) -> list[di
     try:
         data = read_regular(target)
     except OSError as exc:
-        raise SnapshotCorrupt(f"{target}: cannot read the records ({exc.strerror})") from None
+        raise SnapshotCorrupt(
+            f"{target}: cannot read the records ({exc.strerror or exc})"
+        ) from None
     actual = hashlib.sha256(data).hexdigest()
     if actual != manifest.sha256:
         raise SnapshotCorrupt(f"{target}: sha256 {actual} differs from the manifest's")
@@ -187,7 +190,7 @@ def read_records(dest_dir: Path | str, name: str, checkpoint_id: str) -> list[di
 
 def _parse_line(target: Path, number: int, line: bytes) -> dict[str, Any]:
     try:
-        record = json.loads(line)
+        record = parse_json(line)
     except ValueError:
         raise SnapshotCorrupt(f"{target}: line {number} is not JSON") from None
     if not isinstance(record, dict) or "episode" not in record:

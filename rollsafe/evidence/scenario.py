@@ -186,9 +186,10 @@ class ScenarioRunner:
         self.store = SnapshotStore(snapshot_dir, SCENARIO_RUN_ID)
         self.make_dataplane = make_dataplane
         self.state: RunState | None = RunState(self.config, make_dataplane())
-        self.journal = self._journal()
-        if self.journal is not None:
-            self.journal.start(self.state)
+        # Opened by the first event that changes the run (it starts, appending after what the
+        # folder holds) or by a restore: a scenario that restores first writes nothing before
+        # its restore succeeded (a start-over record would make the journal unrestorable).
+        self.journal: RunJournal | None = None
         self.checkpoint_nonce = uuid.uuid4().hex[:8]
         self.checkpoints = 0
         self.crashed_at: int | None = None
@@ -213,10 +214,8 @@ class ScenarioRunner:
             )
         return self.state
 
-    def _journal(self) -> RunJournal | None:
+    def _journal(self) -> RunJournal:
         # No background flush: each event is made durable before the next (acknowledged).
-        if not self.scenario.journal:
-            return None
         return RunJournal.for_store(self.store, flush_ms=None)
 
     def _apply(self, number: int, event: _Event) -> None:
@@ -230,6 +229,9 @@ class ScenarioRunner:
             self._restore(event.weight_version)
         else:
             run = self._live(number, event)
+            if self.scenario.journal and self.journal is None:
+                self.journal = self._journal()
+                self.journal.start(run)
             self._apply_live(run, event)
             if self.journal is not None:
                 self.journal.wait_durable(self.journal.last_id)
@@ -266,7 +268,7 @@ class ScenarioRunner:
         self.state = None  # a restore always starts from nothing but the disk
         if self.journal is not None:
             self.journal.close()
-        self.journal = self._journal()
+        self.journal = self._journal() if self.scenario.journal else None
         held = None if weight_version is None else (weight_version,)
         accept, replayer = restore_target(self.journal, held)
         state, _plan = RunState.restore(

@@ -3,18 +3,24 @@
 ::
 
     segment  = header record*
-    header   = b"RSJOURNL" | u16 version | u16 n | run id (n bytes, UTF-8)
-               | u64 first record id | u32 crc32 of the header's bytes before it
+    header   = b"RSJOURNL" | u16 version (2) | u16 n | run id (n bytes, UTF-8)
+               | journal id (16 bytes) | u64 first record id
+               | u32 crc32 of the header's bytes before it
     record   = u32 body length | u32 crc32(body) | body
     body     = u64 record id | u8 kind | u32 m | meta (m bytes: a JSON object)
                | row (seals only: the row's arrays in the tensorfile format)
 
-Integers are little-endian. Record ids go up by one from the header's first id, so a record
-applied twice is recognised by its id and a missing one is seen at once. Reading stops at the
-first record that is *torn* (fewer bytes than its frame says: the tail a crash cut off) or
-*corrupt* (a checksum or id that does not match): it is never skipped over, since nothing after
-it can be trusted to be the run's next change, and the stop says where and why. Nothing is
-pickled: metadata is JSON, a row's arrays are raw little-endian bytes with dtype and shape.
+Integers are little-endian. The journal id is minted when a run's journal folder gets its first
+segment and is the same in every segment after it (and named in every snapshot's manifest): a
+segment of another journal, even one of a run with the same id, is told apart from this one's.
+Version 1 headers (an earlier rollsafe's: no journal id) are still read.
+
+Record ids go up by one from the header's first id, so a record applied twice is recognised by
+its id and a missing one is seen at once. Reading stops at the first record that is *torn*
+(fewer bytes than its frame says: the tail a crash cut off) or *corrupt* (a checksum or id that
+does not match): it is never skipped over, since nothing after it can be trusted to be the
+run's next change, and the stop says where and why. Nothing is pickled: metadata is JSON, a
+row's arrays are raw little-endian bytes with dtype and shape.
 
 Pure: bytes in, bytes out; writing and syncing segments is another module's business.
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import io
 import json
+import secrets
 import struct
 import zlib
 from collections.abc import Mapping
@@ -33,10 +40,13 @@ from rollsafe.core.ids import validate_run_id
 from rollsafe.core.states import RecordKind as RecordKind  # the kinds are the core's
 from rollsafe.dataplane import Row
 from rollsafe.errors import InvalidInput, JournalCorrupt, SnapshotCorrupt
+from rollsafe.snapshot.bounded import parse_json
 from rollsafe.snapshot.tensorfile import HashingWriter, read_tensors, write_tensors
 
 MAGIC = b"RSJOURNL"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READS = (1, 2)  # version 1: an earlier rollsafe's header, without a journal id
+JOURNAL_ID_BYTES = 16
 _HEADER_FIXED = struct.Struct("<8sHH")  # magic, version, run id length
 _FIRST_ID = struct.Struct("<Q")
 _CRC = struct.Struct("<I")
@@ -58,6 +68,11 @@ class SegmentHeader:
     run_id: str
     first_id: int
     size: int  # bytes: where the first record starts
+    journal_id: str | None = None  # hex; None in a version 1 header
+
+
+def new_journal_id() -> str:
+    return secrets.token_hex(JOURNAL_ID_BYTES)
 
 
 @dataclass(frozen=True)
@@ -65,6 +80,7 @@ class Stop:
     """Where reading stopped before the end of the data, and why."""
 
     offset: int  # of the record's frame
+    record: int  # the id the record there should have had: the first one not read
     reason: Literal["torn", "corrupt"]
     detail: str
 
@@ -76,12 +92,28 @@ class Decoded:
     stop: Stop | None = None
 
 
-def encode_header(run_id: str, first_id: int) -> bytes:
+def encode_header(run_id: str, first_id: int, journal_id: str) -> bytes:
     name = validate_run_id(run_id).encode()
     if first_id < 0:
         raise InvalidInput(f"a journal's first record id is >= 0, got {first_id}")
-    head = _HEADER_FIXED.pack(MAGIC, FORMAT_VERSION, len(name)) + name + _FIRST_ID.pack(first_id)
+    identity = _journal_id_bytes(journal_id)
+    head = (
+        _HEADER_FIXED.pack(MAGIC, FORMAT_VERSION, len(name))
+        + name
+        + identity
+        + _FIRST_ID.pack(first_id)
+    )
     return head + _CRC.pack(zlib.crc32(head))
+
+
+def _journal_id_bytes(journal_id: str) -> bytes:
+    try:
+        identity = bytes.fromhex(journal_id)
+    except ValueError:
+        identity = b""
+    if len(identity) != JOURNAL_ID_BYTES:
+        raise InvalidInput(f"a journal id is {2 * JOURNAL_ID_BYTES} hex digits, got {journal_id!r}")
+    return identity
 
 
 def decode_header(data: bytes | memoryview, source: str) -> SegmentHeader:
@@ -92,19 +124,25 @@ def decode_header(data: bytes | memoryview, source: str) -> SegmentHeader:
     magic, version, n = _HEADER_FIXED.unpack_from(view)
     if magic != MAGIC:
         raise JournalCorrupt(f"{source}: not a rollsafe journal segment (magic {magic!r})")
-    if version != FORMAT_VERSION:
+    if version not in READS:
         raise JournalCorrupt(
-            f"{source}: journal format version {version}; this rollsafe reads {FORMAT_VERSION}"
+            f"{source}: journal format version {version}; this rollsafe reads {READS}"
         )
-    size = _HEADER_FIXED.size + n + _FIRST_ID.size + _CRC.size
+    identity = JOURNAL_ID_BYTES if version >= 2 else 0
+    size = _HEADER_FIXED.size + n + identity + _FIRST_ID.size + _CRC.size
     if len(view) < size:
         raise JournalCorrupt(f"{source}: truncated journal header")
     (crc,) = _CRC.unpack_from(view, size - _CRC.size)
     if zlib.crc32(view[: size - _CRC.size]) != crc:
         raise JournalCorrupt(f"{source}: journal header checksum does not match")
-    run_id = bytes(view[_HEADER_FIXED.size : _HEADER_FIXED.size + n]).decode()
-    (first_id,) = _FIRST_ID.unpack_from(view, _HEADER_FIXED.size + n)
-    return SegmentHeader(run_id=run_id, first_id=first_id, size=size)
+    at = _HEADER_FIXED.size
+    try:
+        run_id = bytes(view[at : at + n]).decode()
+    except UnicodeDecodeError:
+        raise JournalCorrupt(f"{source}: the header's run id is not UTF-8") from None
+    journal_id = bytes(view[at + n : at + n + identity]).hex() if identity else None
+    (first_id,) = _FIRST_ID.unpack_from(view, at + n + identity)
+    return SegmentHeader(run_id=run_id, first_id=first_id, size=size, journal_id=journal_id)
 
 
 def encode_record(record: Record) -> bytes:
@@ -153,22 +191,24 @@ def _one(
 ) -> tuple[Record | None, Stop | None]:
     left = len(view) - offset
     if left < _FRAME.size:
-        return None, Stop(offset, "torn", f"{left} bytes, less than a record's frame")
+        return None, Stop(offset, expected, "torn", f"{left} bytes, less than a record's frame")
     length, crc = _FRAME.unpack_from(view, offset)
     if length > MAX_BODY or length < _BODY.size:
-        return None, Stop(offset, "corrupt", f"impossible record length {length}")
+        return None, Stop(offset, expected, "corrupt", f"impossible record length {length}")
     body = view[offset + _FRAME.size : offset + _FRAME.size + length]
     if len(body) < length:
-        return None, Stop(offset, "torn", f"{len(body)} of the record's {length} bytes")
+        return None, Stop(offset, expected, "torn", f"{len(body)} of the record's {length} bytes")
     if zlib.crc32(body) != crc:
-        return None, Stop(offset, "corrupt", "checksum does not match")
+        return None, Stop(offset, expected, "corrupt", "checksum does not match")
     record_id, kind, meta_length = _BODY.unpack_from(body)
     if record_id != expected:
-        return None, Stop(offset, "corrupt", f"record id {record_id} where {expected} is next")
+        return None, Stop(
+            offset, expected, "corrupt", f"record id {record_id} where {expected} is next"
+        )
     try:
         return _record(body, record_id, kind, meta_length, f"{source}@{offset}"), None
     except (InvalidInput, SnapshotCorrupt) as exc:  # checksummed yet malformed: written wrong
-        return None, Stop(offset, "corrupt", str(exc))
+        return None, Stop(offset, expected, "corrupt", str(exc))
 
 
 def _record(body: memoryview, record_id: int, kind: int, meta_length: int, where: str) -> Record:
@@ -180,8 +220,8 @@ def _record(body: memoryview, record_id: int, kind: int, meta_length: int, where
     if meta_end > len(body):
         raise InvalidInput(f"{where}: metadata runs past the record")
     try:
-        meta = json.loads(bytes(body[_BODY.size : meta_end]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        meta = parse_json(bytes(body[_BODY.size : meta_end]))
+    except ValueError as exc:
         raise InvalidInput(f"{where}: unreadable metadata ({exc})") from None
     if not isinstance(meta, dict):
         raise InvalidInput(f"{where}: metadata is not a JSON object")

@@ -16,16 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rollsafe.core.ids import EpisodeId
-from rollsafe.core.phases import JournalReplayed
+from rollsafe.core.phases import JournalReplayed, StopReport
 from rollsafe.core.run_state import EnvironmentsRestored, RunState
 from rollsafe.errors import JournalCorrupt, NoValidSnapshot, RollsafeError
 from rollsafe.journal.format import Record, RecordKind, Stop
-from rollsafe.journal.segments import JournalRead
+from rollsafe.journal.segments import JournalRead, JournalStop
 
 Index = Annotated[int, Field(ge=0)]
 
@@ -73,6 +74,8 @@ class RestartMeta(_Meta):
     episodes: dict[str, str] = Field(default_factory=dict)
     refused: list[str] = Field(default_factory=list)
     moved: list[str] = Field(default_factory=list)  # restored off a lost instance
+    # What the restore was told to go on without (accept_journal_loss), each naming what.
+    accepted_loss: list[str] = Field(default_factory=list)
 
     def environments(self) -> EnvironmentsRestored:
         return EnvironmentsRestored(
@@ -104,22 +107,37 @@ class Replayed:
     rolled_back: list[int] = field(default_factory=list)  # ids of commits not applied
     rolled_back_groups: list[int] = field(default_factory=list)
     touched: set[tuple[int, int]] = field(default_factory=set)  # (group, sibling) changed
-    stop: Stop | None = None
-    stopped_in: str | None = None
+    stops: list[JournalStop] = field(default_factory=list)  # every stop reading found
+    accepted_loss: list[str] = field(default_factory=list)  # problems gone on without
+    set_aside: list[Path] = field(default_factory=list)  # files never applied: moved aside
+
+    @property
+    def stop(self) -> Stop | None:
+        """The stop that ended this replay (none of the journal's restores went on after it)."""
+        last = self.stops[-1] if self.stops else None
+        return last.stop if last is not None and not last.superseded else None
 
     def summary(self) -> JournalReplayed:
-        stop = None
-        if self.stop is not None:
-            stop = (
-                f"{self.stopped_in}: {self.stop.reason} record at offset {self.stop.offset} "
-                f"({self.stop.detail})"
+        stops = [
+            StopReport(
+                segment=stop.segment.name,
+                offset=stop.stop.offset,
+                record=stop.stop.record,
+                reason=stop.stop.reason,
+                detail=stop.stop.detail,
+                superseded=stop.superseded,
             )
+            for stop in self.stops
+        ]
+        current = [stop for stop in self.stops if not stop.superseded]
         return JournalReplayed(
             covered=self.covered,
             records=self.applied,
             last_id=self.last_id,
             rolled_back_groups=sorted(self.rolled_back_groups),
-            stop=stop,
+            stop=current[-1].describe() if current else None,
+            stops=stops,
+            accepted_loss=list(self.accepted_loss),
         )
 
     def changed(self, episode: EpisodeId) -> bool:
@@ -128,39 +146,43 @@ class Replayed:
         return (episode.rollout.group.idx, episode.rollout.i) in self.touched
 
 
+@dataclass(frozen=True)
+class Covered:
+    """What a snapshot says of the journal: the last record it covers (None: taken with the
+    journal off) and the journal's id (None: an earlier rollsafe's manifest, which has none)."""
+
+    snapshot: str
+    position: int | None
+    journal_id: str | None
+
+
 def replay(
     state: RunState,
     read: JournalRead,
-    covered: int | None,
-    snapshot: str,
+    covered: Covered,
     weight_version: int | None = None,
+    *,
+    accept_loss: bool = False,
 ) -> Replayed:
-    """Apply the records of ``read`` after ``covered`` (the snapshot's journal position;
-    None: the snapshot was taken without a journal) to ``state``. ``weight_version``: the
-    weights the trainer restored; commits past them are rolled back (None: every commit
-    stands). :class:`JournalCorrupt` when the journal does not continue the snapshot or a
-    record does not fit the state it is applied to."""
-    if covered is None:
-        if read.records:
-            raise JournalCorrupt(
-                f"snapshot {snapshot} names no journal position (taken with the journal off) "
-                f"and the journal holds records {read.records[0].id}..{read.records[-1].id}: "
-                "it cannot be replayed onto it; restore with the journal off, or remove the "
-                "journal's folder to restore the snapshot alone"
-            )
-        covered = 0
-    after = [record for record in read.records if record.id > covered]
-    if after and after[0].id != covered + 1 and not _restarts(after[0]):
-        raise JournalCorrupt(
-            f"snapshot {snapshot} covers the journal up to record {covered} but the journal "
-            f"goes on at record {after[0].id}: records {covered + 1}..{after[0].id - 1} are "
-            "missing"
-        )
+    """Apply the records of ``read`` after the snapshot's position to ``state``.
+    ``weight_version``: the weights the trainer restored; commits past them are rolled back
+    (None: every commit stands). :class:`JournalGap` when the journal does not continue the
+    snapshot (a gap, a segment or the folder missing, another journal: named) unless
+    ``accept_loss``, and then the records that continue it are applied, the rest are set
+    aside and the plan says what was given up; :class:`JournalCorrupt` when a record does not
+    fit the state it is applied to."""
+    problems = [*read.problems, *_discontinuity(read, covered)]
+    if problems and not accept_loss:
+        JournalRead(problems=problems).refuse_problems()
+    usable = _usable(read, covered, problems)
+    position = covered.position or 0
+    after = [record for record in usable if record.id > position]
     replayed = Replayed(
-        covered=covered,
-        last_id=max(covered, read.end or 0),
-        stop=read.stop,
-        stopped_in=str(read.stopped_in) if read.stopped_in else None,
+        covered=position,
+        last_id=max(position, usable[-1].id if usable else 0),
+        stops=list(read.stops),
+        accepted_loss=problems,
+        set_aside=[*read.unusable, *_not_applied(read, usable)] if problems else [],
     )
     applying = _Replay(state, replayed, weight_version, _rolled_back_before(after))
     state.journal, sink = None, state.journal  # replaying writes nothing
@@ -171,9 +193,9 @@ def replay(
         state.journal = sink
     if weight_version is not None and state.weight_version != weight_version:
         raise NoValidSnapshot(
-            snapshot,
+            covered.snapshot,
             {
-                snapshot: f"with the journal after it, the run reaches weight version "
+                covered.snapshot: f"with the journal after it, the run reaches weight version "
                 f"{state.weight_version}, not the {weight_version} the trainer restored",
             },
         )
@@ -184,6 +206,63 @@ def _restarts(record: Record) -> bool:
     """A segment a restore opened starts with its RESTART (its first id may skip ids the
     snapshot covered and the journal lost, or a torn tail)."""
     return record.kind == RecordKind.RESTART
+
+
+def _discontinuity(read: JournalRead, covered: Covered) -> list[str]:
+    """Why the journal in ``read`` does not continue the snapshot, if it does not."""
+    snapshot, position = covered.snapshot, covered.position
+    theirs, ours = read.journal_id, covered.journal_id
+    if ours is not None and theirs != ours:
+        held = f"journal {theirs}" if theirs else "an earlier rollsafe's journal"
+        where = held if read.segments else "no journal (its folder is missing or empty)"
+        return [f"snapshot {snapshot} covers journal {ours} up to record {position}; {where} "
+                "is here"]  # fmt: skip
+    if position is None:
+        if not read.records:
+            return []
+        return [
+            f"snapshot {snapshot} names no journal position (taken with the journal off) "
+            f"and the journal holds records {read.records[0].id}..{read.records[-1].id}: it "
+            "cannot be replayed onto it (restore with the journal off for the snapshot alone)"
+        ]
+    after = [record for record in read.records if record.id > position]
+    if after and after[0].id != position + 1 and not _restarts(after[0]):
+        return [
+            f"snapshot {snapshot} covers the journal up to record {position} but the journal "
+            f"goes on at record {after[0].id}: records {position + 1}..{after[0].id - 1} are "
+            "missing"
+        ]
+    reached = max([read.end or 0, *(segment.first_id - 1 for segment in read.segments)])
+    if not after and reached < position and (read.segments or ours is not None):
+        return [
+            f"snapshot {snapshot} covers the journal up to record {position} but the journal "
+            f"ends at record {reached}: its newest segments are missing"
+        ]
+    return []
+
+
+def _usable(read: JournalRead, covered: Covered, problems: list[str]) -> list[Record]:
+    """The records a restore that accepted ``problems`` applies: those that continue the
+    snapshot (none of another journal, none after a gap)."""
+    if not problems:
+        return read.records
+    if covered.position is None or (covered.journal_id or read.journal_id) != read.journal_id:
+        return []
+    position = covered.position
+    after = [record for record in read.records if record.id > position]
+    if after and after[0].id != position + 1 and not _restarts(after[0]):
+        return [record for record in read.records if record.id <= position]
+    return read.records
+
+
+def _not_applied(read: JournalRead, usable: list[Record]) -> list[Path]:
+    """The segments after the records a restore that accepted a loss applies (``usable`` is
+    a prefix of ``read.records``): set aside with the unusable ones, so that the journal left
+    in place is exactly what the restored run holds."""
+    if not usable:
+        return [segment.path for segment in read.segments]
+    kept = usable[-1].id
+    return [segment.path for segment in read.segments if segment.first_id > kept]
 
 
 def _meta(record: Record) -> Any:

@@ -4,14 +4,18 @@ A run's journal is a folder of segment files, ``<first record id, 20 digits>.rsj
 format of :mod:`rollsafe.journal.format`. :class:`JournalWriter` appends to the newest one:
 records are buffered and written with one ``fsync`` per batch, at most ``flush_ms`` after the
 first record of the batch, and a caller that must not go on before its record is durable waits
-for its batch (:meth:`JournalWriter.append_durable`). :func:`read_journal` reads every segment
-in order and stops at the first torn or corrupt record, or at a segment that does not follow
-the one before it.
+for its batch (:meth:`JournalWriter.append_durable`). A segment is never replaced: a new one
+takes an id above every segment and record the folder holds. :func:`read_journal` reads every
+segment in order, stops a segment's reading at its first torn or corrupt record (reported), and
+stops reading the folder at the first segment that is not this journal's next one (a problem,
+reported; never skipped over).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -21,7 +25,7 @@ from typing import Any, BinaryIO
 
 from rollsafe.core.config import JOURNAL_FLUSH_MS
 from rollsafe.dataplane import Row
-from rollsafe.errors import InvalidInput, JournalCorrupt
+from rollsafe.errors import InvalidInput, JournalCorrupt, JournalGap
 from rollsafe.journal.format import (
     Decoded,
     Record,
@@ -32,8 +36,12 @@ from rollsafe.journal.format import (
     encode_header,
     encode_record,
 )
+from rollsafe.journal.head import HEAD_NAME, Head, read_head, write_head
+from rollsafe.snapshot.bounded import read_regular
 
 SUFFIX = ".rsj"
+DRAFT_SUFFIX = ".draft"  # a new segment's header, before it takes its name
+_SEGMENT_NAME = re.compile(r"[0-9]{20}\.rsj")
 DEFAULT_FLUSH_MS = JOURNAL_FLUSH_MS
 
 Fsync = Callable[[int], None]
@@ -52,6 +60,7 @@ class JournalWriter:
         directory: Path,
         run_id: str,
         first_id: int,
+        journal_id: str,
         *,
         flush_ms: float | None = DEFAULT_FLUSH_MS,
         fsync: Fsync = os.fsync,
@@ -59,6 +68,7 @@ class JournalWriter:
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
         self.run_id = run_id
+        self.journal_id = journal_id
         self._fsync = fsync
         self._file = self._new_segment(first_id)
         # One lock, two conditions: appends wake only the flusher, a flush wakes the waiters
@@ -147,20 +157,26 @@ class JournalWriter:
         return next_id
 
     def _new_segment(self, first_id: int) -> BinaryIO:
-        """A segment holding only its header, durable under its final name. A segment of that
-        name is replaced only when it holds no whole record (a torn tail left by a crash)."""
-        self.path = self.directory / segment_name(first_id)
-        self.first_id = first_id  # the open segment's
-        if self.path.exists() and _holds_records(self.path, self.run_id):
-            raise InvalidInput(f"journal segment {self.path} exists: a writer never appends twice")
-        draft = self.path.with_suffix(".tmp")
-        with draft.open("wb") as out:
-            out.write(encode_header(self.run_id, first_id))
+        """A segment holding only its header, durable under its final name, and named by
+        ``HEAD`` first (:mod:`rollsafe.journal.head`). A file already there is never replaced,
+        whatever it holds: what a restore could not read stays as it was (docs/journal.md)."""
+        path = self.directory / segment_name(first_id)
+        if os.path.lexists(path):
+            raise InvalidInput(f"journal segment {path} exists: a segment is never replaced")
+        draft = path.with_name(path.name + DRAFT_SUFFIX)
+        _remove_stale_draft(draft)
+        with open(draft, "xb") as out:
+            out.write(encode_header(self.run_id, first_id, self.journal_id))
             out.flush()
             self._fsync(out.fileno())
-        draft.replace(self.path)
+        write_head(
+            self.directory, Head(run_id=self.run_id, journal_id=self.journal_id, newest=first_id)
+        )
+        os.link(draft, path)  # unlike a rename, fails rather than replace a file made meanwhile
+        draft.unlink()
         _sync_directory(self.directory, self._fsync)
-        return self.path.open("ab")
+        self.path, self.first_id = path, first_id  # the open segment's
+        return path.open("ab")
 
     def close(self) -> None:
         """Flush what is buffered and close the segment; idempotent."""
@@ -188,15 +204,14 @@ class JournalWriter:
         self._fsync(self._file.fileno())
 
 
-def _holds_records(path: Path, run_id: str) -> bool:
-    data = path.read_bytes()
-    try:
-        header = decode_header(data, str(path))
-    except JournalCorrupt:
-        return False  # a header torn by a crash: nothing in it was ever durable
-    if header.run_id != run_id:
-        return True  # another run's: never overwritten
-    return bool(decode_records(data, header, str(path)).records)
+def _remove_stale_draft(draft: Path) -> None:
+    """A draft a crash left (a header nobody renamed: it never held a record) goes; anything
+    else under a draft's name is refused by name rather than removed."""
+    if not os.path.lexists(draft):
+        return
+    if draft.is_dir() and not draft.is_symlink():
+        raise JournalCorrupt(f"{draft}: a folder where a segment's draft is written")
+    draft.unlink()
 
 
 def _sync_directory(directory: Path, fsync: Fsync) -> None:
@@ -208,55 +223,184 @@ def _sync_directory(directory: Path, fsync: Fsync) -> None:
         os.close(descriptor)
 
 
+def segment_id(name: str) -> int | None:
+    """The first record id a canonical segment name holds; None for any other name."""
+    return int(name.removesuffix(SUFFIX)) if _SEGMENT_NAME.fullmatch(name) else None
+
+
+def list_segments(directory: Path) -> tuple[list[tuple[int, Path]], list[Path]]:
+    """The segments of a journal folder in order, with their first ids (from their names),
+    and the entries named like segments that are not (``*.rsj`` spelled otherwise)."""
+    segments: list[tuple[int, Path]] = []
+    strays: list[Path] = []
+    for name in sorted(os.listdir(directory)):
+        if (first := segment_id(name)) is not None:
+            segments.append((first, directory / name))
+        elif name.endswith(SUFFIX):
+            strays.append(directory / name)
+    return segments, strays
+
+
 @dataclass(frozen=True)
 class Segment:
     path: Path
     first_id: int
 
 
+@dataclass(frozen=True)
+class JournalStop:
+    """A record reading stopped at (torn or corrupt), in the segment that holds it.
+    ``superseded``: a restore went on after it (its segment follows); the segment stays as it
+    is, so every later reading finds and reports the stop again."""
+
+    segment: Path
+    stop: Stop
+    superseded: bool = False
+
+    def describe(self) -> str:
+        stop = self.stop
+        return (
+            f"{self.segment}: {stop.reason} record {stop.record} at offset {stop.offset} "
+            f"({stop.detail})"
+        )
+
+
 @dataclass
 class JournalRead:
+    """What a journal folder holds, read in order up to the first thing that is wrong with it.
+
+    ``records``: every record of the usable segments, up to the first torn or corrupt record
+    that no restore went on after. ``problems``: why the rest cannot be read as this journal's
+    history (a segment missing, of another journal, not a segment, not following); a restore
+    refuses them unless told to accept the loss. ``unusable``: the files those problems name
+    and every segment after them (a restore that accepts the loss sets them aside)."""
+
     records: list[Record] = field(default_factory=list)
-    stop: Stop | None = None
-    stopped_in: Path | None = None  # the segment where reading stopped
-    segments: list[Segment] = field(default_factory=list)  # in order, the last one included
+    segments: list[Segment] = field(default_factory=list)  # the usable ones, in order
+    stops: list[JournalStop] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    unusable: list[Path] = field(default_factory=list)
+    journal_id: str | None = None  # of the segments (None: none, or an earlier rollsafe's)
+    highest_id: int = 0  # the highest record id or segment start seen: new ids go above it
+    exists: bool = True  # False: no journal folder at all
 
     @property
     def end(self) -> int | None:
         """The id of the last good record; None for a journal without records."""
         return self.records[-1].id if self.records else None
 
+    @property
+    def stop(self) -> Stop | None:
+        """The stop that ends the reading (none superseded it), if any."""
+        last = self.stops[-1] if self.stops else None
+        return last.stop if last is not None and not last.superseded else None
 
-def read_journal(directory: Path, run_id: str) -> JournalRead:
-    """Every record of the run's journal under ``directory``, in order, up to the first torn or
-    corrupt record. :class:`JournalCorrupt` for a segment of another run or one that does not
-    follow the one before it (a record missing between them); nothing is changed on disk.
+    @property
+    def stopped_in(self) -> Path | None:
+        last = self.stops[-1] if self.stops else None
+        return last.segment if last is not None and not last.superseded else None
 
-    Where a segment stopped (torn or corrupt) or ended before the next one starts, only a
-    segment a *restore* opened may follow: it starts with the restore's RESTART record, and
-    the restore read the journal up to that point, so what lies between was never part of the
-    run's history (a torn tail, or records its snapshot covered). Anything else after a stop
-    is refused: reading never skips a bad record to go on with later ones."""
+    def refuse_problems(self) -> None:
+        """:class:`JournalGap` naming the first problem, if there is one, and the way out."""
+        if self.problems:
+            more = f" (and {len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
+            raise JournalGap(
+                f"{self.problems[0]}{more}; a restore told to accept_journal_loss goes on "
+                "without what does not continue the snapshot"
+            )
+
+
+def read_journal(directory: Path, run_id: str, *, head_optional: bool = False) -> JournalRead:
+    """Every record of the run's journal under ``directory``, in order (nothing is changed on
+    disk). Reading a segment stops at its first torn or corrupt record, reported with the
+    segment, the offset and the record's id. Where a segment stopped or ended before the next
+    one starts, only a segment a *restore* opened may follow: it starts with the restore's
+    RESTART record, and that restore read the journal up to that point, so what lies between
+    was never part of the run's history (a torn tail, or records its snapshot covered).
+    Anything else (a gap, a segment of another run or journal, a file named like a segment
+    that is not one, a newest segment ``HEAD`` names and the folder lacks) is a problem
+    (:attr:`JournalRead.problems`): reading never skips over it to go on with later records.
+    :class:`JournalCorrupt` only when ``directory`` is not a folder at all. ``head_optional``:
+    segments fetched from a mirror, with no ``HEAD`` of their own to check them against."""
     read = JournalRead()
-    expected: int | None = None
-    stopped: tuple[Stop, Path] | None = None
-    for path in sorted(directory.glob(f"*{SUFFIX}")):
-        data = path.read_bytes()
-        header = decode_header(data, str(path))
-        if header.run_id != run_id:
-            raise JournalCorrupt(f"{path}: a segment of run {header.run_id!r}, not {run_id!r}")
-        decoded = decode_records(data, header, str(path))
-        follows = expected is None or (header.first_id == expected and stopped is None)
-        if not follows and not _opened_by_restore(decoded, header.first_id, expected):
-            raise _not_following(path, header.first_id, expected, stopped)
-        read.segments.append(Segment(path, header.first_id))
-        read.records += decoded.records
-        if decoded.records or expected is None:
-            expected = header.first_id + len(decoded.records)
-            stopped = (decoded.stop, path) if decoded.stop is not None else None
-    if stopped is not None:
-        read.stop, read.stopped_in = stopped
+    if not os.path.lexists(directory):
+        read.exists = False
+        return read
+    if directory.is_symlink() or not directory.is_dir():
+        raise JournalCorrupt(f"{directory}: the journal's place holds something not a folder")
+    segments, strays = list_segments(directory)
+    read.problems += [f"{path}: named like a journal segment, and is not one" for path in strays]
+    read.unusable += strays
+    _Reader(read, run_id).read_all(segments)
+    _check_head(directory, read, segments, head_optional)
     return read
+
+
+class _Reader:
+    """Reads segments in order into a :class:`JournalRead`."""
+
+    def __init__(self, read: JournalRead, run_id: str) -> None:
+        self.read = read
+        self.run_id = run_id
+        self.expected: int | None = None  # the id the next record must have
+        self.stopped = False  # the last segment read ended at a stop (or before its end)
+
+    def read_all(self, segments: list[tuple[int, Path]]) -> None:
+        for first_id, path in segments:
+            self.read.highest_id = max(self.read.highest_id, first_id)
+            if self.read.problems:  # nothing after a problem is this journal's history
+                self.read.unusable.append(path)
+                continue
+            problem = self._segment(first_id, path)
+            if problem is not None:
+                self.read.problems.append(problem)
+                self.read.unusable.append(path)
+
+    def _segment(self, first_id: int, path: Path) -> str | None:
+        """Reads one segment; the problem that makes it unusable, if any."""
+        try:
+            data = read_regular(path)
+            header = decode_header(data, str(path))
+        except OSError as exc:
+            return f"{path}: unreadable ({exc})"
+        except JournalCorrupt as exc:
+            return str(exc)
+        if header.run_id != self.run_id:
+            return f"{path}: a segment of run {header.run_id!r}, not {self.run_id!r}"
+        if header.first_id != first_id:
+            return f"{path}: its header says it starts at record {header.first_id}"
+        if (problem := self._identity(path, header.journal_id)) is not None:
+            return problem
+        decoded = decode_records(data, header, str(path))
+        if decoded.records:
+            self.read.highest_id = max(self.read.highest_id, decoded.records[-1].id)
+        follows = self.expected is None or (first_id == self.expected and not self.stopped)
+        if not follows and not _opened_by_restore(decoded, first_id, self.expected):
+            return _not_following(path, first_id, self.expected, self.read.stops)
+        self._take(path, first_id, decoded)
+        return None
+
+    def _identity(self, path: Path, journal_id: str | None) -> str | None:
+        known = self.read.journal_id
+        if journal_id is None and known is not None:
+            return f"{path}: an earlier rollsafe's segment after segments of journal {known}"
+        if known is not None and journal_id != known:
+            return f"{path}: a segment of journal {journal_id}, not {known}"
+        self.read.journal_id = journal_id
+        return None
+
+    def _take(self, path: Path, first_id: int, decoded: Decoded) -> None:
+        read = self.read
+        read.segments.append(Segment(path, first_id))
+        read.records += decoded.records
+        if not decoded.records and decoded.stop is None and self.expected is not None:
+            return  # only a header (a crashed restore's, or the open one): nothing changes
+        if read.stops and self.stopped:  # a restore went on after the stop before it
+            read.stops[-1] = dataclasses.replace(read.stops[-1], superseded=True)
+        self.expected = first_id + len(decoded.records)
+        self.stopped = decoded.stop is not None
+        if decoded.stop is not None:
+            read.stops.append(JournalStop(path, decoded.stop))
 
 
 def _opened_by_restore(decoded: Decoded, first_id: int, expected: int | None) -> bool:
@@ -267,15 +411,43 @@ def _opened_by_restore(decoded: Decoded, first_id: int, expected: int | None) ->
 
 
 def _not_following(
-    path: Path, first_id: int, expected: int | None, stopped: tuple[Stop, Path] | None
-) -> JournalCorrupt:
-    if stopped is not None:
-        stop, where = stopped
-        return JournalCorrupt(
-            f"{where}: {stop.reason} record at offset {stop.offset} ({stop.detail}), and "
-            f"{path.name} holds later records (from {first_id}): reading never skips a bad "
-            "record"
+    path: Path, first_id: int, expected: int | None, stops: list[JournalStop]
+) -> str:
+    if stops and not stops[-1].superseded:
+        return (
+            f"{stops[-1].describe()}, and {path.name} holds later records (from {first_id}): "
+            "reading never skips a bad record"
         )
-    return JournalCorrupt(
-        f"{path}: starts at record {first_id}, the segment before it ends at {(expected or 0) - 1}"
+    before = (expected or 0) - 1
+    return (
+        f"{path}: starts at record {first_id}, the segment before it ends at {before} "
+        f"(records {before + 1}..{first_id - 1} missing)"
     )
+
+
+def _check_head(
+    directory: Path, read: JournalRead, segments: list[tuple[int, Path]], optional: bool
+) -> None:
+    """The newest segment ``HEAD`` names is there (or its draft: a crash between naming it and
+    renaming it), and ``HEAD`` is this journal's."""
+    try:
+        head = read_head(directory)
+    except JournalCorrupt as exc:
+        read.problems.append(str(exc))
+        return
+    if head is None:
+        if read.journal_id is not None and not optional:  # an earlier rollsafe's have none
+            read.problems.append(
+                f"{directory / HEAD_NAME}: missing: whether newer segments existed is unknown"
+            )
+        return
+    read.highest_id = max(read.highest_id, head.newest)
+    if read.journal_id is not None and head.journal_id != read.journal_id:
+        read.problems.append(
+            f"{directory / HEAD_NAME}: names journal {head.journal_id}, the segments are of "
+            f"journal {read.journal_id}"
+        )
+    name = segment_name(head.newest)
+    drafted = os.path.lexists(directory / (name + DRAFT_SUFFIX))
+    if head.newest not in {first for first, _ in segments} and not drafted:
+        read.problems.append(f"{directory / name}: missing: the newest segment (named by HEAD)")

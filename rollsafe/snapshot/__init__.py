@@ -1,4 +1,4 @@
-"""The on-disk snapshot format (schema version 1): drafts, atomic publish, select, retention.
+"""The on-disk snapshot format (schema version 2): drafts, atomic publish, select, retention.
 
 See docs/design.md sections 3 (invariant 7), 5 ("publish"), 6 ("select") and 10.
 """
@@ -11,6 +11,7 @@ from rollsafe.snapshot.manifest import (
     LatestPointer,
     SnapshotKind,
     SnapshotManifest,
+    canonical_sha256,
     parse_latest,
     parse_manifest,
     validate_relpath,
@@ -43,6 +44,7 @@ __all__ = [
     "SnapshotStore",
     "accept_at_or_below",
     "accept_weight_versions",
+    "canonical_sha256",
     "parse_latest",
     "parse_manifest",
     "validate_relpath",

@@ -117,13 +117,6 @@ def hash_file(path: Path, *, sync: bool = False) -> FileEntry:
     return FileEntry(sha256=digest.hexdigest(), bytes=size)
 
 
-def read_regular(path: Path) -> bytes:
-    """Whole content of a regular file, refusing symlinks."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as handle:
-        return handle.read()
-
-
 def write_new_synced(path: Path, data: bytes) -> None:
     """Create ``path`` (it must not exist) holding ``data``, fsynced before returning."""
     with open(path, "xb") as handle:
@@ -134,7 +127,7 @@ def write_new_synced(path: Path, data: bytes) -> None:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data``: write a temp sibling, fsync, rename, fsync the dir."""
-    temp = path.with_name(f"{LATEST_TMP_PREFIX}{token()}")
+    temp = path.with_name(f".{path.name}.tmp-{token()}")  # LATEST's: LATEST_TMP_PREFIX
     try:
         write_new_synced(temp, data)
         os.replace(temp, path)

@@ -166,13 +166,15 @@ class SnapshotDraft:
         anchor_step: int | None = None,
         counts: Mapping[str, int] | None = None,
         anchors: Collection[int] = (),
+        journal_id: str | None = None,
     ) -> PublishedSnapshot:
         """Write the manifest last and atomically make the snapshot visible (see
         :meth:`SnapshotStore.publish_draft` for the steps, the idempotent re-publish, and
-        retention's ``anchors``)."""
+        retention's ``anchors``). ``journal_id``: the run's journal, whose records up to
+        ``counts["journal_position"]`` the snapshot covers."""
         self._check_open()
         self._check_complete()
-        manifest = self._manifest(weight_version, loader_position, anchor_step, counts)
+        manifest = self._manifest(weight_version, loader_position, anchor_step, counts, journal_id)
         return self._store.publish_draft(self, manifest, anchors)
 
     def discard(self) -> None:
@@ -266,6 +268,7 @@ class SnapshotDraft:
         loader_position: int,
         anchor_step: int | None,
         counts: Mapping[str, int] | None,
+        journal_id: str | None,
     ) -> SnapshotManifest:
         fields = {
             "run_id": self._store.run_id,
@@ -278,9 +281,10 @@ class SnapshotDraft:
             "files": dict(sorted(self._files.items())),
             "counts": dict(counts or {}),
             "created_at": time.time(),
+            "journal_id": journal_id,
         }
         try:
-            return SnapshotManifest.model_validate(fields, strict=True)
+            return SnapshotManifest.model_validate(fields, strict=True).sealed()
         except ValidationError as exc:
             errors = describe_errors(exc.errors(include_url=False))
             raise InvalidInput(f"invalid snapshot metadata: {errors}") from None

@@ -1,21 +1,29 @@
-"""The snapshot manifest and the ``LATEST`` pointer, schema version 1 (docs/design.md section 10).
+"""The snapshot manifest (schema version 2) and the ``LATEST`` pointer (docs/snapshot-format.md).
 
-A manifest is the last file written into a snapshot and the only one trusted without a digest:
-it lists every other file with its sha256 and size. Parsing is strict so that a snapshot
-written by a newer rollsafe, or edited by hand, is refused with a message that names what is
-unknown instead of being half-understood:
+A manifest is the last file written into a snapshot: it lists every other file with its sha256
+and size, and carries its own ``digest``, the sha256 of the canonical JSON of every other field
+(:func:`canonical_sha256`), so that no field that steers a restore (the journal position it
+covers, the loader position, the counts) can change without the manifest being refused.
+Parsing is strict so that a snapshot written by a newer rollsafe, or edited by hand, is refused
+with a message that names what is unknown instead of being half-understood:
 
-- ``schema_version`` is checked before anything else, so a version-2 manifest carrying new
-  fields reports "unknown schema version 2" rather than a list of unknown fields;
+- ``schema_version`` is checked before anything else, so a version-3 manifest carrying new
+  fields reports "unknown schema version 3" rather than a list of unknown fields;
 - unknown fields, missing fields and values of the wrong JSON type are refused, by name;
-- every listed path must be a plain relative POSIX path inside the snapshot.
+- every listed path must be a plain relative POSIX path inside the snapshot;
+- a digest that does not match the fields is refused (SnapshotCorrupt: damaged or edited).
+
+Schema version 1 (an earlier rollsafe's) is still read: it has neither ``digest`` nor
+``journal_id``, so its fields are trusted as they are, as they were.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Mapping
 from enum import StrEnum
-from typing import Annotated, Final, Literal, TypeVar
+from typing import Annotated, Any, Final, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -24,16 +32,24 @@ from pydantic import (
     Field,
     NonNegativeInt,
     ValidationError,
+    model_validator,
 )
 from pydantic_core import ErrorDetails
 
 from rollsafe.core.ids import RUN_ID_PATTERN
 from rollsafe.errors import InvalidInput, SchemaMismatch, SnapshotCorrupt
+from rollsafe.snapshot.bounded import parse_json
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
+SCHEMA_VERSIONS: Final = (1, 2)  # read; 1 is an earlier rollsafe's
 LATEST_VERSION: Final = 1
 MANIFEST_NAME = "manifest.json"
+# Larger files are refused unread: a manifest lists a snapshot's files (tens to thousands of
+# lines), a LATEST pointer is a few hundred bytes.
+MANIFEST_MAX_BYTES: Final = 64 << 20
+LATEST_MAX_BYTES: Final = 64 << 10
 _SHA256 = r"^[0-9a-f]{64}$"
+JOURNAL_ID_PATTERN: Final = r"^[0-9a-f]{32}$"
 _M = TypeVar("_M", bound=BaseModel)
 
 
@@ -95,7 +111,7 @@ class SnapshotManifest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1, 2] = SCHEMA_VERSION
     run_id: RunId
     checkpoint_id: CheckpointId
     seq: NonNegativeInt
@@ -108,6 +124,35 @@ class SnapshotManifest(BaseModel):
     files: dict[RelPath, FileEntry] = Field(description="every file except manifest.json")
     counts: dict[str, int] = Field(default_factory=dict)
     created_at: float = Field(description="seconds since the epoch when publish began")
+    journal_id: str | None = Field(
+        default=None,
+        pattern=JOURNAL_ID_PATTERN,
+        description="the run's journal (its segments carry the same id); None: journal off",
+    )
+    digest: str | None = Field(
+        default=None,
+        pattern=_SHA256,
+        description="sha256 of every other field (schema 2: required on disk; sealed())",
+    )
+
+    @model_validator(mode="after")
+    def _fields_of_its_version(self) -> SnapshotManifest:
+        if self.schema_version == 1 and (self.journal_id, self.digest) != (None, None):
+            raise ValueError("journal_id and digest are fields of schema_version 2, not 1")
+        return self
+
+    def sealed(self) -> SnapshotManifest:
+        """This manifest at the current schema version, with the digest of its fields."""
+        body = self.model_copy(update={"schema_version": SCHEMA_VERSION, "digest": None})
+        fields = body.model_dump(mode="json", exclude={"digest"})
+        return body.model_copy(update={"digest": canonical_sha256(fields)})
+
+
+def canonical_sha256(fields: Mapping[str, Any]) -> str:
+    """sha256 of ``fields`` as canonical JSON (sorted keys, no spaces): the same fields give
+    the same digest whichever program wrote them and in which order."""
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class LatestPointer(BaseModel):
@@ -132,8 +177,16 @@ class LatestPointer(BaseModel):
 def parse_manifest(data: bytes, source: str, run_id: str | None = None) -> SnapshotManifest:
     """Parse manifest bytes; raise SchemaMismatch / SnapshotCorrupt naming ``source``."""
     raw = _json_object(data, source)
-    _check_version(raw, "schema_version", SCHEMA_VERSION, source)
+    _check_version(raw, "schema_version", SCHEMA_VERSIONS, source)
     manifest = _validate(SnapshotManifest, data, source)
+    if manifest.schema_version >= 2:
+        if manifest.digest is None:
+            raise SnapshotCorrupt(f"{source}: missing field 'digest'")
+        fields = {name: value for name, value in raw.items() if name != "digest"}
+        if canonical_sha256(fields) != manifest.digest:
+            raise SnapshotCorrupt(
+                f"{source}: its digest does not match its fields (edited or damaged)"
+            )
     if run_id is not None and manifest.run_id != run_id:
         raise SnapshotCorrupt(
             f"{source}: belongs to run {manifest.run_id!r}, expected run {run_id!r}"
@@ -143,29 +196,32 @@ def parse_manifest(data: bytes, source: str, run_id: str | None = None) -> Snaps
 
 def parse_latest(data: bytes, source: str) -> LatestPointer:
     raw = _json_object(data, source)
-    _check_version(raw, "pointer_version", LATEST_VERSION, source)
+    _check_version(raw, "pointer_version", (LATEST_VERSION,), source)
     return _validate(LatestPointer, data, source)
 
 
 def _json_object(data: bytes, source: str) -> dict[str, object]:
     try:
-        raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raw = parse_json(data)
+    except ValueError as exc:
         raise SnapshotCorrupt(f"{source}: not valid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise SnapshotCorrupt(f"{source}: expected a JSON object, got {type(raw).__name__}")
     return raw
 
 
-def _check_version(raw: dict[str, object], field: str, supported: int, source: str) -> None:
+def _check_version(
+    raw: dict[str, object], field: str, supported: tuple[int, ...], source: str
+) -> None:
     # Checked on the raw object, before the model: a newer writer's new fields would
     # otherwise be reported as "unknown fields" and hide the real cause.
     if field not in raw:
         raise SnapshotCorrupt(f"{source}: missing field {field!r}")
     version = raw[field]
-    if type(version) is not int or version != supported:
+    if type(version) is not int or version not in supported:
+        readable = " and ".join(map(str, supported))
         raise SchemaMismatch(
-            f"{source}: unknown {field} {version!r}; this rollsafe reads version {supported}"
+            f"{source}: unknown {field} {version!r}; this rollsafe reads version {readable}"
         )
 
 

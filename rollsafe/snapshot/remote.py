@@ -37,6 +37,7 @@ from rollsafe.errors import InvalidInput, NoValidSnapshot, SchemaMismatch, Snaps
 from rollsafe.snapshot import _fs
 from rollsafe.snapshot import _objects as objects
 from rollsafe.snapshot import _pointers as pointers
+from rollsafe.snapshot.bounded import read_regular
 from rollsafe.snapshot.draft import SnapshotDraft
 from rollsafe.snapshot.manifest import (
     MANIFEST_NAME,
@@ -308,7 +309,7 @@ class RemoteSnapshotStore(SnapshotStore):
             self._hit("before_manifest")
             digest = draft.write_manifest(manifest)
             self._hit("before_rename")
-            data = _fs.read_regular(draft.path / MANIFEST_NAME)
+            data = read_regular(draft.path / MANIFEST_NAME)
             won = objects.create_exclusive(self.fs, self._manifest_path(name), data)
         except BaseException:
             draft.unwrite_manifest()

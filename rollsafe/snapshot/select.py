@@ -31,10 +31,12 @@ from rollsafe.snapshot._fs import (
     hash_file,
     locked_dir,
     parse_dir_name,
-    read_regular,
     scan_tree,
 )
+from rollsafe.snapshot.bounded import read_regular
 from rollsafe.snapshot.manifest import (
+    LATEST_MAX_BYTES,
+    MANIFEST_MAX_BYTES,
     MANIFEST_NAME,
     LatestPointer,
     SnapshotKind,
@@ -95,7 +97,7 @@ class SnapshotReader:
             raise InvalidInput(f"{relpath!r} is not a file of snapshot {self.name}")
         source = f"{self.name}/{relpath}"
         try:
-            data = read_regular(self.path / relpath)
+            data = read_regular(self.path / relpath, limit=entry.bytes)
         except OSError as exc:
             raise ContentMismatch(f"{source}: unreadable ({exc})") from None
         if len(data) != entry.bytes:
@@ -166,7 +168,7 @@ def _verify(path: Path, run_id: str, *, contents: bool = True) -> tuple[Snapshot
 def load_manifest(path: Path, run_id: str) -> tuple[SnapshotManifest, str]:
     """Parse ``path/manifest.json`` (errors name it relative to the snapshot)."""
     try:
-        data = read_regular(path / MANIFEST_NAME)
+        data = read_regular(path / MANIFEST_NAME, limit=MANIFEST_MAX_BYTES)
     except FileNotFoundError:
         raise SnapshotCorrupt(f"no {MANIFEST_NAME} (never published, or damaged)") from None
     except OSError as exc:
@@ -305,7 +307,7 @@ def _latest_reasons(
 def read_latest(run_dir: Path) -> LatestPointer | None:
     """The parsed ``LATEST`` pointer, None when there is none; SnapshotCorrupt if unreadable."""
     try:
-        data = read_regular(run_dir / LATEST_NAME)
+        data = read_regular(run_dir / LATEST_NAME, limit=LATEST_MAX_BYTES)
     except FileNotFoundError:
         return None
     except OSError as exc:

@@ -23,6 +23,7 @@ from typing import BinaryIO, NamedTuple
 import numpy as np
 
 from rollsafe.errors import SnapshotCorrupt
+from rollsafe.snapshot.bounded import parse_json
 
 # safetensors dtype names <-> numpy dtypes (only the ones rollsafe writes).
 _DTYPES: dict[str, np.dtype[np.generic]] = {
@@ -153,8 +154,8 @@ def read_tensors(
     if header_len > _MAX_HEADER or 8 + header_len > len(view):
         raise SnapshotCorrupt(f"{source}: truncated or invalid header length {header_len}")
     try:
-        header = json.loads(bytes(view[8 : 8 + header_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        header = parse_json(bytes(view[8 : 8 + header_len]))
+    except ValueError as exc:
         raise SnapshotCorrupt(f"{source}: unreadable header ({exc})") from None
     if not isinstance(header, dict):
         raise SnapshotCorrupt(f"{source}: header is not an object")

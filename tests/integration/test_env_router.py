@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -100,6 +101,11 @@ async def _phase_is(client: httpx.AsyncClient, phase: str) -> bool:
     return (await status(client))["phase"] == phase
 
 
+def later() -> float:
+    """A deadline no test here reaches, within the lease cap (MAX_LEASE_S)."""
+    return time.time() + 600
+
+
 def body(model: BaseModel) -> str:
     return model.model_dump_json()
 
@@ -112,7 +118,7 @@ async def test_full_checkpoint_over_http(tmp_path: Path) -> None:
             http.post(wire.EPISODES_RUN, content=body(RunEpisode(episode=A)), headers=AUTH)
         )
         await eventually_async(lambda: env.turns.get(A.key) == 1, what="A done its first turn")
-        ck = wire.PrepareRequest(checkpoint_id="ck1", deadline_ts=2e9)
+        ck = wire.PrepareRequest(checkpoint_id="ck1", deadline_ts=later())
         prepare = asyncio.ensure_future(http.post(f"{P}/prepare", content=body(ck), headers=AUTH))
         # Admission closes with ck1 open: only then may A go on (or it would run to its end).
         await eventually_async(
@@ -148,7 +154,7 @@ async def test_full_checkpoint_over_http(tmp_path: Path) -> None:
 
 async def test_wrong_token_changes_nothing(tmp_path: Path) -> None:
     valid = {
-        f"{P}/prepare": wire.PrepareRequest(checkpoint_id="ck1", deadline_ts=2e9),
+        f"{P}/prepare": wire.PrepareRequest(checkpoint_id="ck1", deadline_ts=later()),
         f"{P}/retire": wire.RetireRequest(rollouts=(A,)),
         f"{P}/resume": wire.ResumeRequest(checkpoint_id="ck1"),
         wire.EPISODES_RUN: RunEpisode(episode=A),
@@ -178,7 +184,7 @@ async def test_commit_and_restore_naming_a_path_outside_the_snapshot_root_are_re
     (root / "escape").symlink_to(outside, target_is_directory=True)
     part = Participant("gated-0", Gated(), snapshot_root=root)
     async with serving(part) as http:
-        ck = wire.PrepareRequest(checkpoint_id="ck1", deadline_ts=2e9)
+        ck = wire.PrepareRequest(checkpoint_id="ck1", deadline_ts=later())
         assert (await http.post(f"{P}/prepare", content=body(ck), headers=AUTH)).is_success
         for dest in (outside, root / "escape" / "envs", root / ".." / "elsewhere"):
             commit = wire.CommitRequest(checkpoint_id="ck1", scope=(), dest=str(dest))
@@ -195,7 +201,7 @@ async def test_commit_and_restore_naming_a_path_outside_the_snapshot_root_are_re
             source_checkpoint_id="ck1",
             root=str(outside),
             scope=(),
-            deadline_ts=2e9,
+            deadline_ts=later(),
         )
         refused = await http.post(f"{P}/restore", content=body(restore), headers=AUTH)
         assert refused.status_code == 422 and (await status(http))["phase"] == "idle"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -101,7 +102,7 @@ def engine_bodies() -> dict[tuple[str, str], bytes]:
 def env_bodies(dest: Path) -> dict[tuple[str, str], bytes]:
     """A body for each environment endpoint that, with the token, would change the instance."""
     routes = guarded_routes(participant_app(Participant("x", None), "t"), set())  # type: ignore[arg-type]
-    ck, deadline = "tok-ck1", 2e9
+    ck, deadline = "tok-ck1", time.time() + 600  # within the lease cap (MAX_LEASE_S)
     models: dict[str, Any] = {
         "status": None,
         "prepare": wire.PrepareRequest(checkpoint_id=ck, deadline_ts=deadline),

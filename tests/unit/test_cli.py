@@ -624,8 +624,8 @@ class FakeCheckpointer:
             raise self.error
         return self.outcome
 
-    async def restore(self, restore_id, weight_versions=None):
-        self.asked.append(("restore", restore_id, weight_versions))
+    async def restore(self, restore_id, weight_versions=None, *, accept_journal_loss=False):
+        self.asked.append(("restore", restore_id, weight_versions, accept_journal_loss))
         return self.plan
 
 
@@ -702,9 +702,10 @@ def test_restore_passes_its_id_and_weight_versions_and_prints_the_plan(checkpoin
     result = invoke(*args, "--json")
     assert result.exit_code == 0, result.output
     assert RestorePlan.model_validate_json(result.stdout) == checkpointer.plan
-    assert checkpointer.asked == [("restore", "r1", [7, 9])]
-    text = invoke("restore", RUN)  # a fresh id, printed so a retry can reuse it
-    (_, minted, _) = checkpointer.asked[-1]
+    assert checkpointer.asked == [("restore", "r1", [7, 9], False)]
+    text = invoke("restore", RUN, "--accept-journal-loss")  # a fresh id, printed for a retry
+    (_, minted, _, accepted) = checkpointer.asked[-1]
+    assert accepted
     assert minted.startswith("cli-") and f"restore id {minted}" in text.stdout
     assert "00000005-rollout refused: not accepted: weight version 9" in text.stdout
 

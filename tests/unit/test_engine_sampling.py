@@ -97,17 +97,19 @@ def test_sample_rows_is_sample_on_every_row_bit_for_bit() -> None:
         scale = rng.choice([0.01, 1.0, 5.0])
         logits = (rng.standard_normal((rows, vocab)) * scale).astype(np.float32)
         allowed = rng.random((rows, vocab)) < 0.5 if rng.random() < 0.3 else None
+        if allowed is not None and not allowed.any(axis=1).all():
+            continue  # a row with nothing allowed cannot be sampled (nor asked for)
         params = [
             SamplingParams(
                 seed=int(rng.integers(0, 2**63)),
                 temperature=float(rng.choice([0.0, 0.5, 1.0, 1.7])),
                 top_p=float(rng.choice([1.0, 0.9, 0.3, 0.01])),
-                allowed_token_ids=None if allowed is None else tuple(np.flatnonzero(allowed[i])),
+                allowed_token_ids=None
+                if allowed is None
+                else tuple(np.flatnonzero(allowed[i]).tolist()),
             )
             for i in range(rows)
         ]
-        if allowed is not None and not allowed.any(axis=1).all():
-            continue  # a row with nothing allowed cannot be sampled
         positions = rng.integers(0, 10_000, rows)
         seeds = torch.tensor([p.seed for p in params])
         want_u = np.stack(

@@ -3,6 +3,9 @@ corrupt record, saying where and why; a header that is not this format's is refu
 
 from __future__ import annotations
 
+import struct
+import zlib
+
 import numpy as np
 import pytest
 
@@ -17,6 +20,7 @@ from rollsafe.journal.format import (
 )
 
 RUN = "journal-run"
+JOURNAL = "5e" * 16
 ROW = {
     "tokens": np.arange(7, dtype=np.int32),
     "logprobs": np.linspace(-1, 0, 7, dtype=np.float32),
@@ -35,7 +39,7 @@ def records(first: int = 10) -> list[Record]:
 
 def segment(first: int = 10) -> tuple[bytes, list[int]]:
     """A segment's bytes and where each record's frame starts."""
-    data, starts = encode_header(RUN, first), []
+    data, starts = encode_header(RUN, first, JOURNAL), []
     for record in records(first):
         starts.append(len(data))
         data += encode_record(record)
@@ -45,7 +49,7 @@ def segment(first: int = 10) -> tuple[bytes, list[int]]:
 def test_records_round_trip_rows_included() -> None:
     data, _ = segment()
     header = decode_header(data, "seg")
-    assert (header.run_id, header.first_id) == (RUN, 10)
+    assert (header.run_id, header.first_id, header.journal_id) == (RUN, 10, JOURNAL)
     decoded = decode_records(data, header, "seg")
     assert decoded.stop is None and decoded.end == len(data)
     assert [(r.id, r.kind, r.meta) for r in decoded.records] == [
@@ -83,7 +87,8 @@ def test_a_flipped_byte_stops_reading_at_that_record_and_nothing_after_is_applie
 
 
 def test_a_record_out_of_sequence_is_corrupt() -> None:
-    data = encode_header(RUN, 5) + encode_record(Record(6, RecordKind.EVICT, {"groups": [3]}))
+    record = Record(6, RecordKind.EVICT, {"groups": [3]})
+    data = encode_header(RUN, 5, JOURNAL) + encode_record(record)
     decoded = decode_records(data, decode_header(data, "seg"), "seg")
     assert decoded.stop is not None and "record id 6 where 5 is next" in decoded.stop.detail
     assert decoded.records == []
@@ -96,6 +101,7 @@ def test_a_record_out_of_sequence_is_corrupt() -> None:
         (lambda d: d[:8] + b"\x09\x00" + d[10:], "format version 9"),
         (lambda d: d[:12] + b"X" + d[13:], "header checksum does not match"),
         (lambda d: d[:10], "too short"),
+        (lambda d: d[:8] + b"\x03\x00" + d[10:], r"format version 3; this rollsafe reads \(1, 2\)"),
     ],
 )
 def test_a_header_that_is_not_this_formats_is_refused_by_name(mangle, named: str) -> None:
@@ -112,4 +118,32 @@ def test_what_cannot_be_written_is_refused_before_anything_is() -> None:
     with pytest.raises(InvalidInput, match="a row goes with a seal"):
         encode_record(Record(0, RecordKind.CLAIM, {"groups": [0]}, ROW))
     with pytest.raises(InvalidInput, match="run id"):
-        encode_header("bad run id!", 0)
+        encode_header("bad run id!", 0, JOURNAL)
+
+
+def test_an_earlier_rollsafes_header_without_a_journal_id_is_still_read() -> None:
+    name = RUN.encode()
+    head = struct.pack("<8sHH", b"RSJOURNL", 1, len(name)) + name + struct.pack("<Q", 10)
+    data = head + struct.pack("<I", zlib.crc32(head))
+    for record in records(10):
+        data += encode_record(record)
+    header = decode_header(data, "v1")
+    assert (header.run_id, header.first_id, header.journal_id) == (RUN, 10, None)
+    assert [r.id for r in decode_records(data, header, "v1").records] == [10, 11, 12, 13]
+
+
+def test_a_run_id_that_is_not_utf8_is_refused_by_name_not_a_decode_error() -> None:
+    name = b"\xff\xfe-run"
+    head = struct.pack("<8sHH", b"RSJOURNL", 2, len(name)) + name + bytes(16)
+    head += struct.pack("<Q", 1)
+    with pytest.raises(JournalCorrupt, match="seg-9: the header's run id is not UTF-8"):
+        decode_header(head + struct.pack("<I", zlib.crc32(head)), "seg-9")
+
+
+def test_metadata_nested_thousands_deep_is_a_stop_not_a_recursion_error() -> None:
+    deep = b"[" * 5000 + b"]" * 5000
+    body = struct.pack("<QBI", 10, int(RecordKind.HANDOUT), len(deep)) + deep
+    data = encode_header(RUN, 10, JOURNAL) + struct.pack("<II", len(body), zlib.crc32(body))
+    decoded = decode_records(data + body, decode_header(data, "seg"), "seg")
+    assert decoded.stop is not None and decoded.stop.reason == "corrupt"
+    assert "recursion limit" in decoded.stop.detail and decoded.stop.record == 10

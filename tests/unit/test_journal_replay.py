@@ -21,9 +21,9 @@ from rollsafe.core.phases import RestoreRequest
 from rollsafe.core.run_state import ROLLOUT_PARTITION, EnvironmentsRestored, RunState
 from rollsafe.core.states import AttemptState, GroupState
 from rollsafe.dataplane import make_dataplane
-from rollsafe.errors import JournalCorrupt, LedgerInvariantViolation, NoValidSnapshot
+from rollsafe.errors import JournalCorrupt, JournalGap, LedgerInvariantViolation, NoValidSnapshot
 from rollsafe.evidence.scenario import row_content
-from rollsafe.journal.format import RecordKind, encode_header
+from rollsafe.journal.format import RecordKind, encode_header, new_journal_id
 from rollsafe.journal.run import JOURNAL_DIR, RunJournal
 from rollsafe.journal.segments import SUFFIX, read_journal, segment_name
 from rollsafe.snapshot import SnapshotStore
@@ -244,7 +244,7 @@ def test_a_segment_of_another_run_is_refused_and_the_fence_stays_up(tmp_path):
     run = busy_after_a_checkpoint(tmp_path)
     run.crash()
     stranger = run.directory / segment_name(10_000)
-    stranger.write_bytes(encode_header("other-run", 10_000))
+    stranger.write_bytes(encode_header("other-run", 10_000, new_journal_id()))
     listing = sorted((p.name, p.read_bytes()) for p in run.directory.iterdir())
     controller = Controller(config(), tmp_path)
     assert controller.status().awaiting_restore
@@ -265,13 +265,13 @@ def test_a_journal_that_does_not_continue_the_snapshot_is_refused(tmp_path):
     last = segments[-1]
     first = int(last.name.removesuffix(SUFFIX))
     data = last.read_bytes()
-    records = read_journal(run.directory, RUN).records
-    assert records[-1].id >= first
+    read = read_journal(run.directory, RUN)
+    assert read.records[-1].id >= first and read.journal_id is not None
     moved = run.directory / segment_name(first + 3)
-    header_len = len(encode_header(RUN, first))
-    moved.write_bytes(encode_header(RUN, first + 3) + data[header_len:])
+    header_len = len(encode_header(RUN, first, read.journal_id))
+    moved.write_bytes(encode_header(RUN, first + 3, read.journal_id) + data[header_len:])
     last.unlink()
-    with pytest.raises(JournalCorrupt):
+    with pytest.raises(JournalGap, match=rf"starts at record {first + 3}"):
         run.restore()
 
 

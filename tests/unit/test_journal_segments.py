@@ -3,17 +3,19 @@ segments, and what a reader refuses."""
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from rollsafe.errors import InvalidInput, JournalCorrupt
-from rollsafe.journal.format import RecordKind
+from rollsafe.errors import InvalidInput, JournalCorrupt, JournalGap
+from rollsafe.journal.format import RecordKind, encode_header
 from rollsafe.journal.segments import JournalWriter, read_journal, segment_name
 
 RUN = "seg-run"
+JOURNAL = "ab" * 16
 
 
 class CountingSync:
@@ -26,7 +28,7 @@ class CountingSync:
 
 def test_a_batch_is_one_sync_and_every_record_reads_back_in_order(tmp_path: Path) -> None:
     sync = CountingSync()
-    writer = JournalWriter(tmp_path, RUN, 0, flush_ms=None, fsync=sync)
+    writer = JournalWriter(tmp_path, RUN, 0, JOURNAL, flush_ms=None, fsync=sync)
     after_create = sync.calls  # the header and the folder
     ids = [writer.append(RecordKind.HANDOUT, {"groups": [n]}) for n in range(100)]
     assert read_journal(tmp_path, RUN).records == []  # buffered: nothing written yet
@@ -38,7 +40,7 @@ def test_a_batch_is_one_sync_and_every_record_reads_back_in_order(tmp_path: Path
 
 
 def test_append_durable_returns_once_its_batch_is_written(tmp_path: Path) -> None:
-    writer = JournalWriter(tmp_path, RUN, 0, flush_ms=1.0)
+    writer = JournalWriter(tmp_path, RUN, 0, JOURNAL, flush_ms=1.0)
     row = {"tokens": np.arange(3, dtype=np.int32)}
     done: list[int] = []
     threads = [
@@ -60,27 +62,37 @@ def test_append_durable_returns_once_its_batch_is_written(tmp_path: Path) -> Non
     assert writer.flushes <= 8
 
 
-def test_segments_read_in_order_and_a_gap_between_them_is_refused(tmp_path: Path) -> None:
-    first = JournalWriter(tmp_path, RUN, 0, flush_ms=None)
+def test_segments_read_in_order_and_a_gap_between_them_is_a_problem(tmp_path: Path) -> None:
+    first = JournalWriter(tmp_path, RUN, 0, JOURNAL, flush_ms=None)
     first.append(RecordKind.HANDOUT, {"groups": [0]})
     first.close()
-    second = JournalWriter(tmp_path, RUN, 1, flush_ms=None)
+    second = JournalWriter(tmp_path, RUN, 1, JOURNAL, flush_ms=None)
     second.append(RecordKind.EVICT, {"groups": [0]})
     second.close()
-    assert [r.id for r in read_journal(tmp_path, RUN).records] == [0, 1]
+    read = read_journal(tmp_path, RUN)
+    assert [r.id for r in read.records] == [0, 1] and read.problems == []
     (tmp_path / segment_name(5)).write_bytes((tmp_path / segment_name(1)).read_bytes())
-    with pytest.raises(JournalCorrupt, match="starts at record 1, the segment before it ends"):
-        read_journal(tmp_path, RUN)
+    read = read_journal(tmp_path, RUN)
+    assert [r.id for r in read.records] == [0, 1]  # up to the problem, nothing after it
+    assert read.unusable == [tmp_path / segment_name(5)]
+    with pytest.raises(JournalGap, match="its header says it starts at record 1"):
+        read.refuse_problems()
 
 
-def test_a_segment_of_another_run_is_refused_by_name(tmp_path: Path) -> None:
-    JournalWriter(tmp_path, "other-run", 0, flush_ms=None).close()
-    with pytest.raises(JournalCorrupt, match="a segment of run 'other-run', not 'seg-run'"):
-        read_journal(tmp_path, RUN)
+def test_a_segment_of_another_run_or_journal_is_a_problem_named(tmp_path: Path) -> None:
+    JournalWriter(tmp_path, "other-run", 0, JOURNAL, flush_ms=None).close()
+    assert read_journal(tmp_path, RUN).problems == [
+        f"{tmp_path / segment_name(0)}: a segment of run 'other-run', not 'seg-run'"
+    ]
+    other = tmp_path / "other"
+    JournalWriter(other, RUN, 0, JOURNAL, flush_ms=None).close()
+    JournalWriter(other, RUN, 1, "cd" * 16, flush_ms=None).close()
+    problems = read_journal(other, RUN).problems
+    assert f"a segment of journal {'cd' * 16}, not {JOURNAL}" in problems[0]
 
 
 def test_a_torn_tail_stops_reading_and_changes_nothing(tmp_path: Path) -> None:
-    writer = JournalWriter(tmp_path, RUN, 0, flush_ms=None)
+    writer = JournalWriter(tmp_path, RUN, 0, JOURNAL, flush_ms=None)
     for n in range(3):
         writer.append(RecordKind.CLAIM, {"groups": [n], "step": n})
     writer.close()
@@ -89,59 +101,114 @@ def test_a_torn_tail_stops_reading_and_changes_nothing(tmp_path: Path) -> None:
     path.write_bytes(torn)
     read = read_journal(tmp_path, RUN)
     assert [r.id for r in read.records] == [0, 1] and read.stop is not None
-    assert (read.stop.reason, read.stopped_in) == ("torn", path)
+    assert (read.stop.reason, read.stop.record, read.stopped_in) == ("torn", 2, path)
     assert path.read_bytes() == torn
 
 
-def test_a_closed_writer_and_a_segment_with_records_are_refused(tmp_path: Path) -> None:
-    writer = JournalWriter(tmp_path, RUN, 0, flush_ms=None)
+def test_a_closed_writer_and_any_existing_segment_are_refused(tmp_path: Path) -> None:
+    writer = JournalWriter(tmp_path, RUN, 0, JOURNAL, flush_ms=None)
     writer.append(RecordKind.HANDOUT, {"groups": [0]})
     writer.close()
     writer.close()  # idempotent
     with pytest.raises(InvalidInput, match="closed"):
         writer.append(RecordKind.HANDOUT, {"groups": [1]})
-    with pytest.raises(InvalidInput, match="exists"):
-        JournalWriter(tmp_path, RUN, 0, flush_ms=None)
+    with pytest.raises(InvalidInput, match="exists: a segment is never replaced"):
+        JournalWriter(tmp_path, RUN, 0, JOURNAL, flush_ms=None)
     assert [r.id for r in read_journal(tmp_path, RUN).records] == [0]
 
 
-def test_a_segment_holding_no_whole_record_is_replaced(tmp_path: Path) -> None:
-    # A restore opened it and crashed before its first record was durable.
-    JournalWriter(tmp_path, RUN, 5, flush_ms=None).close()
-    (tmp_path / segment_name(5)).open("ab").write(b"\x07\x00")  # a torn frame
-    writer = JournalWriter(tmp_path, RUN, 5, flush_ms=None)
-    writer.append(RecordKind.RESTART, {"why": "restore"})
+def test_a_segment_whose_first_record_is_damaged_is_never_replaced(tmp_path: Path) -> None:
+    # Records 5-7, the first of them torn: nothing of the segment reads, all of it stays.
+    writer = JournalWriter(tmp_path, RUN, 5, JOURNAL, flush_ms=None)
+    for n in range(3):
+        writer.append(RecordKind.HANDOUT, {"groups": [n]})
     writer.close()
+    path = tmp_path / segment_name(5)
+    data = bytearray(path.read_bytes())
+    data[len(encode_header(RUN, 5, JOURNAL)) + 12] ^= 0xFF  # inside the first record
+    path.write_bytes(bytes(data))
     read = read_journal(tmp_path, RUN)
-    assert ([r.id for r in read.records], read.stop) == ([5], None)
+    assert read.records == [] and read.stop is not None and read.stop.record == 5
+    with pytest.raises(InvalidInput, match="never replaced"):
+        JournalWriter(tmp_path, RUN, 5, JOURNAL, flush_ms=None)
+    assert path.read_bytes() == bytes(data)
+    # A restore goes on above everything the folder holds: the stop stays reported.
+    restored = JournalWriter(tmp_path, RUN, read.highest_id + 1, JOURNAL, flush_ms=None)
+    restored.append(RecordKind.RESTART, {"why": "restore"})
+    restored.close()
+    again = read_journal(tmp_path, RUN)
+    assert [r.id for r in again.records] == [6] and again.stop is None
+    assert [(s.stop.record, s.superseded) for s in again.stops] == [(5, True)]
+    assert again.problems == [] and path.read_bytes() == bytes(data)
 
 
 def test_rotate_goes_on_in_a_new_segment_at_the_next_id(tmp_path: Path) -> None:
-    writer = JournalWriter(tmp_path, RUN, 1, flush_ms=None)
+    writer = JournalWriter(tmp_path, RUN, 1, JOURNAL, flush_ms=None)
     writer.append(RecordKind.HANDOUT, {"groups": [0]})
     writer.rotate()
     writer.append(RecordKind.HANDOUT, {"groups": [1]})
     writer.close()
     read = read_journal(tmp_path, RUN)
     assert [s.first_id for s in read.segments] == [1, 2]
-    assert [r.id for r in read.records] == [1, 2]
+    assert [r.id for r in read.records] == [1, 2] and read.problems == []
 
 
 def test_after_a_stop_only_a_segment_a_restore_opened_may_follow(tmp_path: Path) -> None:
-    first = JournalWriter(tmp_path, RUN, 1, flush_ms=None)
+    first = JournalWriter(tmp_path, RUN, 1, JOURNAL, flush_ms=None)
     for n in range(3):
         first.append(RecordKind.HANDOUT, {"groups": [n]})
     first.close()
     path = tmp_path / segment_name(1)
     path.write_bytes(path.read_bytes()[:-3])  # record 3 torn by a crash
-    later = JournalWriter(tmp_path, RUN, 3, flush_ms=None)
+    later = JournalWriter(tmp_path, RUN, 3, JOURNAL, flush_ms=None)
     later.append(RecordKind.HANDOUT, {"groups": [9]})  # not a restore's first record
     later.close()
-    with pytest.raises(JournalCorrupt, match=r"torn record at offset .* never skips"):
-        read_journal(tmp_path, RUN)
+    with pytest.raises(JournalGap, match=r"torn record 3 at offset .* never skips"):
+        read_journal(tmp_path, RUN).refuse_problems()
     (tmp_path / segment_name(3)).unlink()
-    restored = JournalWriter(tmp_path, RUN, 7, flush_ms=None)  # ids up to 6 a snapshot covered
+    restored = JournalWriter(tmp_path, RUN, 7, JOURNAL, flush_ms=None)  # ids up to 6 covered
     restored.append(RecordKind.RESTART, {"why": "restore"})
     restored.close()
     read = read_journal(tmp_path, RUN)
     assert [r.id for r in read.records] == [1, 2, 7] and read.stop is None
+    assert [(s.stop.record, s.superseded) for s in read.stops] == [(3, True)]
+
+
+def test_the_newest_segment_missing_is_named_by_head(tmp_path: Path) -> None:
+    writer = JournalWriter(tmp_path, RUN, 1, JOURNAL, flush_ms=None)
+    writer.append(RecordKind.HANDOUT, {"groups": [0]})
+    writer.rotate()
+    writer.append(RecordKind.HANDOUT, {"groups": [1]})
+    writer.close()
+    (tmp_path / segment_name(2)).unlink()
+    read = read_journal(tmp_path, RUN)
+    assert [r.id for r in read.records] == [1]
+    assert read.problems == [
+        f"{tmp_path / segment_name(2)}: missing: the newest segment (named by HEAD)"
+    ]
+    (tmp_path / "HEAD").unlink()
+    assert "HEAD: missing" in read_journal(tmp_path, RUN).problems[0]
+
+
+@pytest.mark.parametrize("what", ["a directory", "a FIFO", "a symbolic link"])
+def test_something_named_like_a_segment_that_is_no_file_is_a_problem_never_read(
+    tmp_path: Path, what: str
+) -> None:
+    JournalWriter(tmp_path, RUN, 1, JOURNAL, flush_ms=None).close()
+    odd = tmp_path / segment_name(2)
+    if what == "a directory":
+        odd.mkdir()
+    elif what == "a FIFO":
+        os.mkfifo(odd)  # a plain read would block for ever
+    else:
+        odd.symlink_to("/dev/zero")  # a plain read would never end
+    read = read_journal(tmp_path, RUN)
+    assert read.unusable == [odd] and str(odd) in read.problems[0]
+    assert ("symbolic link" if what == "a symbolic link" else what) in read.problems[0]
+
+
+def test_a_journal_folder_that_is_a_file_is_refused_by_name(tmp_path: Path) -> None:
+    place = tmp_path / "journal"
+    place.write_bytes(b"not a folder")
+    with pytest.raises(JournalCorrupt, match="journal's place holds something not a folder"):
+        read_journal(place, RUN)

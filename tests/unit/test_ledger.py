@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from rollsafe.core.columns import in_key_order
-from rollsafe.core.ledger import AttemptState, Ledger, RestoreLevel
+from rollsafe.core.ledger import AttemptState, Ledger, RestoreLevel, seal_digest
 from rollsafe.core.states import ATTEMPT_TRANSITIONS
 from rollsafe.errors import (
     IllegalTransition,
@@ -35,7 +35,11 @@ def test_dispatch_then_seal():
     assert episode.key == "run-7_g0"
     assert led.seal(7, 0, 0, digest("row")) is True
     assert led.state(7, 0) == A.SEALED
-    assert led.digest(7, 0) == digest("row")
+    assert led.digest(7, 0) == seal_digest(
+        "run", 7, 0, 0, RestoreLevel.SIBLING, None, digest("row")
+    )
+    assert led.sealed_row_matches(7, 0, digest("row"))
+    assert not led.sealed_row_matches(7, 0, digest("other row"))
     assert led.sealed(7) == [0] and led.unsealed(7) == [1]
 
 
@@ -55,7 +59,7 @@ def test_identical_seal_is_idempotent_and_different_seal_is_an_error():
     assert led.seal(7, 0, 0, digest("row")) is False
     with pytest.raises(SealConflict, match="run-7_g0"):
         led.seal(7, 0, 0, digest("other"))
-    assert led.digest(7, 0) == digest("row")
+    assert led.sealed_row_matches(7, 0, digest("row"))
 
 
 def test_seal_from_a_stale_attempt_is_refused():
@@ -147,7 +151,7 @@ def test_prompt_group_restart_abandons_every_sibling():
 def test_sibling_restart_keeps_sealed_siblings():
     led, outcome = _half_done(RestoreLevel.SIBLING)
     assert outcome.kept == (0,) and outcome.regenerate == (1, 2) and outcome.resumed == ()
-    assert led.state(7, 0) == A.SEALED and led.digest(7, 0) == digest("a")
+    assert led.state(7, 0) == A.SEALED and led.sealed_row_matches(7, 0, digest("a"))
     assert led.attempt(7, 1) == 1 and led.owner(7, 1) is None
     assert led.attempt(7, 2) == 0  # never dispatched: no attempt spent
 
@@ -222,7 +226,7 @@ def test_capture_restore_round_trip():
     arrays = in_key_order(captured)
     again = Ledger.restore(arrays, meta, "test")
     assert again.groups() == [3, 5, 9]
-    assert again.digest(9, 0) == digest("x") and again.owner(9, 0) == "env-a"
+    assert again.sealed_row_matches(9, 0, digest("x")) and again.owner(9, 0) == "env-a"
     assert again.state(5, 1) == A.ABANDONED
     assert [r.episode.key for r in again.retirements()] == ["run-5_g1"]
     a2, m2 = again.capture()
@@ -257,7 +261,7 @@ def test_restore_refuses_bad_metadata_and_states():
     led = ledger()
     arrays, meta = led.capture()
     with pytest.raises(SnapshotCorrupt, match="format_version"):
-        Ledger.restore(arrays, {**meta, "format_version": "2"}, "f")
+        Ledger.restore(arrays, {**meta, "format_version": "3"}, "f")
     with pytest.raises(SnapshotCorrupt, match=r"metadata unknown \['extra'\]"):
         Ledger.restore(arrays, {**meta, "extra": "1"}, "f")
     with pytest.raises(SnapshotCorrupt, match=r"not a rollsafe\.ledger file"):
@@ -277,3 +281,31 @@ def test_drop_group_retires_in_flight_attempts():
     led.drop_group(7)
     assert 7 not in led
     assert [r.episode.key for r in led.retirements()] == ["run-7_g0"]
+
+
+def test_a_seal_digest_covers_every_field_of_the_entry_and_the_row():
+    led = ledger(level=RestoreLevel.TURN)
+    led.dispatch(7, 0, owner="env-a")
+    led.seal(7, 0, 0, digest("row"))
+    arrays, meta = led.capture()
+
+    def restored_with(column: str, value: int) -> Ledger:
+        changed = {name: array.copy() for name, array in arrays.items()}
+        changed[column][(0,) if column == "level" else (0, 0)] = value  # group 7, sibling 0
+        return Ledger.restore(changed, meta, "edited")
+
+    assert Ledger.restore(arrays, meta, "as captured").sealed_row_matches(7, 0, digest("row"))
+    for column, value in (("attempt", 1), ("owner", -1), ("level", int(RestoreLevel.PREFIX))):
+        assert not restored_with(column, value).sealed_row_matches(7, 0, digest("row")), column
+
+
+def test_an_earlier_rollsafes_ledger_of_row_digests_is_still_read():
+    led = ledger()
+    led.dispatch(7, 0)
+    led.seal(7, 0, 0, digest("row"))
+    arrays, meta = led.capture()
+    legacy = {name: array.copy() for name, array in arrays.items()}
+    legacy["digest"][0, 0] = np.frombuffer(digest("row"), dtype=np.uint8)
+    old = Ledger.restore(legacy, {**meta, "format_version": "1"}, "v1")
+    assert old.sealed_row_matches(7, 0, digest("row"))
+    assert old.capture()[1]["format_version"] == "1"  # written back as it was read

@@ -69,3 +69,18 @@ def test_weights_the_run_never_reached_are_an_error_naming_them(tmp_path):
     events = [*AFTER_A_CHECKPOINT, {"op": "restore", "weight_version": 3}]
     with pytest.raises(ScenarioError, match="not the 3 the trainer restored"):
         run(events, tmp_path, journal=True)
+
+
+def test_a_second_process_restores_a_journal_run_and_leaves_it_restorable(tmp_path):
+    # The first process crashes; each later one starts with "restore", as `rollsafe scenario
+    # run` does when it continues a run: nothing is written before its restore succeeded.
+    run(AFTER_A_CHECKPOINT, tmp_path, journal=True)
+    journal = tmp_path / "scenario" / "journal"
+    for _ in range(2):
+        report = run([{"op": "restore"}, {"op": "commit", "group": 2, "rollouts": [1]}],
+                     tmp_path, journal=True)  # fmt: skip
+        assert report.loader_position == 4 and report.weight_version == 1
+        assert report.groups["2"].state == "ready"
+        assert not list(journal.glob("set-aside/*"))
+    again = run([{"op": "restore"}], tmp_path, journal=True)
+    assert again.groups["2"].restored_rollouts == [0, 1]

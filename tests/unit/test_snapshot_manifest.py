@@ -13,6 +13,7 @@ from rollsafe.snapshot import (
     LatestPointer,
     SnapshotKind,
     SnapshotManifest,
+    canonical_sha256,
     parse_latest,
     parse_manifest,
     validate_relpath,
@@ -62,7 +63,8 @@ def test_defaults_are_defined_once_on_the_model() -> None:
         files={},
         created_at=0.0,
     )
-    assert manifest.schema_version == SCHEMA_VERSION == 1
+    assert manifest.schema_version == SCHEMA_VERSION == 2
+    assert manifest.digest is None and manifest.journal_id is None  # sealed() gives the digest
     assert manifest.anchor_step is None
     assert manifest.counts == {}
 
@@ -87,8 +89,8 @@ def test_unknown_nested_field_is_named_with_its_path() -> None:
 
 
 def test_newer_schema_version_reports_the_version_not_its_new_fields() -> None:
-    data = encode(manifest_dict(schema_version=2, shards={"a": 1}))
-    with pytest.raises(SchemaMismatch, match="unknown schema_version 2") as info:
+    data = encode(manifest_dict(schema_version=3, shards={"a": 1}))
+    with pytest.raises(SchemaMismatch, match="unknown schema_version 3") as info:
         parse_manifest(data, "m")
     assert "shards" not in str(info.value)
 
@@ -191,3 +193,44 @@ def test_latest_pointer_refuses_unknown_version_and_fields() -> None:
         parse_latest(encode(latest_dict(extra=1)), "LATEST")
     with pytest.raises(SnapshotCorrupt, match="not valid JSON"):
         parse_latest(b"00000007-rollout", "LATEST")
+
+
+def sealed_dict(**overrides: object) -> dict[str, object]:
+    """A schema 2 manifest's fields, digest included, as publish writes them."""
+    fields = manifest_dict(schema_version=2, journal_id="0f" * 16, **overrides)
+    return {**fields, "digest": canonical_sha256(fields)}
+
+
+def test_a_sealed_manifest_round_trips_and_its_digest_covers_every_field() -> None:
+    unsealed = parse_manifest(encode(manifest_dict()), "m")
+    sealed = unsealed.sealed()
+    assert sealed.schema_version == 2 and sealed.digest is not None
+    again = parse_manifest(sealed.model_dump_json(indent=2).encode(), "m", "run-1")
+    assert again == sealed
+    # Key order and spacing do not matter: the digest is over canonical JSON.
+    reordered = dict(reversed(list(sealed_dict().items())))
+    assert parse_manifest(encode(reordered), "m").digest == sealed_dict()["digest"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("loader_position", 0),
+        ("counts", {"groups": 4, "journal_position": 1}),
+        ("journal_id", "1f" * 16),
+        ("files", {"ledger.json": {"sha256": SHA, "bytes": 11}}),
+    ],
+)
+def test_a_field_edited_without_its_digest_is_refused(field: str, value: object) -> None:
+    data = {**sealed_dict(), field: value}
+    with pytest.raises(SnapshotCorrupt, match="its digest does not match its fields"):
+        parse_manifest(encode(data), "m")
+
+
+def test_schema_2_needs_its_digest_and_schema_1_has_none() -> None:
+    data = sealed_dict()
+    del data["digest"]
+    with pytest.raises(SnapshotCorrupt, match="missing field 'digest'"):
+        parse_manifest(encode(data), "m")
+    with pytest.raises(SnapshotCorrupt, match="fields of schema_version 2, not 1"):
+        parse_manifest(encode(manifest_dict(digest=SHA)), "m")

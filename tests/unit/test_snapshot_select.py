@@ -23,6 +23,7 @@ from rollsafe.snapshot import (
     EntryState,
     SnapshotManifest,
     SnapshotStore,
+    canonical_sha256,
     verify_snapshot,
 )
 
@@ -61,9 +62,15 @@ def make_store(root: Path, count: int = 2, keep: int = 5) -> SnapshotStore:
     return store
 
 
-def edit_manifest(path: Path, change: Callable[[dict[str, object]], object]) -> None:
+def edit_manifest(
+    path: Path, change: Callable[[dict[str, object]], object], *, reseal: bool = True
+) -> None:
+    """``change`` the manifest's fields; ``reseal``: and its digest with them, as a writer that
+    meant it would (else the edit is refused as such, before any other check sees it)."""
     data = json.loads((path / MANIFEST_NAME).read_bytes())
     change(data)
+    if reseal and "digest" in data:
+        data["digest"] = canonical_sha256({k: v for k, v in data.items() if k != "digest"})
     (path / MANIFEST_NAME).write_text(json.dumps(data))
 
 
@@ -79,8 +86,8 @@ def flip_byte(path: Path) -> None:
     target.write_bytes(bytes(data))
 
 
-def schema_v2(data: dict[str, object]) -> None:
-    data["schema_version"] = 2
+def schema_v3(data: dict[str, object]) -> None:
+    data["schema_version"] = 3
     data["shards"] = 4
 
 
@@ -95,13 +102,17 @@ def symlink_inside(path: Path) -> None:
 CORRUPTIONS: dict[str, tuple[Callable[[Path], object], str]] = {
     "truncated file": (truncate, "ledger.bin: 175 bytes, manifest says 180"),
     "flipped byte": (flip_byte, "dataplane/rows.bin: sha256 does not match"),
+    "a field edited, its digest not": (
+        lambda p: edit_manifest(p, lambda d: d.update(loader_position=0), reseal=False),
+        "its digest does not match its fields",
+    ),
     "unknown manifest field": (
         lambda p: edit_manifest(p, lambda d: d.update(surprise=1)),
         r"unknown field(s): surprise",
     ),
     "unknown schema version": (
-        lambda p: edit_manifest(p, schema_v2),
-        "unknown schema_version 2",
+        lambda p: edit_manifest(p, schema_v3),
+        "unknown schema_version 3",
     ),
     "missing field": (
         lambda p: edit_manifest(p, lambda d: d.pop("loader_position")),
@@ -162,8 +173,8 @@ def test_verify_snapshot_names_the_directory_and_the_problem(tmp_path: Path, cas
 
 def test_schema_problems_raise_schema_mismatch(tmp_path: Path) -> None:
     store = make_store(tmp_path, count=1)
-    edit_manifest(store.snapshots_dir / OLDER, schema_v2)
-    with pytest.raises(SchemaMismatch, match="unknown schema_version 2"):
+    edit_manifest(store.snapshots_dir / OLDER, schema_v3)
+    with pytest.raises(SchemaMismatch, match="unknown schema_version 3"):
         verify_snapshot(store.snapshots_dir / OLDER, RUN)
 
 

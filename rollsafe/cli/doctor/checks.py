@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from rollsafe.errors import InvalidInput
 from rollsafe.snapshot import _fs
 from rollsafe.snapshot import _objects as objects
+from rollsafe.snapshot.bounded import read_regular
 from rollsafe.snapshot.location import parse_location
 
 RAY = "Ray reachable"
@@ -327,12 +328,12 @@ def _probe(root: Path) -> bool:
             _fs.fsync_dir(probe)
         finally:
             os.close(fd)
-        if _fs.read_regular(final / "data") != _PROBE_BYTES:
+        if read_regular(final / "data") != _PROBE_BYTES:
             raise OSError(errno.EIO, "read back differs from what was written", str(final))
         latest = probe / _fs.LATEST_NAME
         _fs.write_atomic(latest, b"old\n")
         _fs.write_atomic(latest, _PROBE_BYTES)  # replaces an existing file, as LATEST does
-        if _fs.read_regular(latest) != _PROBE_BYTES:
+        if read_regular(latest) != _PROBE_BYTES:
             raise OSError(errno.EIO, "atomic replace read back the old content", str(latest))
     finally:
         _fs.remove_tree(probe)

@@ -138,6 +138,7 @@ class VllmEngine(EngineLoop[VllmCall]):
     def _owning(self) -> Iterator[None]:
         try:
             self._llm = self._build()
+            self.context = int(self._llm.model_config.max_model_len)
             routed = self._llm.collective_rpc("rollsafe_capture_routes")[0]
             self.kind = "moe" if routed else "dense"
         except BaseException as exc:  # handed to the constructor's caller
@@ -216,13 +217,6 @@ class VllmEngine(EngineLoop[VllmCall]):
         call = request.call_id
         if self.kind == "moe" and prefix is not None and prefix.routes is None:
             raise InvalidInput(f"call {call}: the prefix has no routes; this model is MoE")
-        limit = self._llm.model_config.max_model_len
-        length = len(request.prompt_tokens) + request.sampling.max_tokens
-        if length > limit:
-            raise InvalidInput(
-                f"call {call}: prompt ({len(request.prompt_tokens)}) + max_tokens "
-                f"({request.sampling.max_tokens}) = {length} exceeds the model's {limit}"
-            )
 
     def _start(self, call: VllmCall) -> None:
         """Hand the call to vLLM from its current token on: a new vLLM request whose prompt is
