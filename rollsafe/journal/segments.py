@@ -134,10 +134,13 @@ class JournalWriter:
     def rotate(self) -> Path:
         """Close this segment and go on in a new one; safe beside appends: what is buffered
         goes into the old segment, ids from the next one into the new (compaction and the
-        object-storage mirror deal in whole segments). Returns the closed segment's path."""
+        object-storage mirror deal in whole segments). Returns the closed segment's path. A
+        segment that holds no record yet is kept open: its successor would need its name."""
         with self._writing:
             next_id = self._flush_locked()
             closed = self.path
+            if next_id == self.first_id:
+                return closed
             self._file.close()
             self._file = self._new_segment(next_id)
             return closed
