@@ -33,6 +33,7 @@ from rollsafe.dataplane import BACKENDS
 from rollsafe.dataplane.protocol import DataPlaneManifest, ExportedFile, Row
 from rollsafe.dataplane.rows import check_partition
 from rollsafe.errors import ContentMismatch, InvalidInput, SchemaMismatch, SnapshotCorrupt
+from rollsafe.snapshot.bounded import read_regular
 from rollsafe.snapshot.tensorfile import HashingWriter, dtype_name, read_tensors, write_tensors
 
 FORMAT_VERSION: Final = 1
@@ -254,7 +255,10 @@ def read_verified(directory: Path, manifest: DataPlaneManifest) -> dict[str, byt
         raise SnapshotCorrupt(f"{directory}: files in the manifest missing: {', '.join(absent)}")
     contents: dict[str, bytes] = {}
     for path, entry in sorted(listed.items()):
-        data = (directory / path).read_bytes()
+        try:
+            data = read_regular(directory / path, limit=entry.bytes)
+        except OSError as exc:
+            raise ContentMismatch(f"{directory / path}: unreadable ({exc})") from None
         if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
             raise ContentMismatch(f"{directory / path}: sha256 or size differs from the manifest")
         contents[path] = data

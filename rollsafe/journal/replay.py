@@ -26,7 +26,7 @@ from rollsafe.core.phases import JournalReplayed, StopReport
 from rollsafe.core.run_state import EnvironmentsRestored, RunState
 from rollsafe.errors import JournalCorrupt, NoValidSnapshot, RollsafeError
 from rollsafe.journal.format import Record, RecordKind, Stop
-from rollsafe.journal.segments import JournalRead, JournalStop
+from rollsafe.journal.segments import JournalRead, JournalStop, journal_gap
 
 Index = Annotated[int, Field(ge=0)]
 
@@ -173,7 +173,7 @@ def replay(
     fit the state it is applied to."""
     problems = [*read.problems, *_discontinuity(read, covered)]
     if problems and not accept_loss:
-        JournalRead(problems=problems).refuse_problems()
+        raise journal_gap(problems)
     usable = _usable(read, covered, problems)
     position = covered.position or 0
     after = [record for record in usable if record.id > position]

@@ -297,6 +297,8 @@ class RunJournal:
             return True
         self.directory.mkdir(parents=True, exist_ok=True)
         here = {path.name for _, path in self._segments()}
+        aside = self.directory / SET_ASIDE_DIR
+        here |= set(os.listdir(aside)) if aside.is_dir() else set()  # never read again
         for name in self._mirror.names():
             if segment_id(name) is not None and name not in here:
                 self._mirror.fetch(name, self.directory)

@@ -285,7 +285,6 @@ class JournalRead:
     unusable: list[Path] = field(default_factory=list)
     journal_id: str | None = None  # of the segments (None: none, or an earlier rollsafe's)
     highest_id: int = 0  # the highest record id or segment start seen: new ids go above it
-    exists: bool = True  # False: no journal folder at all
 
     @property
     def end(self) -> int | None:
@@ -306,11 +305,17 @@ class JournalRead:
     def refuse_problems(self) -> None:
         """:class:`JournalGap` naming the first problem, if there is one, and the way out."""
         if self.problems:
-            more = f" (and {len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
-            raise JournalGap(
-                f"{self.problems[0]}{more}; a restore told to accept_journal_loss goes on "
-                "without what does not continue the snapshot"
-            )
+            raise journal_gap(self.problems)
+
+
+def journal_gap(problems: list[str]) -> JournalGap:
+    """The refusal naming the first of ``problems`` (a journal that does not continue its
+    snapshot), and the way out."""
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return JournalGap(
+        f"{problems[0]}{more}; a restore told to accept_journal_loss goes on without what "
+        "does not continue the snapshot"
+    )
 
 
 def read_journal(directory: Path, run_id: str, *, head_optional: bool = False) -> JournalRead:
@@ -327,7 +332,6 @@ def read_journal(directory: Path, run_id: str, *, head_optional: bool = False) -
     segments fetched from a mirror, with no ``HEAD`` of their own to check them against."""
     read = JournalRead()
     if not os.path.lexists(directory):
-        read.exists = False
         return read
     if directory.is_symlink() or not directory.is_dir():
         raise JournalCorrupt(f"{directory}: the journal's place holds something not a folder")
