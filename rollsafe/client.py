@@ -543,8 +543,18 @@ class SyncCheckpointer:
     def stop(self, *, wait: bool = False, timeout: float | None = None) -> None:
         self.loop.run(self.checkpointer.stop(wait=wait, timeout=timeout))
 
-    def restore(self, restore_id: str, weight_versions: Sequence[int] | None = None) -> RestorePlan:
-        return self.loop.run(self.checkpointer.restore(restore_id, weight_versions))
+    def restore(
+        self,
+        restore_id: str,
+        weight_versions: Sequence[int] | None = None,
+        *,
+        accept_journal_loss: bool = False,
+    ) -> RestorePlan:
+        return self.loop.run(
+            self.checkpointer.restore(
+                restore_id, weight_versions, accept_journal_loss=accept_journal_loss
+            )
+        )
 
     @contextlib.contextmanager
     def worker(self, controller: Controller) -> Iterator[Self]:

@@ -171,11 +171,12 @@ def replay(
     ``accept_loss``, and then the records that continue it are applied, the rest are set
     aside and the plan says what was given up; :class:`JournalCorrupt` when a record does not
     fit the state it is applied to."""
-    problems = [*read.problems, *_discontinuity(read, covered)]
+    position = covered.position or 0
+    first = next((record for record in read.records if record.id > position), None)
+    problems = [*read.problems, *_discontinuity(read, covered, first)]
     if problems and not accept_loss:
         raise journal_gap(problems)
-    usable = _usable(read, covered, problems)
-    position = covered.position or 0
+    usable = _usable(read, covered, problems, first)
     after = [record for record in usable if record.id > position]
     replayed = Replayed(
         covered=position,
@@ -208,8 +209,15 @@ def _restarts(record: Record) -> bool:
     return record.kind == RecordKind.RESTART
 
 
-def _discontinuity(read: JournalRead, covered: Covered) -> list[str]:
-    """Why the journal in ``read`` does not continue the snapshot, if it does not."""
+def _gap_before(first: Record | None, position: int) -> bool:
+    """Whether ``first``, the journal's first record after a snapshot's ``position``, leaves
+    records between them missing (a segment a restore opened may skip ids: its RESTART)."""
+    return first is not None and first.id != position + 1 and not _restarts(first)
+
+
+def _discontinuity(read: JournalRead, covered: Covered, first: Record | None) -> list[str]:
+    """Why the journal in ``read`` does not continue the snapshot, if it does not; ``first``:
+    its first record after the snapshot's position."""
     snapshot, position = covered.snapshot, covered.position
     theirs, ours = read.journal_id, covered.journal_id
     if ours is not None and theirs != ours:
@@ -225,15 +233,13 @@ def _discontinuity(read: JournalRead, covered: Covered) -> list[str]:
             f"and the journal holds records {read.records[0].id}..{read.records[-1].id}: it "
             "cannot be replayed onto it (restore with the journal off for the snapshot alone)"
         ]
-    after = [record for record in read.records if record.id > position]
-    if after and after[0].id != position + 1 and not _restarts(after[0]):
+    if first is not None and _gap_before(first, position):
         return [
             f"snapshot {snapshot} covers the journal up to record {position} but the journal "
-            f"goes on at record {after[0].id}: records {position + 1}..{after[0].id - 1} are "
-            "missing"
+            f"goes on at record {first.id}: records {position + 1}..{first.id - 1} are missing"
         ]
     reached = max([read.end or 0, *(segment.first_id - 1 for segment in read.segments)])
-    if not after and reached < position and (read.segments or ours is not None):
+    if first is None and reached < position and (read.segments or ours is not None):
         return [
             f"snapshot {snapshot} covers the journal up to record {position} but the journal "
             f"ends at record {reached}: its newest segments are missing"
@@ -241,17 +247,17 @@ def _discontinuity(read: JournalRead, covered: Covered) -> list[str]:
     return []
 
 
-def _usable(read: JournalRead, covered: Covered, problems: list[str]) -> list[Record]:
+def _usable(
+    read: JournalRead, covered: Covered, problems: list[str], first: Record | None
+) -> list[Record]:
     """The records a restore that accepted ``problems`` applies: those that continue the
     snapshot (none of another journal, none after a gap)."""
     if not problems:
         return read.records
     if covered.position is None or (covered.journal_id or read.journal_id) != read.journal_id:
         return []
-    position = covered.position
-    after = [record for record in read.records if record.id > position]
-    if after and after[0].id != position + 1 and not _restarts(after[0]):
-        return [record for record in read.records if record.id <= position]
+    if _gap_before(first, covered.position):
+        return [record for record in read.records if record.id <= covered.position]
     return read.records
 
 
