@@ -163,6 +163,15 @@ def row_content(group: int, rollout: int, attempt: int) -> dict[str, np.ndarray]
     }
 
 
+def commit_rollout(run: RunState, idx: int, i: int, owner: str | None = None) -> None:
+    """Seal rollout ``i`` of group ``idx`` with its :func:`row_content`, dispatching its attempt
+    first (to ``owner``) if it was only reserved: a scenario's ``commit`` event."""
+    if run.ledger.state(idx, i) == AttemptState.RESERVED:
+        run.dispatch(idx, i, owner)
+    attempt = run.ledger.attempt(idx, i)
+    run.seal(idx, i, attempt, row_content(idx, i, attempt))
+
+
 def busy_run(run_id: str, dataplane: DataPlane) -> RunState:
     """A small run with work in flight, for examples and tests: group 0 ready (both rollouts
     sealed), group 1 half sealed, group 2 only handed out."""
@@ -258,11 +267,7 @@ class ScenarioRunner:
 
     def _commit(self, run: RunState, event: Commit) -> None:
         for i in event.rollouts:
-            state = run.ledger.state(event.group, i)
-            if state == AttemptState.RESERVED:
-                run.dispatch(event.group, i)
-            attempt = run.ledger.attempt(event.group, i)
-            run.seal(event.group, i, attempt, row_content(event.group, i, attempt))
+            commit_rollout(run, event.group, i)
 
     def _restore(self, weight_version: int | None) -> None:
         self.state = None  # a restore always starts from nothing but the disk

@@ -5,7 +5,7 @@ neither says whether a *newer* segment existed. ``<journal>/HEAD`` does (JSON, r
 atomically)::
 
     {"head_version": 1, "run_id": ..., "journal_id": ..., "newest": <its first record id>,
-     "sha256": <of the canonical JSON of the other fields>}
+     "digest": <sha256 of the canonical JSON of the other fields, as a manifest's>}
 
 The writer names a new segment here *before* its draft takes its segment name: a segment never
 exists without a ``HEAD`` naming it or a newer one, and a ``HEAD`` whose segment is missing
@@ -25,7 +25,7 @@ from rollsafe.core.ids import RUN_ID_PATTERN
 from rollsafe.errors import JournalCorrupt
 from rollsafe.snapshot._fs import write_atomic
 from rollsafe.snapshot.bounded import parse_json, read_regular
-from rollsafe.snapshot.manifest import JOURNAL_ID_PATTERN, canonical_sha256
+from rollsafe.snapshot.manifest import JOURNAL_ID_PATTERN, digest_matches, with_digest
 
 HEAD_NAME = "HEAD"
 HEAD_MAX_BYTES = 4096
@@ -42,8 +42,7 @@ class Head(BaseModel):
 
 def write_head(directory: Path, head: Head) -> None:
     """Replace ``HEAD`` (temporary file, fsync, rename, fsync of the folder)."""
-    fields = head.model_dump(mode="json")
-    sealed = {**fields, "sha256": canonical_sha256(fields)}
+    sealed = with_digest(head.model_dump(mode="json"))
     write_atomic(directory / HEAD_NAME, (json.dumps(sealed, indent=2) + "\n").encode())
 
 
@@ -57,12 +56,14 @@ def read_head(directory: Path) -> Head | None:
         return None
     except (OSError, ValueError) as exc:
         raise JournalCorrupt(f"{path}: unreadable ({exc})") from None
-    if not isinstance(raw, dict) or not isinstance(sha256 := raw.pop("sha256", None), str):
-        raise JournalCorrupt(f"{path}: not a journal HEAD (no sha256 field)")
-    if canonical_sha256(raw) != sha256:
-        raise JournalCorrupt(f"{path}: its sha256 does not match its fields (edited or damaged)")
+    if not isinstance(raw, dict) or "digest" not in raw:
+        raise JournalCorrupt(f"{path}: not a journal HEAD (no digest field)")
+    if not digest_matches(raw):
+        raise JournalCorrupt(f"{path}: its digest does not match its fields (edited or damaged)")
     try:
-        return Head.model_validate(raw, strict=True)
+        return Head.model_validate(
+            {name: value for name, value in raw.items() if name != "digest"}, strict=True
+        )
     except ValidationError as exc:
         problem = exc.errors(include_url=False)[0]
         raise JournalCorrupt(f"{path}: {problem['msg']} at {problem['loc']}") from None

@@ -26,7 +26,7 @@ from rollsafe.core.phases import JournalReplayed, StopReport
 from rollsafe.core.run_state import EnvironmentsRestored, RunState
 from rollsafe.errors import JournalCorrupt, NoValidSnapshot, RollsafeError
 from rollsafe.journal.format import Record, RecordKind, Stop
-from rollsafe.journal.segments import JournalRead, JournalStop, journal_gap
+from rollsafe.journal.segments import JournalRead, JournalStop, current_stop, journal_gap
 
 Index = Annotated[int, Field(ge=0)]
 
@@ -114,8 +114,8 @@ class Replayed:
     @property
     def stop(self) -> Stop | None:
         """The stop that ended this replay (none of the journal's restores went on after it)."""
-        last = self.stops[-1] if self.stops else None
-        return last.stop if last is not None and not last.superseded else None
+        current = current_stop(self.stops)
+        return current.stop if current is not None else None
 
     def summary(self) -> JournalReplayed:
         stops = [
@@ -129,13 +129,13 @@ class Replayed:
             )
             for stop in self.stops
         ]
-        current = [stop for stop in self.stops if not stop.superseded]
+        current = current_stop(self.stops)
         return JournalReplayed(
             covered=self.covered,
             records=self.applied,
             last_id=self.last_id,
             rolled_back_groups=sorted(self.rolled_back_groups),
-            stop=current[-1].describe() if current else None,
+            stop=current.describe() if current is not None else None,
             stops=stops,
             accepted_loss=list(self.accepted_loss),
         )

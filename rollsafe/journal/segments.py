@@ -268,6 +268,12 @@ class JournalStop:
         )
 
 
+def current_stop(stops: list[JournalStop]) -> JournalStop | None:
+    """The stop that ends a reading: the last one, unless a restore went on after it."""
+    last = stops[-1] if stops else None
+    return last if last is not None and not last.superseded else None
+
+
 @dataclass
 class JournalRead:
     """What a journal folder holds, read in order up to the first thing that is wrong with it.
@@ -294,13 +300,13 @@ class JournalRead:
     @property
     def stop(self) -> Stop | None:
         """The stop that ends the reading (none superseded it), if any."""
-        last = self.stops[-1] if self.stops else None
-        return last.stop if last is not None and not last.superseded else None
+        current = current_stop(self.stops)
+        return current.stop if current is not None else None
 
     @property
     def stopped_in(self) -> Path | None:
-        last = self.stops[-1] if self.stops else None
-        return last.segment if last is not None and not last.superseded else None
+        current = current_stop(self.stops)
+        return current.segment if current is not None else None
 
     def refuse_problems(self) -> None:
         """:class:`JournalGap` naming the first problem, if there is one, and the way out."""

@@ -12,9 +12,11 @@ from rollsafe.snapshot.manifest import (
     SnapshotKind,
     SnapshotManifest,
     canonical_sha256,
+    digest_matches,
     parse_latest,
     parse_manifest,
     validate_relpath,
+    with_digest,
 )
 from rollsafe.snapshot.select import (
     Accept,
@@ -45,8 +47,10 @@ __all__ = [
     "accept_at_or_below",
     "accept_weight_versions",
     "canonical_sha256",
+    "digest_matches",
     "parse_latest",
     "parse_manifest",
     "validate_relpath",
     "verify_snapshot",
+    "with_digest",
 ]

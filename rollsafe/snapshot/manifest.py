@@ -144,8 +144,8 @@ class SnapshotManifest(BaseModel):
     def sealed(self) -> SnapshotManifest:
         """This manifest at the current schema version, with the digest of its fields."""
         body = self.model_copy(update={"schema_version": SCHEMA_VERSION, "digest": None})
-        fields = body.model_dump(mode="json", exclude={"digest"})
-        return body.model_copy(update={"digest": canonical_sha256(fields)})
+        sealed = with_digest(body.model_dump(mode="json"))
+        return body.model_copy(update={"digest": sealed["digest"]})
 
 
 def canonical_sha256(fields: Mapping[str, Any]) -> str:
@@ -153,6 +153,18 @@ def canonical_sha256(fields: Mapping[str, Any]) -> str:
     the same digest whichever program wrote them and in which order."""
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def with_digest(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """``fields`` (a JSON object) with ``digest``, the :func:`canonical_sha256` of the others,
+    (re)computed: how a manifest and the journal's HEAD are sealed."""
+    rest = {name: value for name, value in fields.items() if name != "digest"}
+    return {**rest, "digest": canonical_sha256(rest)}
+
+
+def digest_matches(raw: Mapping[str, Any]) -> bool:
+    """Whether ``raw`` (a parsed JSON object) carries the digest of its other fields."""
+    return bool(raw.get("digest") == with_digest(raw)["digest"])
 
 
 class LatestPointer(BaseModel):
@@ -182,8 +194,7 @@ def parse_manifest(data: bytes, source: str, run_id: str | None = None) -> Snaps
     if manifest.schema_version >= 2:
         if manifest.digest is None:
             raise SnapshotCorrupt(f"{source}: missing field 'digest'")
-        fields = {name: value for name, value in raw.items() if name != "digest"}
-        if canonical_sha256(fields) != manifest.digest:
+        if not digest_matches(raw):
             raise SnapshotCorrupt(
                 f"{source}: its digest does not match its fields (edited or damaged)"
             )

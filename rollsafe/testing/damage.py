@@ -23,10 +23,11 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from rollsafe.snapshot import canonical_sha256
+from rollsafe.snapshot import with_digest
 from rollsafe.snapshot.tensorfile import HashingWriter, read_tensors, write_tensors
 
 DEEP = 5000  # nesting: ten times what a recursive parser survives
@@ -59,8 +60,8 @@ def mutations(run_dir: Path, foreign: Path, seed: int, count: int) -> Iterator[M
         lambda: _manifest_field(rng, rng.choice(snapshots), reseal=rng.random() < 0.5),
         lambda: _chimera(rng, snapshots),
         lambda: _ledger_attempt(rng.choice(snapshots)),
-        lambda: _segment_flip(rng, rng.choice(segments)),
-        lambda: _segment_truncate(rng, rng.choice(segments)),
+        lambda: _byte_flip(rng, rng.choice(segments)),
+        lambda: _truncate(rng, rng.choice(segments)),
         lambda: _first_record(rng.choice(segments)),
         lambda: _remove(rng.choice([*segments, Rel(run_dir, run_dir / "journal" / "HEAD")])),
         lambda: _journal_gone(rng, Rel(run_dir, run_dir / "journal")),
@@ -184,9 +185,9 @@ def _deep_tensor_header(path: Rel) -> Mutation:
     return Mutation(f"{path} header nested {DEEP} deep", _edit(path, lambda _: data), _named(path))
 
 
-def _reseal(manifest: dict[str, object]) -> None:
-    if "digest" in manifest:
-        manifest["digest"] = canonical_sha256({k: v for k, v in manifest.items() if k != "digest"})
+def _reseal(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A schema 2 manifest with its digest made to match its (edited) fields."""
+    return with_digest(manifest) if "digest" in manifest else manifest
 
 
 def _manifest_field(rng: random.Random, snapshot: Rel, *, reseal: bool) -> Mutation:
@@ -212,7 +213,7 @@ def _manifest_field(rng: random.Random, snapshot: Rel, *, reseal: bool) -> Mutat
         else:
             manifest[field] = value
         if reseal and field != "counts":
-            _reseal(manifest)
+            manifest = _reseal(manifest)
         path.write_text(json.dumps(manifest))
 
     how = "resealed" if reseal else "digest left"
@@ -231,7 +232,7 @@ def _chimera(rng: random.Random, snapshots: list[Rel]) -> Mutation:
 
     def apply(run_dir: Path) -> None:
         data = (older.at(run_dir) / relpath).read_bytes()
-        _replace_resealed(newer.at(run_dir), relpath, data)
+        replace_resealed(newer.at(run_dir), relpath, data)
 
     return Mutation(f"{newer.name}/{relpath} taken from {older.name}", apply, (newer.name,))
 
@@ -249,26 +250,18 @@ def _ledger_attempt(snapshot: Rel) -> Mutation:
             arrays["attempt"][row, sibling] += 1
         out = io.BytesIO()
         write_tensors(HashingWriter(out), arrays, metadata)
-        _replace_resealed(target, "ledger.safetensors", out.getvalue())
+        replace_resealed(target, "ledger.safetensors", out.getvalue())
 
     return Mutation(f"{snapshot.name} ledger: a sealed attempt + 1", apply, (snapshot.name,))
 
 
-def _replace_resealed(snapshot: Path, relpath: str, data: bytes) -> None:
-    """``relpath`` of ``snapshot`` holds ``data`` now, and the manifest says so, digest and all."""
+def replace_resealed(snapshot: Path, relpath: str, data: bytes) -> None:
+    """``relpath`` of ``snapshot`` holds ``data`` now, and the manifest says so, digest and all:
+    a change only the checks behind the digests can see."""
     (snapshot / relpath).write_bytes(data)
     manifest = json.loads((snapshot / "manifest.json").read_bytes())
     manifest["files"][relpath] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    _reseal(manifest)
-    (snapshot / "manifest.json").write_text(json.dumps(manifest))
-
-
-def _segment_flip(rng: random.Random, path: Rel) -> Mutation:
-    return _byte_flip(rng, path)
-
-
-def _segment_truncate(rng: random.Random, path: Rel) -> Mutation:
-    return _truncate(rng, path)
+    (snapshot / "manifest.json").write_text(json.dumps(_reseal(manifest)))
 
 
 def _first_record(path: Rel) -> Mutation:

@@ -19,10 +19,10 @@ from rollsafe.core.columns import in_key_order
 from rollsafe.core.config import RunConfig
 from rollsafe.core.phases import RestoreRequest
 from rollsafe.core.run_state import ROLLOUT_PARTITION, EnvironmentsRestored, RunState
-from rollsafe.core.states import AttemptState, GroupState
+from rollsafe.core.states import GroupState
 from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import JournalCorrupt, JournalGap, LedgerInvariantViolation, NoValidSnapshot
-from rollsafe.evidence.scenario import row_content
+from rollsafe.evidence.scenario import commit_rollout, row_content
 from rollsafe.journal.format import RecordKind, encode_header, new_journal_id
 from rollsafe.journal.run import JOURNAL_DIR, RunJournal
 from rollsafe.journal.segments import SUFFIX, read_journal, segment_name
@@ -34,13 +34,6 @@ RUN = "jr"
 
 def config() -> RunConfig:
     return RunConfig(run_id=RUN, group_size=2, groups_per_step=2)
-
-
-def seal(run: RunState, idx: int, i: int) -> None:
-    if run.ledger.state(idx, i) == AttemptState.RESERVED:
-        run.dispatch(idx, i)
-    attempt = run.ledger.attempt(idx, i)
-    run.seal(idx, i, attempt, row_content(idx, i, attempt))
 
 
 class Run:
@@ -105,17 +98,17 @@ def busy_after_a_checkpoint(tmp_path: Path) -> Run:
     trained, 2 sealed and evicted, 3 half sealed, 0 claimed."""
     run = Run(tmp_path)
     run.state.handout([0])
-    seal(run.state, 0, 0)
-    seal(run.state, 0, 1)
+    commit_rollout(run.state, 0, 0)
+    commit_rollout(run.state, 0, 1)
     run.checkpoint()
     run.state.handout([1, 2, 3])
     for idx in (1, 2):
-        seal(run.state, idx, 0)
-        seal(run.state, idx, 1)
+        commit_rollout(run.state, idx, 0)
+        commit_rollout(run.state, idx, 1)
     run.state.claim([1], step=0)
     run.state.commit_step([1])
     run.state.evict(2)
-    seal(run.state, 3, 0)
+    commit_rollout(run.state, 3, 0)
     run.state.dispatch(3, 1)
     run.state.claim([0], step=1)
     return run
@@ -142,7 +135,7 @@ def test_a_second_crash_replays_the_first_restore_the_same_way(tmp_path):
     run = busy_after_a_checkpoint(tmp_path)
     run.crash()
     run.restore()
-    seal(run.state, 3, 1)  # the owed rollout, generated again after the restore
+    commit_rollout(run.state, 3, 1)  # the owed rollout, generated again after the restore
     before = picture(run.state)
     run.crash()
     run.restore()
@@ -214,7 +207,7 @@ def test_a_torn_last_record_stops_the_replay_and_changes_nothing_on_disk(tmp_pat
     assert segment.read_bytes() == whole[:-5]  # untouched
     assert run.state.index.state(0) == GroupState.READY and plan.released_claims == []
     # The run goes on after the stop, and the next restore reads past the torn tail.
-    seal(run.state, 3, 1)
+    commit_rollout(run.state, 3, 1)
     run.crash()
     run.restore()
     assert run.state.index.state(3) == GroupState.READY
@@ -279,7 +272,7 @@ def test_compaction_deletes_only_what_every_retained_snapshot_covers(tmp_path):
     run = Run(tmp_path)  # keep_latest_k 2 (the default)
     for idx in range(4):
         run.state.handout([idx])
-        seal(run.state, idx, 0)
+        commit_rollout(run.state, idx, 0)
         run.checkpoint()
     firsts = [int(p.name.removesuffix(SUFFIX)) for p in sorted(run.directory.glob("*" + SUFFIX))]
     positions = sorted(m.counts["journal_position"] for m in run.store.published_manifests())
@@ -379,14 +372,14 @@ def test_on_object_storage_a_lost_machine_loses_only_what_was_not_mirrored(
     state = RunState(config(), make_dataplane("memory"))
     journal.start(state)
     state.handout([0, 1])
-    seal(state, 0, 0)
+    commit_rollout(state, 0, 0)
     state.checkpoint(store, "c-1")
     journal.compact(store)
-    seal(state, 0, 1)
-    seal(state, 1, 0)
+    commit_rollout(state, 0, 1)
+    commit_rollout(state, 1, 0)
     journal.wait_durable(journal.last_id)
     assert journal.mirror_now() == 1  # compaction copied the segment it closed; this one now
-    seal(state, 1, 1)  # durable on host a's disk only: lost with the machine
+    commit_rollout(state, 1, 1)  # durable on host a's disk only: lost with the machine
     journal.wait_durable(journal.last_id)
     journal.close()
 
@@ -399,7 +392,7 @@ def test_on_object_storage_a_lost_machine_loses_only_what_was_not_mirrored(
     assert restored.ledger.sealed(0) == [0, 1] and restored.ledger.sealed(1) == [0]
     assert plan.ready == [0] and plan.partial[1].regenerate == [1]
     # The run goes on on host b; its next mirror copies the new segment too.
-    seal(restored, 1, 1)
+    commit_rollout(restored, 1, 1)
     assert again.mirror_now() == 1
     again.close()
 

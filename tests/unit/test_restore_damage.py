@@ -18,7 +18,6 @@ from rollsafe.checkpoint.preview import preview_restore
 from rollsafe.cli.app import app
 from rollsafe.core.config import RunConfig
 from rollsafe.core.run_state import JOURNAL_POSITION, RunState
-from rollsafe.core.states import AttemptState
 from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import (
     JournalCorrupt,
@@ -27,22 +26,15 @@ from rollsafe.errors import (
     RowMismatch,
     SnapshotCorrupt,
 )
-from rollsafe.evidence.scenario import row_content
+from rollsafe.evidence.scenario import commit_rollout
 from rollsafe.journal.run import JOURNAL_DIR, SET_ASIDE_DIR, RunJournal
 from rollsafe.journal.segments import SUFFIX, read_journal
-from rollsafe.snapshot import MANIFEST_NAME, SnapshotStore, canonical_sha256
+from rollsafe.snapshot import MANIFEST_NAME, SnapshotStore
 from rollsafe.snapshot.tensorfile import HashingWriter, read_tensors, write_tensors
-from rollsafe.testing.damage import DEEP
+from rollsafe.testing.damage import DEEP, replace_resealed
 
 RUN = "dmg"
 CONFIG = RunConfig(run_id=RUN, group_size=2, groups_per_step=1)
-
-
-def seal(run: RunState, idx: int, i: int) -> None:
-    if run.ledger.state(idx, i) == AttemptState.RESERVED:
-        run.dispatch(idx, i)
-    attempt = run.ledger.attempt(idx, i)
-    run.seal(idx, i, attempt, row_content(idx, i, attempt))
 
 
 class Run:
@@ -95,10 +87,10 @@ def busy(root: Path) -> Run:
     what a restore must bring back."""
     run = Run(root)
     run.state.handout([0, 1])
-    seal(run.state, 0, 0)
+    commit_rollout(run.state, 0, 0)
     run.checkpoint()
     for idx, i in ((0, 1), (1, 0), (1, 1)):
-        seal(run.state, idx, i)
+        commit_rollout(run.state, idx, i)
     run.crash()
     return run
 
@@ -137,7 +129,7 @@ def test_a_corrupt_first_record_is_a_reported_stop_and_its_segment_stays_whole(t
     assert segment.read_bytes() == damaged  # never truncated or overwritten
     assert run.state.ledger.sealed(0) == [0]  # the snapshot's state: nothing after the stop
     # The run goes on in a new segment above it; the stop is reported by every later restore.
-    seal(run.state, 0, 1)
+    commit_rollout(run.state, 0, 1)
     run.crash()
     for _ in range(2):
         again = run.restore()
@@ -154,7 +146,7 @@ def test_a_stop_before_a_later_restores_segment_stays_reported(tmp_path):
     corrupt_record(segment, 1)  # records after the first are lost to this restore
     first = run.restore()
     assert first.journal is not None and first.journal.records == 1
-    seal(run.state, 1, 0)
+    commit_rollout(run.state, 1, 0)
     run.crash()
     second = run.restore()
     assert second.journal is not None and second.journal.stop is None
@@ -230,15 +222,6 @@ def test_an_edited_journal_position_is_refused_by_the_manifests_digest(tmp_path)
 # ---- 2. snapshots: a chimera or an edited ledger entry is refused by name -------------------
 
 
-def resealed(snapshot: Path, relpath: str, data: bytes) -> None:
-    """``relpath`` of ``snapshot`` holds ``data``, every digest made to match it."""
-    (snapshot / relpath).write_bytes(data)
-    manifest = json.loads((snapshot / MANIFEST_NAME).read_bytes())
-    manifest["files"][relpath] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    manifest["digest"] = canonical_sha256({k: v for k, v in manifest.items() if k != "digest"})
-    (snapshot / MANIFEST_NAME).write_text(json.dumps(manifest))
-
-
 def two_snapshots(root: Path) -> tuple[Run, Path, Path]:
     """The older snapshot owns group 0 of the three handed out (1 and 2 evicted); the newer
     owns group 3 alone (0 evicted since), at loader position 4."""
@@ -267,7 +250,7 @@ def test_a_snapshot_assembled_from_two_snapshots_is_refused_naming_what_disagree
     tmp_path, relpath, named
 ):
     run, older, newer = two_snapshots(tmp_path)
-    resealed(newer, relpath, (older / relpath).read_bytes())
+    replace_resealed(newer, relpath, (older / relpath).read_bytes())
     with pytest.raises(SnapshotCorrupt) as refused:
         run.restore()
     assert newer.name in str(refused.value) and named in str(refused.value)
@@ -281,7 +264,7 @@ def test_a_newer_loader_over_an_older_index_is_refused_before_groups_go_missing(
     manifest = json.loads((older / MANIFEST_NAME).read_bytes())
     manifest["loader_position"] = json.loads(loader)["position"]
     (older / MANIFEST_NAME).write_text(json.dumps(manifest))
-    resealed(older, "loader.json", loader)
+    replace_resealed(older, "loader.json", loader)
     shutil.rmtree(newer)
     with pytest.raises(SnapshotCorrupt, match="handed out 4 groups; the replay index accounts "
                        r"for 3 \(1 owned, 0 trained, 2 evicted\)"):  # fmt: skip
@@ -296,7 +279,7 @@ def test_a_sealed_rollouts_attempt_edited_in_the_ledger_is_refused(tmp_path):
     arrays["attempt"][0, 0] += 1  # group 0, sibling 0: sealed by attempt 0
     out = io.BytesIO()
     write_tensors(HashingWriter(out), arrays, metadata)
-    resealed(snapshot, "ledger.safetensors", out.getvalue())
+    replace_resealed(snapshot, "ledger.safetensors", out.getvalue())
     with pytest.raises(RowMismatch, match=rf"group 0 rollout 0 .*snapshot {snapshot.name}"):
         run.restore()
 
@@ -310,7 +293,7 @@ def test_json_nested_thousands_deep_is_refused_by_name(tmp_path, target):
     snapshot = next(run.store.snapshots_dir.iterdir())
     deep = b"[" * 1000 + b"]" * 1000  # five times a bounded parser's depth, within every size
     if target == "ledger.safetensors":  # its digests made to match, so that it is parsed
-        resealed(snapshot, target, len(deep).to_bytes(8, "little") + deep)
+        replace_resealed(snapshot, target, len(deep).to_bytes(8, "little") + deep)
     else:
         path = {"LATEST": run.store.run_dir, "HEAD": run.folder}.get(target, snapshot) / target
         path.write_bytes(deep)

@@ -35,10 +35,9 @@ from rollsafe.core.columns import in_key_order
 from rollsafe.core.config import RunConfig
 from rollsafe.core.phases import RestorePlan
 from rollsafe.core.run_state import ROLLOUT_PARTITION, RunState
-from rollsafe.core.states import AttemptState
 from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import RollsafeError
-from rollsafe.evidence.scenario import row_content
+from rollsafe.evidence.scenario import commit_rollout
 from rollsafe.journal.run import SET_ASIDE_DIR, RunJournal
 from rollsafe.snapshot import SnapshotStore
 from rollsafe.testing.damage import Mutation, mutations
@@ -51,13 +50,6 @@ CLI_EVERY = 20  # one mutant in this many is also walked through the CLI
 HANG_S = 20.0
 
 
-def seal(run: RunState, idx: int, i: int) -> None:
-    if run.ledger.state(idx, i) == AttemptState.RESERVED:
-        run.dispatch(idx, i, owner="w0")
-    attempt = run.ledger.attempt(idx, i)
-    run.seal(idx, i, attempt, row_content(idx, i, attempt))
-
-
 def build_run(root: Path) -> None:
     """Two snapshots with records after each, a crash and a restore between them, and records
     after the restore: every kind of segment a journal holds."""
@@ -67,26 +59,26 @@ def build_run(root: Path) -> None:
     journal.start(state)
     state.handout([0, 1, 2])
     for idx, i in ((0, 0), (0, 1), (1, 0)):
-        seal(state, idx, i)
+        commit_rollout(state, idx, i, owner="w0")
     state.dispatch(2, 0, owner="w0")
     state.checkpoint(store, "c-1")
     journal.compact(store)
-    seal(state, 1, 1)
+    commit_rollout(state, 1, 1, owner="w0")
     state.claim([0], step=0)
     state.commit_step([0])
     journal.wait_durable(journal.last_id)
     journal.close()  # a crash; the next process restores
     state, _ = restore(root)
     state.handout([3, 4])
-    seal(state, 3, 0)
+    commit_rollout(state, 3, 0, owner="w0")
     state.evict(4)
     state.checkpoint(store, "c-2")
     journal = _attached(state)
     journal.compact(store)
-    seal(state, 3, 1)
+    commit_rollout(state, 3, 1, owner="w0")
     state.claim([1], step=1)
     state.handout([5])
-    seal(state, 5, 0)
+    commit_rollout(state, 5, 0, owner="w0")
     journal.wait_durable(journal.last_id)
     journal.close()
 

@@ -13,10 +13,10 @@ from rollsafe.snapshot import (
     LatestPointer,
     SnapshotKind,
     SnapshotManifest,
-    canonical_sha256,
     parse_latest,
     parse_manifest,
     validate_relpath,
+    with_digest,
 )
 
 SHA = "ab" * 32
@@ -197,8 +197,7 @@ def test_latest_pointer_refuses_unknown_version_and_fields() -> None:
 
 def sealed_dict(**overrides: object) -> dict[str, object]:
     """A schema 2 manifest's fields, digest included, as publish writes them."""
-    fields = manifest_dict(schema_version=2, journal_id="0f" * 16, **overrides)
-    return {**fields, "digest": canonical_sha256(fields)}
+    return with_digest(manifest_dict(schema_version=2, journal_id="0f" * 16, **overrides))
 
 
 def test_a_sealed_manifest_round_trips_and_its_digest_covers_every_field() -> None:

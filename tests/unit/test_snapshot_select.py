@@ -23,8 +23,8 @@ from rollsafe.snapshot import (
     EntryState,
     SnapshotManifest,
     SnapshotStore,
-    canonical_sha256,
     verify_snapshot,
+    with_digest,
 )
 
 RUN = "run-1"
@@ -70,7 +70,7 @@ def edit_manifest(
     data = json.loads((path / MANIFEST_NAME).read_bytes())
     change(data)
     if reseal and "digest" in data:
-        data["digest"] = canonical_sha256({k: v for k, v in data.items() if k != "digest"})
+        data = with_digest(data)
     (path / MANIFEST_NAME).write_text(json.dumps(data))
 
 
