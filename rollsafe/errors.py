@@ -38,6 +38,7 @@
     │   ├── DataPlaneKeyMissing        a read named a key the data plane does not hold
     │   ├── DataPlaneCorrupt           a row read back differs from the digest it was put with
     │   ├── PrefixMismatch             a resume's prefix does not belong to the call (names why)
+    │   ├── ReplayDiverged             a replayed session's call differs from its record (names it)
     │   ├── SnapshotsFailed            the SDK: the run's supervisor failed
     │   ├── RestoreFailed              the SDK: the run could not be restored
     │   ├── SupervisorNotRunning       the SDK: no supervisor runs for the run
@@ -224,6 +225,18 @@ class PrefixMismatch(InvariantError):
         self.call_id = call_id
         self.field = field
         super().__init__(f"call {call_id}: prefix {field} mismatch: {detail}")
+
+
+class ReplayDiverged(InvariantError):
+    """A restored session's agent asked for something its record does not hold: a model or tool
+    call that differs from the one made at that place before (the agent is not deterministic
+    given the same answers), as Temporal's non-determinism error. The episode is run again
+    from its start without the record (docs/gateway.md, "Replay")."""
+
+    def __init__(self, session: str, call: str, detail: str) -> None:
+        self.session = session
+        self.call = call
+        super().__init__(f"session {session}: {call} differs from its record: {detail}")
 
 
 class InvalidInput(RollsafeError, ValueError):

@@ -25,6 +25,7 @@ from rollsafe.cli.doctor import register_doctor_command
 from rollsafe.cli.engine import register_engine_commands
 from rollsafe.cli.env import register_env_commands
 from rollsafe.cli.exits import EXIT_CODES, RAY_FIX, fail, run_command
+from rollsafe.cli.gateway import register_gateway_commands
 from rollsafe.cli.options import (
     JsonOption,
     LogFormatOption,
@@ -242,6 +243,7 @@ snapshot_app = register_snapshot_commands(app)
 register_checkpointing_commands(app, snapshot_app)
 register_engine_commands(app)
 register_env_commands(app)
+register_gateway_commands(app)
 register_run_commands(app)
 register_doctor_command(app)
 register_config_commands(app)

@@ -7,11 +7,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
+from pydantic import ValidationError
 
 from rollsafe.cli.exits import EXIT_CODES, fail
 from rollsafe.cli.options import LogFormatOption, LogLevelOption, PortOption, start_logging
 from rollsafe.cli.tokens import required_token, token_file_option, token_option
-from rollsafe.engine.vllm.models import Arch
+from rollsafe.engine.vllm.models import Arch, ModelSpec
 from rollsafe.errors import InvalidInput, RollsafeError
 from rollsafe.http.bearer import ENGINE_TOKEN_ENV
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 # rollsafe.engine.vllm.engine.Dtype, spelled again: that module imports torch (a second at
 # every start of the command). A unit test checks the two agree.
 Dtype = Literal["float32", "bfloat16"]
-Backend = Literal["reference", "vllm"]
+Backend = Literal["reference", "vllm", "scripted"]
 REFERENCE_MODELS = ("dense", "moe")
 
 
@@ -42,18 +43,32 @@ def engine_serve(
     token_file: Annotated[Path | None, token_file_option()] = None,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     backend: Annotated[
-        Backend, typer.Option(help="reference (rollsafe's torch engine) or vllm")
+        Backend,
+        typer.Option(
+            help="reference (rollsafe's torch engine), vllm, or scripted (says what --script "
+            "says, token by token: a policy for tests and demos)"
+        ),
     ] = "reference",
     model: Annotated[
         str,
-        typer.Option(help="reference: dense or moe; vllm: a Hugging Face model directory"),
+        typer.Option(
+            help="reference: dense, moe or a make-model directory (its vocabulary, context and "
+            "seed); vllm: a Hugging Face model directory"
+        ),
     ] = "dense",
-    seed: Annotated[int, typer.Option(help="reference: weight seed (same seed, same weights)")] = 0,
+    seed: Annotated[
+        int,
+        typer.Option(help="reference: weight seed (same seed, same weights; a directory's own)"),
+    ] = 0,
     dtype: Annotated[Dtype, typer.Option(help="vllm: the weights' and activations' type")] = (
         "float32"
     ),
     max_model_len: Annotated[
         int | None, typer.Option(help="vllm: longest prompt + max_tokens (default: model's)")
+    ] = None,
+    script: Annotated[
+        Path | None,
+        typer.Option(dir_okay=False, help="scripted: the replies (JSON; rollsafe.engine.scripted)"),
     ] = None,
     log_level: LogLevelOption = None,
     log_format: LogFormatOption = None,
@@ -69,7 +84,7 @@ def engine_serve(
             ctx, "token", token, token_file, flag="--token", envvar=ENGINE_TOKEN_ENV
         )
         start_logging(log_level, log_format)
-        engine = _engine(backend, model, seed, dtype, max_model_len)
+        engine = _engine(backend, model, seed, dtype, max_model_len, script)
     except RollsafeError as exc:
         fail(exc)
     asyncio.run(serve(engine, host, port, secret))
@@ -79,31 +94,61 @@ def make_model_command(
     directory: Annotated[Path, typer.Argument(help="where to write it (reused if made)")],
     arch: Annotated[Arch, typer.Option(help="dense (Qwen2) or moe (Qwen3-MoE)")] = "dense",
     seed: Annotated[int, typer.Option(help="same seed, same weights")] = 0,
+    max_positions: Annotated[
+        int, typer.Option(help="longest prompt + generation (chats listing tools are long)")
+    ] = ModelSpec().max_positions,
 ) -> None:
-    """Build a tiny random-weight Hugging Face model for `engine serve --backend vllm`
-    (nothing is downloaded). Prints the directory."""
-    from rollsafe.engine.vllm.models import ModelSpec, make_model
+    """Build a tiny random-weight Hugging Face model, with a tokenizer and chat template, for
+    `engine serve` (nothing is downloaded). Prints the directory."""
+    from rollsafe.engine.vllm.models import make_model
 
     try:
-        typer.echo(make_model(directory, ModelSpec(arch=arch, seed=seed)))
-    except RollsafeError as exc:
+        spec = ModelSpec(arch=arch, seed=seed, max_positions=max_positions)
+        typer.echo(make_model(directory, spec))
+    except (RollsafeError, ValidationError) as exc:
         fail(exc)
     except OSError as exc:  # the directory cannot be written: name it, not the stack
         fail(f"cannot write the model under {directory}: {exc.strerror or exc}")
 
 
 def _engine(
-    backend: Backend, model: str, seed: int, dtype: Dtype, max_model_len: int | None
+    backend: Backend,
+    model: str,
+    seed: int,
+    dtype: Dtype,
+    max_model_len: int | None,
+    script: Path | None = None,
 ) -> ClosableEngine:
     """The engine the flags ask for; :class:`InvalidInput` naming a bad flag."""
+    if (backend == "scripted") != (script is not None):
+        raise InvalidInput("--script goes with --backend scripted, and it needs one")
+    if backend == "scripted":
+        assert script is not None
+        return _scripted(Path(model), script)
     if backend == "reference":
         from rollsafe.engine.model import ModelConfig
         from rollsafe.engine.torch_engine import TorchEngine
 
-        # --model is a directory for vLLM, so click cannot check it as a choice: checked here.
-        if model not in REFERENCE_MODELS:
-            raise InvalidInput(f"--model must be dense or moe, not {model!r}")
-        return TorchEngine(ModelConfig(kind=model), seed)
+        # --model may be a directory, so click cannot check it as a choice: checked here.
+        if model in REFERENCE_MODELS:
+            return TorchEngine(ModelConfig(kind=model), seed)
+        if not Path(model).is_dir():
+            raise InvalidInput(f"--model must be dense or moe, or a model directory, not {model!r}")
+        return TorchEngine.for_model(model)
     from rollsafe.engine.vllm.engine import VllmEngine
 
     return VllmEngine(model, dtype=dtype, max_model_len=max_model_len)
+
+
+def _scripted(model: Path, script: Path) -> ClosableEngine:
+    from rollsafe.engine.scripted import ScriptedEngine, load_script
+    from rollsafe.engine.text import ChatCodec
+
+    codec = ChatCodec.load(model)
+    return ScriptedEngine(
+        load_script(script),
+        encode=codec.encode,
+        decode=codec.decode,
+        end_token=codec.stop_token_ids[0],
+        vocab_size=codec.vocab_size,
+    )

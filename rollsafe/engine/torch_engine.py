@@ -19,6 +19,7 @@ import contextlib
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -26,6 +27,7 @@ from rollsafe.engine.loop import CallState, EngineLoop, Sink
 from rollsafe.engine.model import KVCache, ModelConfig, TinyTransformer
 from rollsafe.engine.protocol import GenerateRequest, Route
 from rollsafe.engine.sampling import sample
+from rollsafe.engine.vllm.models import read_spec
 
 # Prompt (and resumed prefix) tokens fed to one call per round: long prompts do not stall others.
 PREFILL_CHUNK = 32
@@ -64,6 +66,17 @@ class TorchEngine(EngineLoop[Call]):
         self.context = self.config.max_positions
         self.weight_version = weight_version
         self._thread.start()
+
+    @classmethod
+    def for_model(cls, directory: str | Path) -> TorchEngine:
+        """The reference engine sized to a directory ``rollsafe engine make-model`` wrote: its
+        own transformer (not the directory's weights) with the directory's architecture,
+        vocabulary, context and seed, so ids from the directory's tokenizer are its ids."""
+        spec = read_spec(directory)
+        config = ModelConfig(
+            kind=spec.arch, vocab_size=spec.vocab_size, max_positions=spec.max_positions
+        )
+        return cls(config, spec.seed)
 
     async def __aenter__(self) -> TorchEngine:
         return self

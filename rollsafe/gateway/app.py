@@ -1,0 +1,230 @@
+"""The gateway over HTTP: the OpenAI API, the checkpoint protocol, the tool proxies.
+
+Main app (one port)::
+
+    GET  /v1/models                              (also under /sessions/{session})
+    POST /v1/chat/completions                    (also under /sessions/{session})
+    POST /v1/responses                           (also under /sessions/{session})
+    POST /sessions/{session}/tools/{server}/...  a tool server through the proxy
+    /checkpoint/v1/..., POST /episodes/run        the checkpoint protocol (env token)
+
+A model call's session: the path (``/sessions/{session}/v1/...``), else the
+``X-Rollsafe-Session`` header, else ``metadata.rollsafe_session``, else the
+``rollsafe_session`` cookie. Each tool proxy also listens at the root of a port of its own
+(:func:`tool_app`), where NeMo Gym's agents expect a resources server.
+
+Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 a malformed
+request (the message names the field), 401 the API token, 409 a refused session
+(``session_ended``, ``checkpoint_parked``) or a replay that diverged (``ReplayDiverged``), 503
+the engine or a tool server unavailable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from rollsafe.env.participant import Participant
+from rollsafe.env.router import router_routes
+from rollsafe.errors import (
+    InvalidInput,
+    InvariantError,
+    ParticipantRefused,
+    ReplayDiverged,
+    TransientError,
+)
+from rollsafe.gateway.convert import (
+    Prompt,
+    chat_chunks,
+    chat_prompt,
+    chat_reply,
+    responses_prompt,
+    responses_reply,
+)
+from rollsafe.gateway.hooks import GatewayHooks
+from rollsafe.gateway.sessions import check_session_id
+from rollsafe.gateway.tools import SESSION_COOKIE, SESSION_HEADER
+from rollsafe.gateway.wire import (
+    SESSION_METADATA_KEY,
+    ChatRequest,
+    ModelCard,
+    ModelList,
+    ResponsesRequest,
+)
+from rollsafe.http.bearer import token_matches
+from rollsafe.http.tracing import ServerSpans
+
+M = TypeVar("M", bound=BaseModel)
+log = logging.getLogger(__name__)
+Handler = Callable[[Request], Awaitable[Response]]
+STARTED = int(time.time())
+
+
+def _openai_error(status: int, message: str, kind: str, param: str | None = None) -> Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": kind}}
+    return JSONResponse(body, status_code=status)
+
+
+def error_response(exc: Exception) -> Response:
+    if isinstance(exc, ParticipantRefused):
+        return _openai_error(409, str(exc), exc.reason)
+    if isinstance(exc, ReplayDiverged):
+        return _openai_error(409, str(exc), "ReplayDiverged")
+    if isinstance(exc, InvalidInput):
+        return _openai_error(400, str(exc), "invalid_request_error")
+    if isinstance(exc, InvariantError):
+        return _openai_error(409, str(exc), type(exc).__name__)
+    if isinstance(exc, TransientError):
+        return _openai_error(503, str(exc), type(exc).__name__)
+    log.exception("gateway request failed", exc_info=exc)
+    return _openai_error(500, f"{type(exc).__name__}: {exc}", "internal_error")
+
+
+async def _parse(request: Request, model: type[M]) -> M:
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or '<body>'}: {e['msg']}" for e in exc.errors()[:10]
+        )
+        raise InvalidInput(f"{model.__name__}: {problems}") from None
+
+
+def session_of(request: Request, metadata: Mapping[str, str] | None = None) -> str:
+    """The call's session (see the module docstring); InvalidInput naming the ways."""
+    found = (
+        request.path_params.get("session")
+        or request.headers.get(SESSION_HEADER)
+        or (metadata or {}).get(SESSION_METADATA_KEY)
+        or request.cookies.get(SESSION_COOKIE)
+    )
+    if not found:
+        raise InvalidInput(
+            "no session: use the base URL /sessions/<session>/v1, the X-Rollsafe-Session "
+            f"header, metadata.{SESSION_METADATA_KEY}, or the {SESSION_COOKIE} cookie"
+        )
+    return check_session_id(str(found))
+
+
+def _with_cookie(response: Response, session: str) -> Response:
+    # Agents that carry cookies from reply to call (NeMo Gym's) carry the session with them.
+    response.set_cookie(SESSION_COOKIE, session, httponly=True, samesite="strict")
+    return response
+
+
+def _guard(api_token: str | None, handler: Handler) -> Handler:
+    async def endpoint(request: Request) -> Response:
+        if api_token is not None and not token_matches(
+            request.headers.get("authorization", "").encode(), api_token
+        ):
+            return _openai_error(401, "missing or wrong bearer token", "invalid_api_key")
+        try:
+            return await handler(request)
+        except Exception as exc:
+            return error_response(exc)
+
+    return endpoint
+
+
+def openai_routes(hooks: GatewayHooks, api_token: str | None) -> list[Route]:
+    model = hooks.served.model
+
+    async def models(request: Request) -> Response:
+        listed = ModelList(data=[ModelCard(id=model, created=STARTED)])
+        return Response(listed.model_dump_json(), media_type="application/json")
+
+    async def chat(request: Request) -> Response:
+        body = await _parse(request, ChatRequest)
+        session = session_of(request, body.metadata)
+        answer = await hooks.session(session).model_call(chat_prompt(body))
+        if not body.stream:
+            return _with_cookie(JSONResponse(chat_reply(answer, logprobs=body.logprobs)), session)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        chunks = chat_chunks(answer, logprobs=body.logprobs, include_usage=include_usage)
+        return _with_cookie(
+            StreamingResponse(_sse(chunks), media_type="text/event-stream"), session
+        )
+
+    async def responses(request: Request) -> Response:
+        body = await _parse(request, ResponsesRequest)
+        session = session_of(request, body.metadata)
+        prompt: Prompt = responses_prompt(body)
+        answer = await hooks.session(session).model_call(prompt)
+        return _with_cookie(JSONResponse(responses_reply(answer, body)), session)
+
+    routes = []
+    for prefix in ("", "/sessions/{session}"):
+        routes += [
+            Route(f"{prefix}/v1/models", _guard(api_token, models), methods=["GET"]),
+            Route(f"{prefix}/v1/chat/completions", _guard(api_token, chat), methods=["POST"]),
+            Route(f"{prefix}/v1/responses", _guard(api_token, responses), methods=["POST"]),
+        ]
+    return routes
+
+
+async def _sse(chunks: Any) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield f"data: {json.dumps(chunk)}\n\n".encode()
+    yield b"data: [DONE]\n\n"
+
+
+def proxy_handler(hooks: GatewayHooks, server_name: str | None) -> Handler:
+    """A tool call through the proxy: ``server_name`` fixed (a proxy port of its own) or from
+    the path (``/sessions/{session}/tools/{server}/...``)."""
+
+    async def handler(request: Request) -> Response:
+        name = server_name or request.path_params["server"]
+        server = hooks.tools.get(name)
+        if server is None:
+            raise InvalidInput(f"no tool server {name!r} (known: {', '.join(sorted(hooks.tools))})")
+        session = session_of(request)
+        path = "/" + request.path_params.get("path", "")
+        if request.url.query:
+            path += f"?{request.url.query}"
+        body = await request.body()
+        made = await hooks.session(session).tool_call(
+            server, request.method, path, body, request.headers.get("content-type", "")
+        )
+        reply = Response(made.reply, status_code=made.status, media_type=made.content_type or None)
+        return _with_cookie(reply, session)
+
+    return handler
+
+
+def gateway_app(
+    hooks: GatewayHooks, participant: Participant, env_token: str, api_token: str | None
+) -> Starlette:
+    """The main app; its lifespan runs the participant's lease watcher."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        participant.start()
+        try:
+            yield
+        finally:
+            await participant.aclose()
+
+    tools = _guard(api_token, proxy_handler(hooks, None))
+    routes = [
+        *openai_routes(hooks, api_token),
+        Route("/sessions/{session}/tools/{server}/{path:path}", tools, methods=["GET", "POST"]),
+        *router_routes(participant, env_token),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(ServerSpans)])
+
+
+def tool_app(hooks: GatewayHooks, server: str, api_token: str | None) -> Starlette:
+    """One tool proxy at the root of its own port."""
+    handler = _guard(api_token, proxy_handler(hooks, server))
+    return Starlette(routes=[Route("/{path:path}", handler, methods=["GET", "POST"])])

@@ -1,0 +1,340 @@
+"""Between the OpenAI API and the chat template: pure functions, no I/O.
+
+Requests become :class:`Prompt` (the messages and tools the model directory's chat template
+renders, in the Hugging Face chat format); a finished call (:class:`Answer`) becomes a chat
+completion, its stream of chunks, or a Responses API response. Ids the agent sends back later
+(tool call ids) are made from the rollout and the call's place only, never the attempt, so a
+replayed episode sends back what the first run sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from rollsafe.gateway.wire import (
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_P,
+    ChatMessage,
+    ChatRequest,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    MessageItem,
+    ReasoningItem,
+    ResponsesRequest,
+    TextPart,
+)
+
+Message = dict[str, Any]  # one message in the Hugging Face chat format
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What one model call asks: the template's inputs and how to sample."""
+
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stops: tuple[str, ...] = ()
+    parse_tools: bool = True  # tool_choice "none": the text is the answer, never a tool call
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A finished model call, as the API reports it."""
+
+    session: str
+    rollout_id: str
+    index: int  # the call's place in its session
+    created_at: int  # when it was first made: a replayed answer is the same answer
+    prompt_tokens: tuple[int, ...]
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    token_texts: tuple[str, ...]
+    content: str | None
+    tool_calls: tuple[ToolCall, ...]
+    finish_reason: str  # "stop", "length" or "tool_calls"
+    model: str
+
+    def call_id(self, k: int) -> str:
+        """The id of the answer's k-th tool call: stable across attempts."""
+        return f"call_{_stable(self.rollout_id, self.index, k)}"
+
+    @property
+    def response_id(self) -> str:
+        return _stable(self.rollout_id, self.index, "response")
+
+
+def _stable(*parts: object) -> str:
+    return hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:24]
+
+
+def _text(content: str | list[TextPart] | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+def chat_prompt(request: ChatRequest) -> Prompt:
+    messages = [_chat_message(m) for m in request.messages]
+    tools = [t.function.model_dump(exclude_none=True) for t in request.tools or ()]
+    return _prompt(
+        messages,
+        tools,
+        request.tool_choice == "none",
+        max_tokens=request.budget,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        stops=request.stops,
+    )
+
+
+def _chat_message(message: ChatMessage) -> Message:
+    role = "system" if message.role == "developer" else message.role
+    out: Message = {"role": role, "content": _text(message.content)}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": call.function.arguments},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def responses_prompt(request: ResponsesRequest) -> Prompt:
+    messages: list[Message] = []
+    if request.instructions:
+        messages.append({"role": "system", "content": request.instructions})
+    items = (
+        [MessageItem(role="user", content=request.input)]
+        if isinstance(request.input, str)
+        else request.input
+    )
+    for item in items:
+        _add_item(messages, item)
+    tools = [t.spec().model_dump(exclude_none=True) for t in request.tools]
+    return _prompt(
+        messages,
+        tools,
+        request.tool_choice == "none",
+        max_tokens=request.budget,
+        temperature=request.temperature,
+        top_p=request.top_p,
+    )
+
+
+def _add_item(
+    messages: list[Message],
+    item: MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+) -> None:
+    """One Responses input item into chat messages: a turn's function calls join its
+    assistant message (as the model made them: text, then calls)."""
+    if isinstance(item, MessageItem):
+        role = "system" if item.role == "developer" else item.role
+        messages.append({"role": role, "content": _text(item.content)})
+    elif isinstance(item, FunctionCallItem):
+        call = {
+            "id": item.call_id,
+            "type": "function",
+            "function": {"name": item.name, "arguments": item.arguments},
+        }
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant":
+            last.setdefault("tool_calls", []).append(call)
+        else:
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    elif isinstance(item, FunctionCallOutputItem):
+        messages.append({"role": "tool", "content": item.output, "tool_call_id": item.call_id})
+    # A reasoning item is not rendered: the template has no place for it.
+
+
+def _prompt(
+    messages: list[Message],
+    tools: list[dict[str, Any]],
+    no_tools: bool,
+    *,
+    max_tokens: int,
+    temperature: float | None,
+    top_p: float | None,
+    stops: tuple[str, ...] = (),
+) -> Prompt:
+    return Prompt(
+        messages=messages,
+        tools=tools or None if not no_tools else None,
+        max_tokens=max_tokens,
+        temperature=DEFAULT_TEMPERATURE if temperature is None else temperature,
+        top_p=DEFAULT_TOP_P if top_p is None else top_p,
+        stops=stops,
+        parse_tools=not no_tools,
+    )
+
+
+# -- replies ----------------------------------------------------------------------------------
+
+
+def _training(answer: Answer) -> dict[str, Any]:
+    """NeMo Gym's token fields, on the chat message and the last Responses output item."""
+    return {
+        "prompt_token_ids": list(answer.prompt_tokens),
+        "generation_token_ids": list(answer.tokens),
+        "generation_log_probs": list(answer.logprobs),
+    }
+
+
+def _logprobs(answer: Answer) -> dict[str, Any]:
+    return {
+        "content": [
+            {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+            for text, lp in zip(answer.token_texts, answer.logprobs, strict=True)
+        ]
+    }
+
+
+def _usage(answer: Answer) -> dict[str, int]:
+    prompt, completion = len(answer.prompt_tokens), len(answer.tokens)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _chat_tool_calls(answer: Answer) -> list[dict[str, Any]] | None:
+    if not answer.tool_calls:
+        return None
+    return [
+        {
+            "id": answer.call_id(k),
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+        for k, call in enumerate(answer.tool_calls)
+    ]
+
+
+def chat_reply(answer: Answer, *, logprobs: bool) -> dict[str, Any]:
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": answer.content,
+        "tool_calls": _chat_tool_calls(answer),
+        **_training(answer),
+    }
+    return {
+        "id": f"chatcmpl-{answer.response_id}",
+        "object": "chat.completion",
+        "created": answer.created_at,
+        "model": answer.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": _logprobs(answer) if logprobs else None,
+                "finish_reason": answer.finish_reason,
+            }
+        ],
+        "usage": _usage(answer),
+    }
+
+
+def chat_chunks(answer: Answer, *, logprobs: bool, include_usage: bool) -> Iterator[dict[str, Any]]:
+    """A finished answer as chat.completion.chunk objects: the role, the content (with every
+    token's logprob, if asked), the tool calls, the finish with the token fields, and the
+    usage if asked. The stream starts once the call is done (docs/gateway.md, "API")."""
+    base = {
+        "id": f"chatcmpl-{answer.response_id}",
+        "object": "chat.completion.chunk",
+        "created": answer.created_at,
+        "model": answer.model,
+    }
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, lp: Any = None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {**base, "choices": [choice]}
+
+    yield chunk({"role": "assistant", "content": ""})
+    if answer.content:
+        yield chunk({"content": answer.content}, lp=_logprobs(answer) if logprobs else None)
+    calls = _chat_tool_calls(answer)
+    if calls:
+        yield chunk({"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]})
+    yield {**chunk({}, answer.finish_reason), **_training(answer)}
+    if include_usage:
+        yield {**base, "choices": [], "usage": _usage(answer)}
+
+
+def responses_reply(answer: Answer, request: ResponsesRequest) -> dict[str, Any]:
+    output: list[dict[str, Any]] = []
+    if answer.content or not answer.tool_calls:
+        output.append(
+            {
+                "id": f"msg_{answer.response_id}",
+                "type": "message",
+                "role": "assistant",
+                "status": "completed",
+                "content": [
+                    {"type": "output_text", "text": answer.content or "", "annotations": []}
+                ],
+            }
+        )
+    for k, call in enumerate(answer.tool_calls):
+        call_id = answer.call_id(k)
+        output.append(
+            {
+                "id": call_id,
+                "type": "function_call",
+                "call_id": call_id,
+                "name": call.name,
+                "arguments": call.arguments,
+                "status": "completed",
+            }
+        )
+    output[-1].update(_training(answer))
+    prompt, completion = len(answer.prompt_tokens), len(answer.tokens)
+    incomplete = answer.finish_reason == "length"
+    return {
+        "id": f"resp_{answer.response_id}",
+        "object": "response",
+        "created_at": answer.created_at,
+        "model": answer.model,
+        "status": "incomplete" if incomplete else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "output": output,
+        "parallel_tool_calls": request.parallel_tool_calls,
+        "tool_choice": request.tool_choice
+        if isinstance(request.tool_choice, str)
+        else request.tool_choice.model_dump(),
+        "tools": [t.model_dump(exclude_none=True) for t in request.tools],
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "max_output_tokens": request.max_output_tokens,
+        "metadata": request.metadata or {},
+        "instructions": request.instructions,
+        "error": None,
+        "usage": {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion,
+        },
+    }

@@ -1,0 +1,261 @@
+"""NeMo Gym's own agent and tools, unmodified, checkpointed through rollsafe's gateway.
+
+Real processes throughout: ``rollsafe engine serve --backend scripted`` (a policy that calls
+the workplace tools: a tiny random model never would), ``rollsafe gateway serve`` (the model
+NeMo Gym's simple_agent calls, the proxy in front of its workplace_assistant resources server,
+and a checkpoint participant), and NeMo Gym 0.4.0's simple_agent and workplace_assistant in
+their own Python 3.12 venv. The episode: seed the session, create a calendar event (not
+idempotent: max id + 1), search the calendar for it, answer.
+
+The seed's test: the episode is parked by a real checkpoint while its model call after the
+mutation is generating (the engine holds it), the call is cut, the session committed; every
+process is SIGKILLed and started afresh; the restore brings the episode back as attempt 1 and
+the agent's ``/run`` is sent again with the same body: the model call before the mutation is
+answered from the record, the mutation is made once into the freshly seeded session, the cut
+call resumes from its prefix; the calendar the agent searches holds the sentinel event exactly
+once, and every call's tokens are those of an uninterrupted episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rollsafe.engine.http import EngineClient
+from rollsafe.engine.loop import HOLD_ENV, HoldRule
+from rollsafe.engine.text import ChatCodec
+from rollsafe.engine.vllm.models import ModelSpec, make_model
+from rollsafe.env.client import EnvClient
+from rollsafe.env.protocol import (
+    CommitRequest,
+    EpisodeRef,
+    PrepareRequest,
+    RestoreRequest,
+    ResumeRequest,
+    RunEpisode,
+)
+from rollsafe.gateway.serve import GATEWAY_BANNER
+from rollsafe.gym.servers import (
+    RESOURCES_DIR,
+    GymServers,
+    free_ports,
+    gym_python,
+    gym_site_packages,
+)
+from rollsafe.http.bearer import ENGINE_TOKEN_ENV, ENV_TOKEN_ENV
+from rollsafe.http.served import ENGINE_BANNER, ServedProcess, rollsafe_command
+from rollsafe.testing.waiting import eventually_async
+
+SENTINEL = "rollsafe sentinel"
+CREATE = {
+    "name": "calendar_create_event",
+    "arguments": {
+        "event_name": SENTINEL,
+        "participant_email": "carlos@atlas.com",
+        "event_start": "2023-12-01 10:00:00",
+        "duration": "30",
+    },
+}
+SEARCH = {"name": "calendar_search_events", "arguments": {"query": SENTINEL}}
+ANSWER = "The meeting is on the calendar."
+# The policy: rules on the prompt's last message, first match wins.
+SCRIPT = {
+    "format_version": 1,
+    "rules": [
+        {"when": SENTINEL, "reply": ANSWER},  # the search's result names it
+        {"when": "<tool_response>", "reply": f"<tool_call>\n{json.dumps(SEARCH)}\n</tool_call>"},
+        {"when": "", "reply": f"<tool_call>\n{json.dumps(CREATE)}\n</tool_call>"},
+    ],
+}
+HELD_CALL = "/t1"  # the model call after the mutation
+HELD_AFTER = 3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    spec = ModelSpec(hidden_size=32, layers=1, heads=1, kv_heads=1, max_positions=32768)
+    return make_model(tmp_path_factory.mktemp("gym-model") / "model", spec)
+
+
+def example_task() -> dict[str, Any]:
+    rows = (gym_site_packages(gym_python()) / RESOURCES_DIR / "data" / "example.jsonl").read_text()
+    return json.loads(rows.splitlines()[0])
+
+
+class Stack:
+    """One generation of every process: engine, gateway, NeMo Gym's agent and resources."""
+
+    def __init__(self, root: Path, model: Path, name: str, *, hold: bool, ports: Any = None):
+        self.tokens = {ENGINE_TOKEN_ENV: "engine-secret", ENV_TOKEN_ENV: "env-secret"}
+        logs = root / "logs" / name
+        script = root / "script.json"
+        script.write_text(json.dumps(SCRIPT))
+        env = dict(self.tokens)
+        if hold:
+            rule = HoldRule(calls=HELD_CALL, after_tokens=HELD_AFTER)
+            env[HOLD_ENV] = rule.model_dump_json()
+        self.started: list[Any] = []
+        try:
+            self._start(logs, script, model, env, hold, ports)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(
+        self, logs: Path, script: Path, model: Path, env: dict[str, str], hold: bool, ports: Any
+    ) -> None:
+        host = "http://127.0.0.1"
+        self.engine = ServedProcess(
+            rollsafe_command(
+                "engine",
+                "serve",
+                "--backend",
+                "scripted",
+                "--model",
+                str(model),
+                "--script",
+                str(script),
+                "--port",
+                "0",
+            ),
+            logs / "engine",
+            env,
+        )
+        self.started.append(self.engine)
+        self.engine.wait_listening(ENGINE_BANNER.format(kind=r"\S+"))
+        model_port, proxy_port = ports or free_ports(2)  # a restart keeps the agent's config
+        self.gym = GymServers(logs / "gym", model_port=model_port, tool_proxy_port=proxy_port)
+        self.ports = (self.gym.ports.model, self.gym.ports.tool_proxy)
+        self.gateway = ServedProcess(
+            rollsafe_command(
+                "gateway", "serve", "--model", str(model), "--engine-url", self.engine.url,
+                "--agent-url", f"{host}:{self.gym.ports.agent}/run",
+                "--tool-server", f"workplace={host}:{self.gym.ports.resources}",
+                "--tool-port", f"workplace={self.gym.ports.tool_proxy}",
+                "--port", str(self.gym.ports.model), "--instance", "gw-0",
+                "--snapshot-root", str(logs.parents[1]), "--lease-grace-s", "5",
+            ),
+            logs / "gateway",
+            self.tokens,
+        )  # fmt: skip
+        self.started.append(self.gateway)
+        self.gateway.wait_listening(GATEWAY_BANNER.format(instance="gw-0"))
+        self.started.append(self.gym)
+        self.gym.start()
+        self.env = EnvClient(self.gateway.url, self.tokens[ENV_TOKEN_ENV])
+        self.engine_client = EngineClient(self.engine.url, self.tokens[ENGINE_TOKEN_ENV])
+
+    def crash(self) -> None:
+        for process in self.started:
+            process.crash()
+
+    def stop(self) -> None:
+        for process in reversed(self.started):
+            process.stop()
+
+
+@pytest.fixture
+def stacks() -> Iterator[list[Stack]]:
+    started: list[Stack] = []
+    try:
+        yield started
+    finally:
+        for stack in started:
+            stack.stop()
+
+
+def _calls(result: Any) -> list[dict[str, Any]]:
+    return [
+        {k: call[k] for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")}
+        for call in result.info["calls"]
+    ]
+
+
+async def test_episode_survives_a_kill_of_every_process(
+    tmp_path: Path, model_dir: Path, stacks: list[Stack]
+) -> None:
+    codec = ChatCodec.load(model_dir)
+    task = example_task()
+    episode = EpisodeRef(rollout_id="gym-0_g0", attempt=0)
+    first = Stack(tmp_path, model_dir, "first", hold=True)
+    stacks.append(first)
+
+    running = asyncio.create_task(first.env.run_episode(RunEpisode(episode=episode, task=task)))
+    await eventually_async(lambda: _held(first), what="the call after the mutation held")
+
+    parked = await first.env.prepare(
+        PrepareRequest(checkpoint_id="ck-1", deadline_ts=time.time() + 30)
+    )
+    assert parked.ready and [p.activity for p in parked.parked] == ["generating"]
+    call_id = parked.parked[0].model_call_id
+    assert call_id == f"{episode.key}{HELD_CALL}"
+    cut = await first.engine_client.cut([call_id])
+    [prefix] = cut.prefixes
+    assert len(prefix.tokens) == HELD_AFTER
+    dest = tmp_path / "snap" / "envs" / "gw-0"
+    await first.env.commit(CommitRequest(checkpoint_id="ck-1", scope=(episode,), dest=str(dest)))
+
+    first.crash()  # every process: engine, gateway, agent, resources server
+    running.cancel()
+    with pytest.raises((asyncio.CancelledError, Exception)):
+        await running
+
+    second = Stack(tmp_path, model_dir, "second", hold=False, ports=first.ports)
+    stacks.append(second)
+    restore = RestoreRequest(
+        restore_id="rs-1",
+        source_checkpoint_id="ck-1",
+        root=str(dest),
+        scope=(episode,),
+        prefixes={call_id: prefix.model_dump(mode="json")},
+        deadline_ts=time.time() + 30,
+    )
+    assert (await second.env.restore(restore)).restored == (episode.next_attempt(),)
+    await second.env.resume(ResumeRequest(checkpoint_id="rs-1"))
+    restored = await second.env.run_episode(RunEpisode(episode=episode.next_attempt(), task=task))
+
+    assert restored.restored and "fell_back" not in restored.info
+    assert restored.info["replayed_calls"] == 1  # the call before the mutation, from the record
+    resumed = [call["resumed_tokens"] for call in restored.info["calls"]]
+    assert resumed == [0, HELD_AFTER, 0]
+    # The mutation once: the calendar the agent searched (the last prompt) holds one sentinel.
+    searched = codec.decode(restored.info["calls"][-1]["prompt_token_ids"]).rsplit(
+        "<tool_response>", 1
+    )[1]
+    assert searched.count(SENTINEL) == 1, searched
+    assert restored.reward == 0.0  # the dataset's task wanted something else: scored all the same
+
+    # Token for token what an uninterrupted episode of the same task makes.
+    fresh = await second.env.run_episode(
+        RunEpisode(episode=EpisodeRef(rollout_id="gym-1_g0", attempt=0), task=task)
+    )
+    assert _calls(restored) == _calls(fresh)
+    assert [t["path"] for t in restored.info["tool_calls"]] == [
+        "/seed_session", "/calendar_create_event", "/calendar_search_events", "/verify",
+    ]  # fmt: skip
+
+    # The superseded attempt's session reaches nothing: its tool call is refused at the proxy.
+    proxy = f"http://127.0.0.1:{second.ports[1]}"
+    async with httpx.AsyncClient() as http:
+        late = await http.post(
+            f"{proxy}/calendar_create_event",
+            json=CREATE["arguments"],
+            headers={"cookie": f"rollsafe_session={episode.key}"},
+        )
+    assert late.status_code == 409 and "session_ended" in late.text
+
+
+async def _held(stack: Stack) -> bool:
+    return (await stack.engine_client.info()).held == 1
+
+
+def _unique() -> str:
+    return uuid.uuid4().hex[:8]
