@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -119,11 +119,10 @@ def router_routes(participant: Participant, token: str) -> list[Route]:
     return routes
 
 
-def participant_app(participant: Participant, token: str) -> Starlette:
-    """A Starlette app serving ``participant``; its lifespan runs the lease watcher. Each
-    request gets a server span, the caller's child, when tracing is configured (an app of
-    your own mounting :func:`router_routes` adds :class:`~rollsafe.http.tracing.ServerSpans`
-    itself)."""
+def participant_lifespan(
+    participant: Participant,
+) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
+    """An app's lifespan that runs ``participant``'s lease watcher while the app serves."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -133,8 +132,17 @@ def participant_app(participant: Participant, token: str) -> Starlette:
         finally:
             await participant.aclose()
 
+    return lifespan
+
+
+def participant_app(participant: Participant, token: str) -> Starlette:
+    """A Starlette app serving ``participant``; its lifespan runs the lease watcher. Each
+    request gets a server span, the caller's child, when tracing is configured (an app of
+    your own mounting :func:`router_routes` adds :class:`~rollsafe.http.tracing.ServerSpans`
+    itself)."""
+
     return Starlette(
         routes=router_routes(participant, token),
-        lifespan=lifespan,
+        lifespan=participant_lifespan(participant),
         middleware=[Middleware(ServerSpans)],
     )

@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from rollsafe.env.participant import Participant
-from rollsafe.env.router import router_routes
+from rollsafe.env.router import participant_lifespan, router_routes
 from rollsafe.errors import (
     InvalidInput,
     InvariantError,
@@ -205,23 +205,17 @@ def gateway_app(
     hooks: GatewayHooks, participant: Participant, env_token: str, api_token: str | None
 ) -> Starlette:
     """The main app; its lifespan runs the participant's lease watcher."""
-    from contextlib import asynccontextmanager
-
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        participant.start()
-        try:
-            yield
-        finally:
-            await participant.aclose()
-
     tools = _guard(api_token, proxy_handler(hooks, None))
     routes = [
         *openai_routes(hooks, api_token),
         Route("/sessions/{session}/tools/{server}/{path:path}", tools, methods=["GET", "POST"]),
         *router_routes(participant, env_token),
     ]
-    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(ServerSpans)])
+    return Starlette(
+        routes=routes,
+        lifespan=participant_lifespan(participant),
+        middleware=[Middleware(ServerSpans)],
+    )
 
 
 def tool_app(hooks: GatewayHooks, server: str, api_token: str | None) -> Starlette:
