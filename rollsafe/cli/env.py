@@ -17,9 +17,11 @@ from rollsafe.cli.options import (
     start_logging,
 )
 from rollsafe.cli.tokens import (
+    EngineToken,
+    EngineTokenFile,
+    TokenFile,
     required_token,
     resolve_token,
-    token_file_option,
     token_option,
 )
 from rollsafe.env.participant import LEASE_GRACE_S, TOOL_WAIT_S
@@ -38,11 +40,6 @@ if TYPE_CHECKING:
     from rollsafe.reference.envs.workplace.faults import FaultSwitches
 
 ENVIRONMENTS = ("workplace",)
-EngineToken = Annotated[
-    str | None, token_option(ENGINE_TOKEN_ENV, "the engine's bearer token", "--engine-token")
-]
-EngineTokenFile = Annotated[Path | None, token_file_option("--engine-token-file")]
-TokenFile = Annotated[Path | None, token_file_option()]
 
 
 def _engine_token(ctx: typer.Context, value: str | None, file: Path | None) -> str | None:

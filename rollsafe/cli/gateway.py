@@ -10,7 +10,15 @@ import typer
 
 from rollsafe.cli.exits import EXIT_CODES, fail
 from rollsafe.cli.options import LogFormatOption, LogLevelOption, PortOption, start_logging
-from rollsafe.cli.tokens import required_token, resolve_token, token_file_option, token_option
+from rollsafe.cli.tokens import (
+    EngineToken,
+    EngineTokenFile,
+    TokenFile,
+    required_token,
+    resolve_token,
+    token_file_option,
+    token_option,
+)
 from rollsafe.env.participant import LEASE_GRACE_S
 from rollsafe.errors import InvalidInput, RollsafeError
 from rollsafe.http.bearer import ENGINE_TOKEN_ENV, ENV_TOKEN_ENV
@@ -55,11 +63,9 @@ def gateway_serve(
     token: Annotated[
         str | None, token_option(ENV_TOKEN_ENV, "the run's checkpoint-protocol token")
     ] = None,
-    token_file: Annotated[Path | None, token_file_option()] = None,
-    engine_token: Annotated[
-        str | None, token_option(ENGINE_TOKEN_ENV, "the engines' token", "--engine-token")
-    ] = None,
-    engine_token_file: Annotated[Path | None, token_file_option("--engine-token-file")] = None,
+    token_file: TokenFile = None,
+    engine_token: EngineToken = None,
+    engine_token_file: EngineTokenFile = None,
     api_token: Annotated[
         str | None,
         token_option(

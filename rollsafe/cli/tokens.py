@@ -6,12 +6,12 @@ variable or a file (``--token-file``), so no token need ever appear on a command
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
 from rollsafe.errors import InvalidInput
-from rollsafe.http.bearer import read_token_file
+from rollsafe.http.bearer import ENGINE_TOKEN_ENV, read_token_file
 
 _VISIBLE = "a command line is visible to other users: prefer the variable or a file"
 
@@ -28,6 +28,14 @@ def token_file_option(flag: str = "--token-file") -> Any:
         dir_okay=False,
         help="read the token from this file (surrounding whitespace stripped)",
     )
+
+
+# The engine-token pair every command that calls an engine takes, and the plain --token-file.
+EngineToken = Annotated[
+    str | None, token_option(ENGINE_TOKEN_ENV, "the engine's bearer token", "--engine-token")
+]
+EngineTokenFile = Annotated[Path | None, token_file_option("--engine-token-file")]
+TokenFile = Annotated[Path | None, token_file_option()]
 
 
 def _from_command_line(ctx: typer.Context, param: str) -> bool:

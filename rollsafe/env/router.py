@@ -59,7 +59,7 @@ def error_response(exc: Exception) -> Response:
     return _error(500, type(exc).__name__, str(exc))
 
 
-def _fields(exc: ValidationError) -> str:
+def field_problems(exc: ValidationError) -> str:
     """Each problem as ``field.path: message`` (``<body>`` when the body itself is wrong)."""
     return "; ".join(
         f"{'.'.join(map(str, e['loc'])) or '<body>'}: {e['msg']}" for e in exc.errors()[:10]
@@ -71,7 +71,7 @@ async def _parse(request: Request, model: type[M]) -> M:
         return model.model_validate_json(await request.body())
     except ValidationError as exc:
         # InvalidInput by name, so a client can rebuild it from rollsafe.errors.
-        raise InvalidInput(f"{model.__name__}: {_fields(exc)}") from None
+        raise InvalidInput(f"{model.__name__}: {field_problems(exc)}") from None
 
 
 def _reply(model: BaseModel) -> Response:

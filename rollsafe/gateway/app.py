@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from rollsafe.env.participant import Participant
-from rollsafe.env.router import participant_lifespan, router_routes
+from rollsafe.env.router import field_problems, participant_lifespan, router_routes
 from rollsafe.errors import (
     InvalidInput,
     InvariantError,
@@ -94,10 +94,7 @@ async def _parse(request: Request, model: type[M]) -> M:
     try:
         return model.model_validate_json(await request.body())
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or '<body>'}: {e['msg']}" for e in exc.errors()[:10]
-        )
-        raise InvalidInput(f"{model.__name__}: {problems}") from None
+        raise InvalidInput(f"{model.__name__}: {field_problems(exc)}") from None
 
 
 def session_of(request: Request, metadata: Mapping[str, str] | None = None) -> str:

@@ -41,6 +41,7 @@ class Prompt:
     top_p: float
     stops: tuple[str, ...] = ()
     parse_tools: bool = True  # tool_choice "none": the text is the answer, never a tool call
+    logprobs: bool = False  # each token's text is wanted (chat's logprobs), decoded one by one
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class Answer:
     prompt_tokens: tuple[int, ...]
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
-    token_texts: tuple[str, ...]
+    token_texts: tuple[str, ...]  # one per token when the prompt asked for logprobs, else ()
     content: str | None
     tool_calls: tuple[ToolCall, ...]
     finish_reason: str  # "stop", "length" or "tool_calls"
@@ -77,6 +78,15 @@ class Answer:
 
 def _stable(*parts: object) -> str:
     return hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:24]
+
+
+def _function_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """A tool call in the chat format (what the template renders, what chat replies carry)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _template_role(role: str) -> str:
+    return "system" if role == "developer" else role  # the template knows no developer role
 
 
 def _text(content: str | list[TextPart] | None) -> str:
@@ -101,19 +111,15 @@ def chat_prompt(request: ChatRequest) -> Prompt:
         temperature=request.temperature,
         top_p=request.top_p,
         stops=request.stops,
+        logprobs=request.logprobs,
     )
 
 
 def _chat_message(message: ChatMessage) -> Message:
-    role = "system" if message.role == "developer" else message.role
-    out: Message = {"role": role, "content": _text(message.content)}
+    out: Message = {"role": _template_role(message.role), "content": _text(message.content)}
     if message.tool_calls:
         out["tool_calls"] = [
-            {
-                "id": call.id,
-                "type": "function",
-                "function": {"name": call.function.name, "arguments": call.function.arguments},
-            }
+            _function_call(call.id, call.function.name, call.function.arguments)
             for call in message.tool_calls
         ]
     if message.tool_call_id is not None:
@@ -150,14 +156,9 @@ def _add_item(
     """One Responses input item into chat messages: a turn's function calls join its
     assistant message (as the model made them: text, then calls)."""
     if isinstance(item, MessageItem):
-        role = "system" if item.role == "developer" else item.role
-        messages.append({"role": role, "content": _text(item.content)})
+        messages.append({"role": _template_role(item.role), "content": _text(item.content)})
     elif isinstance(item, FunctionCallItem):
-        call = {
-            "id": item.call_id,
-            "type": "function",
-            "function": {"name": item.name, "arguments": item.arguments},
-        }
+        call = _function_call(item.call_id, item.name, item.arguments)
         last = messages[-1] if messages else None
         if last is not None and last["role"] == "assistant":
             last.setdefault("tool_calls", []).append(call)
@@ -177,15 +178,17 @@ def _prompt(
     temperature: float | None,
     top_p: float | None,
     stops: tuple[str, ...] = (),
+    logprobs: bool = False,
 ) -> Prompt:
     return Prompt(
         messages=messages,
-        tools=tools or None if not no_tools else None,
+        tools=None if no_tools or not tools else tools,
         max_tokens=max_tokens,
         temperature=DEFAULT_TEMPERATURE if temperature is None else temperature,
         top_p=DEFAULT_TOP_P if top_p is None else top_p,
         stops=stops,
         parse_tools=not no_tools,
+        logprobs=logprobs,
     )
 
 
@@ -223,11 +226,7 @@ def _chat_tool_calls(answer: Answer) -> list[dict[str, Any]] | None:
     if not answer.tool_calls:
         return None
     return [
-        {
-            "id": answer.call_id(k),
-            "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments},
-        }
+        _function_call(answer.call_id(k), call.name, call.arguments)
         for k, call in enumerate(answer.tool_calls)
     ]
 

@@ -106,9 +106,7 @@ class GatewayHooks(EnvironmentHooks):
             live.end()
             self.sessions.pop(session, None)
             for server in self.tools.values():
-                forget = getattr(server, "forget", None)
-                if forget is not None:
-                    forget(session)
+                server.forget(session)
         if live.diverged is not None:  # the agent took the refusal and went on
             return live, None
         if live.replay.replaying:
@@ -167,9 +165,7 @@ class GatewayHooks(EnvironmentHooks):
         if self.agent is not None:
             await self.agent.aclose()
         for server in self.tools.values():
-            close = getattr(server, "aclose", None)
-            if close is not None:
-                await close()
+            await server.aclose()
 
     def drop_episode(self, episode: EpisodeRef) -> None:
         live = self._by_episode.pop(episode.key, None)

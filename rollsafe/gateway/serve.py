@@ -36,7 +36,6 @@ from rollsafe.observability.tracing import configure_tracing
 
 log = logging.getLogger(__name__)
 GATEWAY_BANNER = r"rollsafe gateway serving {instance} on (http://\S+)"
-TOOLS_BANNER = r"rollsafe gateway tools {server} on (http://\S+)"
 _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 

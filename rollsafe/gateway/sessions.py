@@ -47,6 +47,10 @@ class Upstream(Protocol):
         self, session: str, method: str, path: str, body: bytes, content_type: str
     ) -> tuple[int, str, str]: ...
 
+    def forget(self, session: str) -> None: ...
+
+    async def aclose(self) -> None: ...
+
 
 @dataclass(frozen=True)
 class Served:
@@ -147,7 +151,7 @@ class LiveSession:
             prompt_tokens=call.prompt_tokens,
             tokens=tokens,
             logprobs=call.logprobs[: len(tokens)],
-            token_texts=tuple(codec.decode((t,)) for t in tokens),
+            token_texts=tuple(codec.decode((t,)) for t in tokens) if prompt.logprobs else (),
             content=content,
             tool_calls=tool_calls,
             finish_reason="tool_calls" if tool_calls else finish,

@@ -254,13 +254,6 @@ class ResponsesRequest(_Strict):
 # -- replies ----------------------------------------------------------------------------------
 
 
-class TokenLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-    top_logprobs: list[Any] = Field(default_factory=list)
-
-
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"

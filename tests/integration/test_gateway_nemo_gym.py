@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -255,7 +254,3 @@ async def test_episode_survives_a_kill_of_every_process(
 
 async def _held(stack: Stack) -> bool:
     return (await stack.engine_client.info()).held == 1
-
-
-def _unique() -> str:
-    return uuid.uuid4().hex[:8]

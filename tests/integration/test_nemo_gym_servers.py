@@ -260,12 +260,12 @@ def test_a_server_that_cannot_start_fails_start_and_the_rest_are_stopped(tmp_pat
 
 
 STARTER = """
-import sys, time
+import signal, sys
 from pathlib import Path
 from rollsafe.gym.servers import GymServers
 servers = GymServers(Path(sys.argv[1]), agent=False).start()
 print(*servers.pids().values(), flush=True)
-time.sleep(300)
+signal.pause()  # until the test kills it
 """
 
 
