@@ -142,9 +142,7 @@ def gateway_serve(
         if unknown:
             raise InvalidInput(f"--tool-port names {', '.join(unknown)}, not a --tool-server")
         name = instance or f"gateway-{os.getpid()}"
-        hooks = build_hooks(
-            model, engine_url, engine_secret, agent_url, agent, tools, model_name, host, port
-        )
+        hooks = build_hooks(model, engine_url, engine_secret, agent_url, agent, tools, model_name)
     except RollsafeError as exc:
         fail(exc)
     try:
@@ -179,14 +177,12 @@ def build_hooks(
     agent: str | None,
     tools: dict[str, str],
     model_name: str | None,
-    host: str,
-    port: int,
 ) -> GatewayHooks:
     """The gateway's hooks from the command's flags."""
     from rollsafe.engine.http import EngineClient
     from rollsafe.engine.text import ChatCodec
     from rollsafe.env.serve import load_hooks_factory
-    from rollsafe.gateway.agents import AgentEntry, FunctionAgent, HttpAgent
+    from rollsafe.gateway.agents import FunctionAgent, HttpAgent
     from rollsafe.gateway.hooks import GatewayHooks
     from rollsafe.gateway.serve import EnginePool
     from rollsafe.gateway.sessions import Served
@@ -197,12 +193,10 @@ def build_hooks(
     codec = ChatCodec.load(model)
     engines = EnginePool([EngineClient(url, engine_token) for url in engine_urls])
     served = Served(engine=engines, codec=codec, model=model_name or model.name)
-    entry: AgentEntry | None = None
-    if agent_url is not None:
-        entry = HttpAgent(agent_url)
-    elif agent is not None:
-        function = load_hooks_factory(agent)  # the same import rules as --hooks
-        base = f"http://{host}:{port}"
-        entry = FunctionAgent(function, lambda session: f"{base}/sessions/{session}/v1")  # type: ignore[arg-type]
     servers = {name: ToolServer(name, url) for name, url in tools.items()}
-    return GatewayHooks(served, entry, servers)
+    hooks = GatewayHooks(served, HttpAgent(agent_url) if agent_url else None, servers)
+    if agent is not None:
+        function = load_hooks_factory(agent)  # the same import rules as --hooks
+        # hooks.url: where serve() listens, known once it bound its port (--port 0 too).
+        hooks.agent = FunctionAgent(function, lambda session: f"{hooks.url}/sessions/{session}/v1")  # type: ignore[arg-type]
+    return hooks

@@ -43,6 +43,7 @@ class GatewayHooks(EnvironmentHooks):
         self.name = name
         self.served, self.agent = served, agent
         self.tools = dict(tools or {})
+        self.url = ""  # where the gateway listens (set by serve once bound): agents' base URLs
         self.sessions: dict[str, LiveSession] = {}  # by session id: the runs in progress
         self._by_episode: dict[str, LiveSession] = {}  # by episode key: what export dumps
 

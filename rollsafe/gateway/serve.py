@@ -127,7 +127,8 @@ async def serve(
     )
     main = gateway_app(hooks, participant, env_token, api_token)
     sockets = [_bind(host, port)]
-    banners = [f"rollsafe gateway serving {instance} on {_url(host, sockets[0])}"]
+    hooks.url = _url(host, sockets[0])
+    banners = [f"rollsafe gateway serving {instance} on {hooks.url}"]
     apps: dict[int, Any] = {}
     for name in hooks.tools:
         sock = _bind(host, (tool_ports or {}).get(name, 0))

@@ -74,6 +74,8 @@ SCRIPT = {
         {"when": "", "reply": f"<tool_call>\n{json.dumps(CREATE)}\n</tool_call>"},
     ],
 }
+SIMPLE_AGENT = "simple_agent"  # NeMo Gym's, in its own process, via --agent-url
+OPENAI_AGENT = "examples.openai_agent:agent"  # a plain openai client, via --agent
 HELD_CALL = "/t1"  # the model call after the mutation
 HELD_AFTER = 3
 
@@ -92,7 +94,10 @@ def example_task() -> dict[str, Any]:
 class Stack:
     """One generation of every process: engine, gateway, NeMo Gym's agent and resources."""
 
-    def __init__(self, root: Path, model: Path, name: str, *, hold: bool, ports: Any = None):
+    def __init__(
+        self, root: Path, model: Path, name: str, agent: str, *, hold: bool, ports: Any = None
+    ):
+        self.agent = agent
         self.tokens = {ENGINE_TOKEN_ENV: "engine-secret", ENV_TOKEN_ENV: "env-secret"}
         logs = root / "logs" / name
         script = root / "script.json"
@@ -131,12 +136,20 @@ class Stack:
         self.started.append(self.engine)
         self.engine.wait_listening(ENGINE_BANNER.format(kind=r"\S+"))
         model_port, proxy_port = ports or free_ports(2)  # a restart keeps the agent's config
-        self.gym = GymServers(logs / "gym", model_port=model_port, tool_proxy_port=proxy_port)
+        simple_agent = self.agent == SIMPLE_AGENT  # else the openai example, in the gateway
+        self.gym = GymServers(
+            logs / "gym", model_port=model_port, tool_proxy_port=proxy_port, agent=simple_agent
+        )
         self.ports = (self.gym.ports.model, self.gym.ports.tool_proxy)
+        entry = (
+            ["--agent-url", f"{host}:{self.gym.ports.agent}/run"]
+            if simple_agent
+            else ["--agent", OPENAI_AGENT]
+        )
         self.gateway = ServedProcess(
             rollsafe_command(
                 "gateway", "serve", "--model", str(model), "--engine-url", self.engine.url,
-                "--agent-url", f"{host}:{self.gym.ports.agent}/run",
+                *entry,
                 "--tool-server", f"workplace={host}:{self.gym.ports.resources}",
                 "--tool-port", f"workplace={self.gym.ports.tool_proxy}",
                 "--port", str(self.gym.ports.model), "--instance", "gw-0",
@@ -178,13 +191,14 @@ def _calls(result: Any) -> list[dict[str, Any]]:
     ]
 
 
+@pytest.mark.parametrize("agent", [SIMPLE_AGENT, OPENAI_AGENT])
 async def test_episode_survives_a_kill_of_every_process(
-    tmp_path: Path, model_dir: Path, stacks: list[Stack]
+    tmp_path: Path, model_dir: Path, stacks: list[Stack], agent: str
 ) -> None:
     codec = ChatCodec.load(model_dir)
     task = example_task()
     episode = EpisodeRef(rollout_id="gym-0_g0", attempt=0)
-    first = Stack(tmp_path, model_dir, "first", hold=True)
+    first = Stack(tmp_path, model_dir, "first", agent, hold=True)
     stacks.append(first)
 
     running = asyncio.create_task(first.env.run_episode(RunEpisode(episode=episode, task=task)))
@@ -207,7 +221,7 @@ async def test_episode_survives_a_kill_of_every_process(
     with pytest.raises((asyncio.CancelledError, Exception)):
         await running
 
-    second = Stack(tmp_path, model_dir, "second", hold=False, ports=first.ports)
+    second = Stack(tmp_path, model_dir, "second", agent, hold=False, ports=first.ports)
     stacks.append(second)
     restore = RestoreRequest(
         restore_id="rs-1",
