@@ -103,6 +103,7 @@ bench: setup
 	$(BIN)/python bench/rollouts_bench.py
 	$(BIN)/python bench/engine_bench.py
 	$(BIN)/python bench/env_bench.py
+	$(BIN)/python bench/gateway_bench.py
 	$(BIN)/python bench/dataplane_bench.py
 	$(BIN)/python bench/run_bench.py
 
