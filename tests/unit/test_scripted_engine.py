@@ -1,0 +1,125 @@
+"""The scripted engine: the first rule whose pattern occurs in the prompt's last message picks
+the reply, emitted token by token and ended with the end-of-turn token; a call cut at any
+token resumes on a fresh engine with exactly the rest; a prompt no rule matches and a
+malformed script are refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rollsafe.engine.loop import HOLD_ENV, HoldRule
+from rollsafe.engine.protocol import GenerateRequest, SamplingParams, completion_of
+from rollsafe.engine.scripted import Script, ScriptedEngine, last_message, load_script
+from rollsafe.engine.text import ChatCodec, write_tokenizer
+from rollsafe.errors import InvalidInput
+from rollsafe.testing.waiting import eventually_async
+
+SCRIPT = Script.model_validate(
+    {
+        "rules": [
+            {"when": "<tool_response>", "reply": "Done: the meeting is booked."},
+            {"when": "", "reply": '<tool_call>\n{"name": "book", "arguments": {}}\n</tool_call>'},
+        ]
+    }
+)
+
+
+@pytest.fixture(scope="module")
+def codec(tmp_path_factory: pytest.TempPathFactory) -> ChatCodec:
+    return ChatCodec.load(write_tokenizer(tmp_path_factory.mktemp("scripted")))
+
+
+def engine(codec: ChatCodec) -> ScriptedEngine:
+    return ScriptedEngine(
+        SCRIPT,
+        encode=codec.encode,
+        decode=codec.decode,
+        end_token=codec.stop_token_ids[0],
+        vocab_size=codec.vocab_size,
+    )
+
+
+def request(codec: ChatCodec, messages: list[dict[str, object]], call: str) -> GenerateRequest:
+    sampling = SamplingParams(seed=1, max_tokens=64, stop_token_ids=codec.stop_token_ids)
+    return GenerateRequest(call_id=call, prompt_tokens=codec.render(messages), sampling=sampling)
+
+
+USER = [{"role": "user", "content": "Book it."}]
+AFTER_TOOL = [
+    *USER,
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "book", "arguments": "{}"}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c", "content": "ok"},
+]
+
+
+async def test_the_first_matching_rule_replies_token_by_token(codec: ChatCodec) -> None:
+    async with engine(codec) as scripted:
+        first = request(codec, USER, "s/t0")
+        done = completion_of("s/t0", [e async for e in scripted.generate(first)])
+        second = request(codec, AFTER_TOOL, "s/t1")
+        answer = completion_of("s/t1", [e async for e in scripted.generate(second)])
+    assert codec.decode(done.tokens) == SCRIPT.rules[1].reply
+    assert codec.decode(answer.tokens) == SCRIPT.rules[0].reply
+    assert answer.tokens[-1] == codec.stop_token_ids[0] and answer.finish_reason == "stop"
+    assert set(answer.logprobs) == {0.0}
+
+
+@pytest.mark.parametrize("at", [1, 3, 7])
+async def test_a_cut_call_resumes_with_exactly_the_rest(
+    codec: ChatCodec, at: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    call = request(codec, AFTER_TOOL, f"cut-{at}")
+    async with engine(codec) as whole:
+        expected = completion_of(call.call_id, [e async for e in whole.generate(call)])
+    # The engine holds the call after `at` tokens: the cut finds it there, however fast.
+    monkeypatch.setenv(HOLD_ENV, HoldRule(after_tokens=at).model_dump_json())
+    async with engine(codec) as first:
+        stream = first.generate(call)
+        await anext(stream)
+        await eventually_async(lambda: _held(first), what=f"the call held after {at} tokens")
+        [prefix] = (await first.cut([call.call_id])).prefixes
+        await stream.aclose()  # type: ignore[attr-defined]
+    assert len(prefix.tokens) == at
+    monkeypatch.delenv(HOLD_ENV)
+    async with engine(codec) as fresh:  # another process's engine, the same script
+        rest = [e async for e in fresh.resume(call, prefix)]
+    assert completion_of(call.call_id, rest, prefix).tokens == expected.tokens
+
+
+async def _held(scripted: ScriptedEngine) -> bool:
+    return (await scripted.info()).held == 1
+
+
+async def test_a_prompt_no_rule_matches_is_refused(codec: ChatCodec) -> None:
+    strict = Script.model_validate({"rules": [{"when": "^never$", "reply": "x"}]})
+    scripted = ScriptedEngine(
+        strict, encode=codec.encode, decode=codec.decode, end_token=0, vocab_size=codec.vocab_size
+    )
+    async with scripted:
+        with pytest.raises(InvalidInput, match="no rule of the script matches"):
+            [e async for e in scripted.generate(request(codec, USER, "x/t0"))]
+
+
+def test_the_last_message_is_the_one_before_the_generation_prompt() -> None:
+    prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert last_message(prompt) == "user\nhi<|im_end|>\n"
+
+
+def test_a_malformed_script_is_refused_by_name(tmp_path: Path) -> None:
+    bad = tmp_path / "script.json"
+    bad.write_text('{"format_version": 1, "rules": [{"when": "(", "reply": "x"}]}')
+    with pytest.raises(InvalidInput, match="not a regular expression"):
+        load_script(bad)
+    bad.write_text('{"format_version": 1, "rules": []}')
+    with pytest.raises(InvalidInput, match="rules"):
+        load_script(bad)
+    with pytest.raises(InvalidInput, match="cannot read it"):
+        load_script(tmp_path / "missing.json")
