@@ -11,12 +11,11 @@ on the same event loop.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -27,7 +26,7 @@ from rollsafe.core.config import RunConfig
 from rollsafe.core.ids import EpisodeId
 from rollsafe.env.protocol import EpisodeResult
 from rollsafe.evidence.files import GenerationEvent, append_lines
-from rollsafe.reference.rl.rollouts import row_from_result, task_for
+from rollsafe.reference.rl.workloads import WorkloadName, make_workload
 from rollsafe.rollouts import Rollouts
 
 
@@ -53,10 +52,12 @@ class ReferenceController(Controller):
         *,
         start_over: bool = False,
         generations: str | None = None,
+        workload: WorkloadName = "workplace",
     ) -> None:
         """``generations``: the evidence file each episode's start and seal are appended to
-        (``rollsafe verify`` counts what crashes cost in generation from it)."""
-        self.turns = turns
+        (``rollsafe verify`` counts what crashes cost in generation from it); ``workload``:
+        what the episodes are (:mod:`rollsafe.reference.rl.workloads`)."""
+        self.workload = make_workload(workload, turns)
         self.generations = Path(generations) if generations else None
         participants = Participants.connect(
             endpoints.envs,
@@ -172,16 +173,13 @@ class _Dispatcher:
         episode = await self.rollouts.dispatch(idx, i)
         self._record("started", episode)
         owner = await asyncio.to_thread(self.run.instance_for, idx, i)
-        task = task_for(idx, self.run.turns)
+        workload = self.run.workload
+        task = workload.task(idx)
 
         def to_row(result: EpisodeResult) -> dict[str, np.ndarray]:
-            row = row_from_result(result, task)
-            rollout = episode.rollout.key
-            mutations = [_mutation(str(owner), rollout, m) for m in result.info["mutations"]]
-            row["mutations"] = np.frombuffer(json.dumps(mutations).encode(), np.uint8)
-            return row
+            return workload.row(result, task, str(owner), episode.rollout.key)
 
-        await self.rollouts.run_episode(episode, task.model_dump(), to_row, max_wait_s=120)
+        await self.rollouts.run_episode(episode, task, to_row, max_wait_s=120)
         self._record("sealed", episode)  # acknowledged: durable with the journal on
 
     def _record(self, event: Literal["started", "sealed"], episode: EpisodeId) -> None:
@@ -193,12 +191,3 @@ class _Dispatcher:
                 at_unix=time.time(),
             )
             append_lines(self.run.generations, [line])
-
-
-def _mutation(instance: str, rollout_id: str, applied: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "instance": instance,
-        "rollout_id": rollout_id,
-        "turn": applied["turn"],
-        "call_id": applied["call_id"],
-    }

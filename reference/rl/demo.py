@@ -20,6 +20,9 @@ publishes) and ``env-lost@step<k>`` (a snapshot mid-generation, then instance
 ``w2`` SIGKILLed for good: the run is restarted with the fleet that is left, its episodes
 restored on the others).
 
+With ``--gym workplace_assistant`` the environments are NeMo Gym's own agent and resources
+server behind rollsafe's gateways (:mod:`rollsafe.reference.rl.gym_workplace`).
+
 Then the evidence files are checked (``rollsafe verify``) and ``timeline.png`` drawn. The
 run is asynchronous unless ``--deterministic`` (see ``rollsafe.reference.rl.run``).
 """
@@ -27,6 +30,7 @@ run is asynchronous unless ``--deterministic`` (see ``rollsafe.reference.rl.run`
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import random
@@ -69,6 +73,7 @@ from rollsafe.reference.rl.demo_options import (
     LOST_INSTANCE,
     DemoOptions,
 )
+from rollsafe.reference.rl.gym_workplace import GYM_INSTANCES, HELD_AFTER_TOKENS, HELD_CALL
 from rollsafe.reference.rl.policy import HfModel
 from rollsafe.reference.rl.progress import SnapshotWatch, write_timeline
 from rollsafe.reference.rl.run import ReferenceRun, run_config
@@ -146,6 +151,7 @@ class Demo:
             self.settings.turns,
             start_over=start_over,
             generations=str(self.options.out.resolve() / GENERATIONS),
+            workload=self.settings.workload,
         )
         ray.get(handle.status.remote())  # constructed, or its error raised here
         return ControllerActorProxy(handle, actor_name(self.settings.run_id))
@@ -213,16 +219,37 @@ class Demo:
         steps = [step for kind, step in crashes.items() if kind in ("run", "env-lost")]
         if not steps:
             return None
+        if self.options.gym is not None:  # the call after the tool effect: see gym_workplace
+            return HoldRule(
+                calls=HELD_CALL,
+                after_tokens=HELD_AFTER_TOKENS,
+                from_weight_version=min(steps),
+                once=False,
+            )
         return HoldRule(from_weight_version=min(steps), once=False)
 
     def _make_model(self) -> None:
         """--engine vllm: the tiny Hugging Face model the engine serves and the trainer
-        trains, built here (nothing can be downloaded), the run's seed its weights'."""
+        trains, built here (nothing can be downloaded), the run's seed its weights'; --gym:
+        the model the trainer trains (its tokenizer the gateways'), and the engine's script."""
         model = self.settings.model
-        if isinstance(model, HfModel):
-            from rollsafe.engine.vllm.models import ModelSpec, make_model
+        if not isinstance(model, HfModel):
+            return
+        from rollsafe.engine.vllm.models import ModelSpec, make_model
 
+        if self.options.script_path is None:
             make_model(model.path, ModelSpec(arch="dense", seed=self.settings.seed))
+            return
+        from rollsafe.reference.rl.gym_workplace import MODEL_SPEC, script
+
+        make_model(model.path, MODEL_SPEC.model_copy(update={"seed": self.settings.seed}))
+        self.options.script_path.write_text(json.dumps(script(), indent=2) + "\n")
+
+    def _environments(self) -> str:
+        count = len(self.servers.instances)
+        if self.options.gym is None:
+            return f"{count} environments"
+        return f"{count} environments (gateway + NeMo Gym {self.options.gym} + simple_agent)"
 
     def stop_workers(self) -> None:
         for worker in self.workers:
@@ -260,7 +287,7 @@ class Demo:
             }
             servers = RunServers(
                 self.work / "logs",
-                INSTANCES,
+                GYM_INSTANCES if self.options.gym is not None else INSTANCES,
                 seed=self.settings.seed,
                 engine_token=self.tokens[0],
                 env_token=self.tokens[1],
@@ -268,6 +295,7 @@ class Demo:
                 model=self.settings.model,
                 snapshot_root=(self.work / "snapshots").resolve(),
                 engine_niceness=DEMO_ENGINE_NICENESS,
+                script=self.options.script_path,
             )
             stack.callback(servers.stop)
             self.servers = servers
@@ -280,7 +308,7 @@ class Demo:
             }
             endpoints = servers.start(hold=self._crash_hold(crashes))
             self.say(
-                f"[start] Temporal {dev.address}, Ray, engine, {len(INSTANCES)} environments "
+                f"[start] Temporal {dev.address}, Ray, engine, {self._environments()} "
                 f"({self.elapsed():.1f}s)"
             )
             # A new run: snapshots a previous demo left in --out are not its own to restore.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -12,6 +12,7 @@ from rollsafe.core.config import RestoreLevelName, SamplerName
 from rollsafe.core.phases import PHASES
 from rollsafe.engine.model import ModelConfig
 from rollsafe.errors import InvalidInput
+from rollsafe.gym.servers import GymEnvironment
 from rollsafe.reference.rl.policy import HfModel
 from rollsafe.reference.rl.run import RunSettings
 
@@ -20,9 +21,18 @@ INSTANCES = ("w0", "w1", "w2")
 # finds calls mid-generation to cut (prepare and drain come first, and calls go on meanwhile).
 DEMO_TURNS, DEMO_GROUP_SIZE, DEMO_CALL_TOKENS = 6, 4, 48
 DEFAULT_FAULTS = ("coordinator@capture", "kill@step2", "run@step3", "env@prepare")
+# --gym: a kill mid-episode after its tool effect, mid-generation (run: the call after the
+# mutation is held, the snapshot cuts it), and one between snapshots (kill: the journal).
+DEFAULT_GYM_FAULTS = ("coordinator@capture", "run@step2", "kill@step3")
+# Faults a gym run cannot take: its gateways have no fault switches (env@prepare), and the
+# demo runs two instances, not three (env-lost).
+_NOT_WITH_GYM = ("env", "env-lost")
 # rollsafe demo --engine vllm: the tiny dense model it builds (engine make-model) and serves,
 # one per seed (the seed draws its weights).
 MODEL_DIR = "work/model-s{seed}"
+# --gym: the tiny model the trainer trains, whose tokenizer the gateways and the scripted
+# engine use; and the scripted engine's replies.
+GYM_MODEL_DIR, GYM_SCRIPT = "work/gym-model-s{seed}", "work/gym-script.json"
 _FAULT = re.compile(r"(coordinator|run|kill|env-lost|env|temporal)@(\S+)")
 KINDS = "coordinator, run, kill, env, temporal, env-lost"
 # Faults that end the run's processes at a step: one per step.
@@ -78,6 +88,15 @@ class DemoOptions(BaseModel):
     interval_s: float = Field(default=3.0, gt=0)
     engine: Literal["reference", "vllm"] = "reference"
     journal: bool = True  # a durable journal between snapshots (docs/journal.md)
+    # NeMo Gym's environment, unmodified, through the gateway (rollsafe.reference.rl.gym_workplace)
+    gym: GymEnvironment | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gym_faults_by_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("gym") is not None and "faults" not in data:
+            return {**data, "faults": tuple(Fault.parse(f) for f in DEFAULT_GYM_FAULTS)}
+        return data
 
     @field_validator("faults")
     @classmethod
@@ -108,6 +127,23 @@ class DemoOptions(BaseModel):
                 raise ValueError(f"{fault}: the run has only {self.steps} steps")
         return self
 
+    @model_validator(mode="after")
+    def _gym_takes_what_it_can(self) -> DemoOptions:
+        if self.gym is None:
+            return self
+        if self.engine != "reference":
+            raise ValueError("--gym serves a scripted policy: --engine does not apply")
+        refused = [str(f) for f in self.faults if f.kind in _NOT_WITH_GYM]
+        if refused:
+            raise ValueError(
+                f"--gym takes the faults coordinator, run, kill and temporal, not {refused}"
+            )
+        return self
+
+    @property
+    def script_path(self) -> Path | None:
+        return self.out.resolve() / GYM_SCRIPT if self.gym is not None else None
+
     def settings(self) -> RunSettings:
         # The run id is the seed's: rollouts are named after it, and sampling is keyed by the
         # rollout, so two runs with one seed can be compared rollout by rollout (--against).
@@ -121,10 +157,13 @@ class DemoOptions(BaseModel):
             checkpoint_every=self.checkpoint_every,
             journal=self.journal,
             model=self._model(),
+            workload="gym" if self.gym is not None else "workplace",
             **self._pacing(),
         )
 
     def _model(self) -> ModelConfig | HfModel:
+        if self.gym is not None:
+            return HfModel(path=self.out.resolve() / GYM_MODEL_DIR.format(seed=self.seed))
         if self.engine == "vllm":
             return HfModel(path=self.out.resolve() / MODEL_DIR.format(seed=self.seed))
         return ModelConfig()

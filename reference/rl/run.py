@@ -1,9 +1,9 @@
 """The reference RL run: prompts handed out through the controller, episodes dispatched through
-the admission gate to workplace environments, rows sealed into the data plane, GRPO steps on
-the engine's policy, new weights pushed to the engine server, a trainer checkpoint every
-``checkpoint_every`` steps, and snapshots whose phases park, cut and commit the environments.
-A run restored from a snapshot continues from it and rolls back the steps committed after it,
-so the evidence files describe one lineage.
+the admission gate to environments (the workload's: :mod:`rollsafe.reference.rl.workloads`),
+rows sealed into the data plane, GRPO steps on the engine's policy, new weights pushed to the
+engine server, a trainer checkpoint every ``checkpoint_every`` steps, and snapshots whose
+phases park, cut and commit the environments. A run restored from a snapshot continues from
+it and rolls back the steps committed after it, so the evidence files describe one lineage.
 
 Asynchronous by default: ``ahead_steps`` steps' worth of groups generate while the trainer
 trains, the engine takes new weights between two tokens of the calls in flight, and the
@@ -19,7 +19,6 @@ the weights after each step are a function of the rows trained.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -48,7 +47,6 @@ from rollsafe.evidence.files import (
     MUTATIONS,
     REPORT,
     TRAINED,
-    EnvMutation,
     FaultRecord,
     HandedOut,
     RunReport,
@@ -69,8 +67,9 @@ from rollsafe.reference.rl.lineage import (
     undo_evictions,
 )
 from rollsafe.reference.rl.policy import PolicyModel
-from rollsafe.reference.rl.rollouts import samples_from_row, tokens_sha256
+from rollsafe.reference.rl.rollouts import tokens_sha256
 from rollsafe.reference.rl.trainer import PolicyTrainer, StepResult
+from rollsafe.reference.rl.workloads import WorkloadName, make_workload, mutations_of_row
 
 TRAINER_DIR = "trainer"
 SNAPSHOTS_DIR = "snapshots"
@@ -85,6 +84,7 @@ class RunSettings(BaseModel):
     group_size: int = Field(default=2, ge=1)
     groups_per_step: int = Field(default=2, ge=1)
     turns: int = Field(default=4, ge=1, le=16)
+    workload: WorkloadName = "workplace"
     restore_level: RestoreLevelName = "prefix"
     sampler: SamplerName = "in_order"
     staleness_window: int = Field(default=0, ge=0, description="windowed: weight versions")
@@ -166,6 +166,7 @@ class ReferenceRun:
                 endpoints,
                 settings.turns,
                 generations=str(out / GENERATIONS),
+                workload=settings.workload,
             )
             if controller is None
             else None
@@ -173,6 +174,7 @@ class ReferenceRun:
         chosen = self.local if self.local is not None else controller
         assert chosen is not None
         self.controller: ControllerCalls = chosen
+        self.workload = make_workload(settings.workload, settings.turns)
         # The trainer's own connection to the engine, for pushing weights.
         self.loop = LoopThread("rollsafe-trainer")
         self.engine = EngineClient(endpoints.engine_url, endpoints.engine_token)
@@ -330,7 +332,7 @@ class ReferenceRun:
         rollouts = self.controller.rollouts(groups)
         by_group = self.controller.rows(groups)
         rows = {key: by_group[idx][i] for idx, i, key, _ in rollouts}
-        samples = {key: samples_from_row(key, rows[key]) for _, _, key, _ in rollouts}
+        samples = {key: self.workload.samples(key, rows[key]) for _, _, key, _ in rollouts}
         batch = [
             [s for idx, _, key, _ in rollouts if idx == g for s in samples[key]] for g in groups
         ]
@@ -352,11 +354,7 @@ class ReferenceRun:
             )
             for idx, _, key, attempt in rollouts
         ]
-        mutations = [
-            EnvMutation.model_validate(m)
-            for _, _, key, _ in rollouts
-            for m in json.loads(bytes(rows[key]["mutations"]))
-        ]
+        mutations = [m for _, _, key, _ in rollouts for m in mutations_of_row(rows[key])]
         self.controller.commit_step(groups)
         append_lines(self.out / TRAINED, trained)
         append_lines(self.out / MUTATIONS, mutations)

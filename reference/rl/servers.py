@@ -1,11 +1,13 @@
-"""The reference run's server processes: one ``rollsafe engine serve`` and the workplace
-environment instances, each ``rollsafe env serve``; started fresh, killed by pid (a crash is
-SIGKILL), stopped by pid at the end."""
+"""The reference run's server processes: one ``rollsafe engine serve`` and the environment
+instances, each ``rollsafe env serve workplace`` or, with a script (``demo --gym``), a gateway
+in front of NeMo Gym's own agent and resources server; started fresh, killed by pid (a crash
+is SIGKILL), stopped by pid at the end."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Protocol
 
 from rollsafe.engine.loop import HOLD_ENV, HoldRule
 from rollsafe.engine.model import ModelConfig
@@ -30,6 +32,11 @@ ENGINE_START_S = 240.0  # vLLM: import it and load the model, on a busy 2-core m
 DEMO_ENGINE_NICENESS = 10
 
 
+class _Process(Protocol):
+    def crash(self) -> None: ...
+    def stop(self) -> None: ...
+
+
 class RunServers:
     def __init__(
         self,
@@ -44,6 +51,7 @@ class RunServers:
         model: PolicyModel | None = None,
         snapshot_root: Path | None = None,
         engine_niceness: int = 0,
+        script: Path | None = None,
     ) -> None:
         self.logs, self.instances, self.seed = logs, tuple(instances), seed
         self.engine_token, self.env_token = engine_token, env_token
@@ -52,9 +60,12 @@ class RunServers:
         self.model = model or ModelConfig()  # the trainer's: the engine serves the same one
         self.snapshot_root = snapshot_root  # the environments' commit/restore paths stay inside
         self.engine_niceness = engine_niceness  # the reference engine's (vLLM's stays 0)
-        self.started: list[ServedProcess] = []
-        self.current: list[ServedProcess] = []
-        self.current_envs: dict[str, ServedProcess] = {}  # this generation's, by instance
+        # The scripted policy's replies: NeMo Gym's agents behind gateways (``model`` is then
+        # the Hugging Face directory whose tokenizer they share).
+        self.script = script
+        self.started: list[_Process] = []
+        self.current: list[_Process] = []
+        self.current_envs: dict[str, _Process] = {}  # this generation's, by instance
         self.generation = 0
 
     def start(
@@ -75,18 +86,7 @@ class RunServers:
         niceness = 0 if isinstance(self.model, HfModel) else self.engine_niceness
         engine_env = {**tokens, **hold_env}
         engine = self._start(args, banner, "engine", engine_env, ENGINE_START_S, niceness)
-        envs = {}
-        for name in self.instances:
-            args = ["env", "serve", "workplace", "--port", "0", "--engine-url", engine.url]
-            args += ["--instance", name, "--lease-grace-s", "5"]
-            args += ["--max-tokens", str(self.max_tokens)]
-            if self.snapshot_root is not None:
-                args += ["--snapshot-root", str(self.snapshot_root)]
-            if self.generation == 1 and name in self.env_faults:
-                args += ["--faults", self.env_faults[name]]
-            banner = ENV_BANNER.format(name="workplace", instance=name)
-            self.current_envs[name] = self._start(args, banner, name, tokens)
-            envs[name] = self.current_envs[name].url
+        envs = {name: self._start_env(name, engine.url, tokens) for name in self.instances}
         return Endpoints(
             engine_url=engine.url,
             engine_token=self.engine_token,
@@ -94,7 +94,41 @@ class RunServers:
             env_token=self.env_token,
         )
 
+    def _start_env(self, name: str, engine_url: str, tokens: Mapping[str, str]) -> str:
+        """Instance ``name``, started and listening; returns its URL."""
+        if self.script is not None:
+            return self._start_gym(name, engine_url, tokens)
+        args = ["env", "serve", "workplace", "--port", "0", "--engine-url", engine_url]
+        args += ["--instance", name, "--lease-grace-s", "5"]
+        args += ["--max-tokens", str(self.max_tokens)]
+        if self.snapshot_root is not None:
+            args += ["--snapshot-root", str(self.snapshot_root)]
+        if self.generation == 1 and name in self.env_faults:
+            args += ["--faults", self.env_faults[name]]
+        banner = ENV_BANNER.format(name="workplace", instance=name)
+        server = self._start(args, banner, name, tokens)
+        self.current_envs[name] = server
+        return server.url
+
+    def _start_gym(self, name: str, engine_url: str, tokens: Mapping[str, str]) -> str:
+        from rollsafe.reference.rl.gym_workplace import start_instance
+
+        assert isinstance(self.model, HfModel)
+        logs = self.logs / f"{name}-{self.generation}"
+        gateway, gym = start_instance(
+            name, engine_url, self.model.path, logs, tokens, self.snapshot_root
+        )
+        for process in (gateway, gym):
+            self.started.append(process)
+            self.current.append(process)
+        self.current_envs[name] = gateway
+        return gateway.url
+
     def _engine_args(self) -> list[str]:
+        if self.script is not None:
+            assert isinstance(self.model, HfModel)
+            model, script = str(self.model.path), str(self.script)
+            return ["--backend", "scripted", "--model", model, "--script", script]
         if isinstance(self.model, HfModel):  # float32: the dtype exact resume holds in
             return ["--backend", "vllm", "--model", str(self.model.path)]
         return ["--seed", str(self.seed), "--model", self.model.kind]

@@ -14,6 +14,7 @@ from rollsafe.cli.options import JsonOption, LogFormatOption, start_logging
 from rollsafe.core.config import RestoreLevelName, SamplerName
 from rollsafe.errors import RollsafeError
 from rollsafe.evidence.verify import Check
+from rollsafe.gym.servers import GymEnvironment
 from rollsafe.settings import LogLevel
 
 
@@ -111,6 +112,14 @@ def register_run_commands(app: typer.Typer) -> None:
             ),
         ] = True,
         interval_s: Annotated[float, typer.Option(help="seconds between periodic snapshots")] = 3.0,
+        gym: Annotated[
+            GymEnvironment | None,
+            typer.Option(
+                help="NeMo Gym's own agent and resources server as the environments, unmodified, "
+                "behind rollsafe's gateway (a scripted policy; default faults "
+                "coordinator@capture, run@step2, kill@step3); needs make setup's .venv-gym"
+            ),
+        ] = None,
         engine: Annotated[
             Literal["reference", "vllm"],
             typer.Option(
@@ -133,11 +142,15 @@ def register_run_commands(app: typer.Typer) -> None:
 
         Fails (1) when a check fails or a part cannot start."""
         from rollsafe.reference.rl.demo import run_demo
-        from rollsafe.reference.rl.demo_options import DEFAULT_FAULTS, DemoOptions, Fault
+        from rollsafe.reference.rl.demo_options import DemoOptions, Fault
 
         try:
             start_logging(log_level or "WARNING", log_format)
-            chosen = () if no_faults else tuple(fault if fault else DEFAULT_FAULTS)
+            chosen = () if no_faults else tuple(fault or ())
+            # None given: the defaults, which DemoOptions picks (--gym has its own).
+            faults = (
+                {"faults": tuple(Fault.parse(f) for f in chosen)} if no_faults or chosen else {}
+            )
             options = DemoOptions(
                 out=out,
                 steps=steps,
@@ -146,10 +159,11 @@ def register_run_commands(app: typer.Typer) -> None:
                 sampler=sampler,
                 deterministic=deterministic,
                 checkpoint_every=checkpoint_every,
-                faults=tuple(Fault.parse(f) for f in chosen),
                 interval_s=interval_s,
                 engine=engine,
                 journal=journal,
+                gym=gym,
+                **faults,
             )
         except ValueError as exc:  # InvalidInput, or pydantic's ValidationError of the options
             fail(exc, ExitCode.USAGE)

@@ -10,6 +10,10 @@ cut at a token boundary, resumed from a prefix (token ``n`` of a reply is the sa
 happened before), held by a hold rule, and refused when malformed. Logprobs are 0.0: the
 script's choice has probability one.
 
+A reply may name the groups of its rule's match as ``\\g<1>`` or ``\\g<name>`` (nothing else in
+it is an escape, unlike ``re.sub``'s replacement: a reply is mostly JSON): one rule then answers
+many tasks, e.g. ``"when": "Put '(?P<event>[^']+)' on"`` with the event's name in the reply.
+
 Script file (JSON)::
 
     {"format_version": 1,
@@ -37,6 +41,7 @@ SCRIPT_FORMAT: Literal[1] = 1
 # The last message of a ChatML prompt: what follows its last "<|im_start|>" but the one the
 # generation prompt opens.
 _MESSAGE_START = "<|im_start|>"
+_GROUP_REFERENCE = re.compile(r"\\g<(\w+)>")
 
 
 class Rule(BaseModel):
@@ -64,9 +69,23 @@ class Script(BaseModel):
     def reply(self, prompt: str) -> str:
         last = last_message(prompt)
         for rule in self.rules:
-            if re.search(rule.when, last):
-                return rule.reply
+            match = re.search(rule.when, last)
+            if match is not None:
+                return _expand(match, rule.reply)
         raise InvalidInput(f"no rule of the script matches the last message {last[:120]!r}")
+
+
+def _expand(match: re.Match[str], reply: str) -> str:
+    return _GROUP_REFERENCE.sub(lambda ref: _group(match, ref.group(1)), reply)
+
+
+def _group(match: re.Match[str], name: str) -> str:
+    try:
+        return match.group(int(name) if name.isdigit() else name) or ""
+    except IndexError:
+        raise InvalidInput(
+            f"a reply names group {name!r}, which its rule {match.re.pattern!r} does not have"
+        ) from None
 
 
 def last_message(prompt: str) -> str:

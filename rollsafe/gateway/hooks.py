@@ -138,7 +138,8 @@ class GatewayHooks(EnvironmentHooks):
             "session": live.session,
             "calls": calls,
             "tool_calls": [
-                {"server": t.server, "path": t.path, "status": t.status} for t in record.tools
+                {"server": t.server, "path": t.path, "status": t.status, "reply": t.reply}
+                for t in record.tools
             ],
             "replayed_calls": live.replay.replayed_calls,
             "agent": outcome.info,

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 from rollsafe.errors import InvalidInput
 from rollsafe.http.served import START_TIMEOUT_S, ServedProcess
@@ -40,6 +40,8 @@ LAUNCHER = Path(__file__).with_name("launch.py")
 # What launch.py prints once the server answers: group 1 is its URL (launch.BANNER).
 GYM_BANNER = r"nemo-gym serving {section} on (http://\S+)"
 
+# The NeMo Gym environments rollsafe runs (``rollsafe demo --gym``).
+GymEnvironment = Literal["workplace_assistant"]
 # Section names (the config's top-level keys; NEMO_GYM_CONFIG_PATH names one).
 RESOURCES_SECTION = "workplace_assistant"
 AGENT_SECTION = "workplace_assistant_simple_agent"

@@ -394,6 +394,7 @@ def test_object_storage_is_verified_one_snapshot_at_a_time(tmp_path, monkeypatch
         ("demo", "--restore-level", "everything"),
         ("demo", "--sampler", "lifo"),
         ("demo", "--engine", "tgi"),
+        ("demo", "--gym", "math"),
     ],
 )
 def test_a_value_outside_a_choice_is_a_usage_error(args):
@@ -414,6 +415,10 @@ def test_a_value_outside_a_choice_is_a_usage_error(args):
         (("demo", "--fault", "run@step2", "--fault", "env-lost@step2"), "at each step"),
         (("demo", "--fault", "temporal@drain", "--fault", "coordinator@drain"), "different"),
         (("demo", "--steps", "2", "--fault", "env-lost@step3"), "has only 2 steps"),
+        (("demo", "--gym", "workplace_assistant", "--engine", "vllm"), "--engine does not apply"),
+        (("demo", "--gym", "workplace_assistant", "--fault", "env@prepare"), "not ['env@prepare']"),
+        # --gym's own default faults (run@step2, kill@step3) checked against its steps
+        (("demo", "--gym", "workplace_assistant", "--steps", "2"), "kill@step3: the run has only"),
     ],
 )
 def test_a_bad_argument_found_by_the_command_is_a_usage_error(args, message):

@@ -1,6 +1,7 @@
 """The scripted engine: the first rule whose pattern occurs in the prompt's last message picks
 the reply, emitted token by token and ended with the end-of-turn token; a call cut at any
-token resumes on a fresh engine with exactly the rest; a prompt no rule matches and a
+token resumes on a fresh engine with exactly the rest; a reply may name its match's groups; a
+prompt no rule matches and a
 malformed script are refused by name."""
 
 from __future__ import annotations
@@ -106,6 +107,24 @@ async def test_a_prompt_no_rule_matches_is_refused(codec: ChatCodec) -> None:
     async with scripted:
         with pytest.raises(InvalidInput, match="no rule of the script matches"):
             [e async for e in scripted.generate(request(codec, USER, "x/t0"))]
+
+
+def test_a_reply_names_the_groups_of_its_match_and_nothing_else_is_an_escape() -> None:
+    script = Script.model_validate(
+        {
+            "rules": [
+                {
+                    "when": r"Put '(?P<event>[^']+)' on (\w+)",
+                    "reply": r'{"event_name": "\g<event>", "day": "\g<2>", "raw": "\n\d"}',
+                }
+            ]
+        }
+    )
+    prompt = "<|im_start|>user\nPut 'standup 7' on Monday<|im_end|>\n<|im_start|>assistant\n"
+    assert script.reply(prompt) == r'{"event_name": "standup 7", "day": "Monday", "raw": "\n\d"}'
+    unknown = Script.model_validate({"rules": [{"when": "Put", "reply": r"\g<event>"}]})
+    with pytest.raises(InvalidInput, match="names group 'event'"):
+        unknown.reply(prompt)
 
 
 def test_the_last_message_is_the_one_before_the_generation_prompt() -> None:
