@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import re
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
@@ -176,8 +175,8 @@ def _events_found(
     searches = [t for t in result.info["tool_calls"] if t["path"] == f"/{SEARCH}"]
     if not searches:
         raise InvalidInput(f"{rollout_id}: the agent never searched the calendar")
-    reply = _compact(searches[-1]["reply"])
-    found = len(re.findall(re.escape(f'"event_name":"{event}"'), reply))
+    reply = searches[-1]["reply"]
+    found = _event_names(reply).count(event)
     if found == 0:
         raise InvalidInput(
             f"{rollout_id}: the calendar holds no {event!r}: its creation was lost "
@@ -189,12 +188,15 @@ def _events_found(
     ]
 
 
-def _compact(reply: str) -> str:
-    """The tool server's JSON reply without insignificant whitespace (its spacing is its own)."""
+def _event_names(reply: str) -> list[Any]:
+    """The names of the events a search reply lists (``{"output": {"events": [...]}}``; an
+    output that is a sentence, "No events found.", lists none)."""
     try:
-        return json.dumps(json.loads(reply), separators=(",", ":"))
-    except json.JSONDecodeError:
-        return reply
+        output = json.loads(reply).get("output")
+    except (json.JSONDecodeError, AttributeError):  # not JSON, or not an object
+        return []
+    events = output.get("events", []) if isinstance(output, dict) else []
+    return [e.get("event_name") for e in events if isinstance(e, dict)]
 
 
 def start_instance(
