@@ -39,6 +39,7 @@
     │   ├── DataPlaneCorrupt           a row read back differs from the digest it was put with
     │   ├── PrefixMismatch             a resume's prefix does not belong to the call (names why)
     │   ├── ReplayDiverged             a replayed session's call differs from its record (names it)
+    │   ├── EffectDiverged             asked again with other arguments than it was applied with
     │   ├── SnapshotsFailed            the SDK: the run's supervisor failed
     │   ├── RestoreFailed              the SDK: the run could not be restored
     │   ├── SupervisorNotRunning       the SDK: no supervisor runs for the run
@@ -239,6 +240,17 @@ class ReplayDiverged(InvariantError):
         super().__init__(f"session {session}: {call} differs from its record: {detail}")
 
 
+class EffectDiverged(InvariantError):
+    """An effect asked for again (a restored or retried attempt, the same key) with arguments
+    other than those it was applied with: the attempt is not deterministic given its record
+    (sampling or randomness keyed on something but the rollout and the turn). It is not applied
+    a second time; the episode fails and falls back (docs/environment-protocol.md, "Effects")."""
+
+    def __init__(self, key: str, detail: str) -> None:
+        self.key = key
+        super().__init__(f"effect {key}: {detail}")
+
+
 class InvalidInput(RollsafeError, ValueError):
     """Malformed input from a user: a file, an argument, an identifier."""
 
@@ -369,7 +381,9 @@ class ScenarioError(InvalidInput):
 class ParticipantRefused(InvalidInput):
     """Refused by an environment participant in this phase or for this episode (HTTP 409).
     ``reason``: ``checkpoint_parked``, ``retired``, ``already_running``, ``wrong_phase``,
-    ``other_checkpoint``, ``checkpoint_resumed`` or ``not_parked``."""
+    ``other_checkpoint``, ``checkpoint_resumed``, ``not_parked`` or ``superseded`` (a newer
+    attempt of the rollout was restored or run on the instance: this one makes no more
+    effects)."""
 
     reason: str = "refused"  # also after _rebuild, which skips __init__
 

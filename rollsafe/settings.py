@@ -85,7 +85,8 @@ class RunSection(BaseModel):
     groups_per_step: int | None = Field(default=None, ge=1)  # prompts per optimizer step
     sampler: SamplerName = _default(RunConfig, "sampler")
     staleness_window: int = Field(default=_default(RunConfig, "staleness_window"), ge=0)
-    restore_level: RestoreLevelName = _default(RunConfig, "restore_level")
+    # None: the most lossless level the run's participants support (default_restore_level).
+    restore_level: RestoreLevelName | None = None
     journal: bool = _default(RunConfig, "journal")  # a durable journal between snapshots
     journal_flush_ms: float = Field(default=_default(RunConfig, "journal_flush_ms"), gt=0)
 
@@ -128,9 +129,14 @@ class ParticipantsSection(BaseModel):
         return Participants.connect(
             self.envs,
             self.engines,
-            env_token=_token(self.env_token_file, ENV_TOKEN_ENV, environ),
+            env_token=self.env_token(environ),
             engine_token=_token(self.engine_token_file, ENGINE_TOKEN_ENV, environ),
         )
+
+    def env_token(self, env: Mapping[str, str] | None = None) -> str:
+        """The environment instances' bearer token (InvalidInput naming where it was sought)."""
+        environ = os.environ if env is None else env
+        return _token(self.env_token_file, ENV_TOKEN_ENV, environ)
 
 
 class TemporalSection(BaseModel):
@@ -246,8 +252,11 @@ class Settings(BaseSettings):
         ``temporal:`` section), secrets masked."""
         environ = os.environ if env is None else env
         origins = self.origins()
+        level, why = self.restore_level()  # as the run uses it: resolved when not set
         rows = [
             EffectiveSetting(key=key, value=_shown(_lookup(self, key)), source=source)
+            if key != "run.restore_level"
+            else EffectiveSetting(key=key, value=level, source=why)
             for key, source in origins.items()
             if not key.startswith("temporal.") or key == "temporal.profile"
         ]
@@ -291,10 +300,20 @@ class Settings(BaseSettings):
             )
         return self.snapshot_root
 
+    def restore_level(self) -> tuple[RestoreLevelName, str]:
+        """``run.restore_level`` as the run uses it, and why: set, or the default for the
+        participants (:func:`default_restore_level`)."""
+        if self.run.restore_level is not None:
+            return self.run.restore_level, self.origins()["run.restore_level"]
+        level, why = default_restore_level(self.participants)
+        return level, f"default: {why}"
+
     def run_config(self, **overrides: Any) -> RunConfig:
         """The controller's :class:`RunConfig`: the run id and the ``run:`` section, with
         ``overrides`` (e.g. ``group_size=8``) on top."""
         fields = {"run_id": self.require_run_id(), **self.run.model_dump(), **overrides}
+        if fields["restore_level"] is None:
+            fields["restore_level"] = self.restore_level()[0]
         missing = [name for name in ("group_size", "groups_per_step") if fields[name] is None]
         if missing:
             keys = ", ".join(f"run.{name}" for name in missing)
@@ -344,6 +363,19 @@ class Settings(BaseSettings):
             return ConnectionSettings.model_validate({**base.model_dump(), **overrides})
         except ValidationError as exc:
             raise InvalidInput(f"settings temporal: {_describe(exc, {})}") from None
+
+
+def default_restore_level(participants: ParticipantsSection) -> tuple[RestoreLevelName, str]:
+    """The most lossless restore level the run's participants support, and why: ``prefix``
+    with an engine (a cut call resumes from its staged tokens), ``turn`` with environments
+    only (an episode continues from its parked turn), else :class:`RunConfig`'s own default
+    (no participant holds anything finer than a sibling's row)."""
+    if participants.engines:
+        return "prefix", "participants.engines is set (a cut call resumes token for token)"
+    if participants.envs:
+        return "turn", "participants.envs is set, no engine (episodes continue at their turn)"
+    level: RestoreLevelName = _default(RunConfig, "restore_level")
+    return level, "no participants"
 
 
 def _token(path: Path | None, variable: str, environ: Mapping[str, str]) -> str:

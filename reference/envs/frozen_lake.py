@@ -97,5 +97,9 @@ class FrozenLake(EnvironmentHooks):
     def restore_episode(self, episode: EpisodeRef, record: dict[str, Any]) -> None:
         parsed(Walk, record)  # a record that is not a walk refuses the restore
 
+    def state_digest(self, episode: EpisodeRef) -> str | None:
+        walk = self.live[episode.key]  # the whole state: the lake is reset from it every turn
+        return hashlib.sha256(walk.model_dump_json().encode()).hexdigest()
+
     def drop_episode(self, episode: EpisodeRef) -> None:
         self.live.pop(episode.key, None)

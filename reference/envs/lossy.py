@@ -6,6 +6,16 @@ each.
   (applying the first turns' moves twice) while the toolkit still reports it restored.
 - :class:`RegeneratingFrozenLake` continues its record, but makes a cut call again from its
   first token instead of resuming it from the staged prefix.
+
+And textarena's Mastermind (:mod:`rollsafe.reference.envs.mastermind`) broken where exactly
+once breaks without moving the turns or the reward:
+
+- :class:`ResubmittingMastermind` names its submit effect after the episode (the attempt
+  included), so a restored attempt submits the guesses of the turns it redoes again.
+- :class:`ForgetfulMastermind` does not replay the record's guesses into the restored game:
+  textarena's own history and turn counter (hidden state) are lost; pegs and reward are not.
+- :class:`RowChangingMastermind` reports the guesses its run made, not the record's: a
+  restored episode yields a shorter training row.
 """
 
 from __future__ import annotations
@@ -13,10 +23,11 @@ from __future__ import annotations
 from typing import Any
 
 from rollsafe.engine.protocol import Completion, Engine, GenerateRequest
-from rollsafe.env.hooks import EpisodeSession
+from rollsafe.env.hooks import Apply, EpisodeSession
 from rollsafe.env.protocol import EpisodeRef, EpisodeResult, RunEpisode
 from rollsafe.env.session import complete_call
 from rollsafe.reference.envs.frozen_lake import FrozenLake
+from rollsafe.reference.envs.mastermind import Game, Mastermind, new_game, parsed
 
 
 class _Forgetful:
@@ -57,3 +68,40 @@ class RegeneratingFrozenLake(FrozenLake):
 
     async def run_episode(self, run: RunEpisode, session: EpisodeSession) -> EpisodeResult:
         return await super().run_episode(run, _NoResume(session))  # type: ignore[arg-type]
+
+
+class _AttemptKeyed(_Forgetful):
+    """A session whose effects are named after the episode key, the attempt included."""
+
+    def __init__(self, session: EpisodeSession) -> None:
+        super().__init__(session)
+        self.restored = session.restored  # type: ignore[assignment]
+
+    async def effect(self, turn: int, name: str, apply: Apply, *, args: Any = None) -> Any:
+        named = f"{name}@{self._session.episode.key}"
+        return await self._session.effect(turn, named, apply, args=args)
+
+
+class ResubmittingMastermind(Mastermind):
+    name = "resubmitting_mastermind"
+
+    async def run_episode(self, run: RunEpisode, session: EpisodeSession) -> EpisodeResult:
+        return await super().run_episode(run, _AttemptKeyed(session))  # type: ignore[arg-type]
+
+
+class ForgetfulMastermind(Mastermind):
+    name = "forgetful_mastermind"
+
+    def resume_game(self, game: Game) -> Any:
+        return new_game(game.seed)  # the record's guesses are not replayed into textarena
+
+
+class RowChangingMastermind(Mastermind):
+    name = "row_changing_mastermind"
+
+    async def run_episode(self, run: RunEpisode, session: EpisodeSession) -> EpisodeResult:
+        result = await super().run_episode(run, session)
+        record = session.restored
+        made_before = len(parsed(Game, record).guesses) if record else 0
+        guesses = result.info["guesses"][made_before:]  # this run's guesses only
+        return result.model_copy(update={"info": {"guesses": guesses}})

@@ -38,7 +38,9 @@ def row_from_result(result: EpisodeResult, task: Task) -> dict[str, np.ndarray]:
         "tokens": np.array([t for turn in turn_tokens for t in turn], np.int32),
         "turn_lengths": np.array([len(turn) for turn in turn_tokens], np.int32),
         "reward": np.array(result.reward, np.float32),
-        "restored_prefix_tokens": np.array(sum(t["resumed_from"] for t in history), np.int32),
+        "restored_prefix_tokens": np.array(
+            sum(result.info["attempt"]["resumed_from"].values()), np.int32
+        ),
     }
 
 

@@ -16,9 +16,12 @@ and staged): what a restore needs to bring the episodes back as attempt n + 1.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -58,7 +61,7 @@ from rollsafe.env.fleet_rules import (
     place,
 )
 from rollsafe.env.participant import MAX_LEASE_S
-from rollsafe.env.protocol import EpisodeRef, EpisodeResult, RunEpisode
+from rollsafe.env.protocol import MAX_RUN_LEASE_S, EpisodeRef, EpisodeResult, RunEpisode, RunLease
 from rollsafe.errors import CheckpointSpent, EnvRefused, InvalidInput, TransientError
 from rollsafe.observability import metrics
 from rollsafe.snapshot import SnapshotReader
@@ -94,6 +97,10 @@ class ParticipantOptions(BaseModel):
     # calls are committed at turn level and its release given up, named (docs/operations.md).
     # Above a vLLM cut's wait for its running step; below the environments' park deadline.
     engine_deadline_s: float = Field(default=20.0, gt=0)
+    # The run lease episodes are dispatched under, renewed every fifth of it: once this
+    # process is gone, the instances refuse its episodes' effects this long after the last
+    # renewal at most (docs/environment-protocol.md, "Effects").
+    run_lease_s: float = Field(default=5.0, gt=0, le=MAX_RUN_LEASE_S)
 
 
 class ParticipantsRecord(BaseModel):
@@ -149,12 +156,15 @@ class Participants:
         loop: LoopThread,
         pending: PendingReplies | None = None,
         options: ParticipantOptions | None = None,
+        lease: RunLease | None = None,
     ) -> None:
         self.fleet = fleet
         self.engines = dict(engines)
         self.loop = loop
         self.pending = pending if pending is not None else PendingReplies()
         self.options = options or ParticipantOptions()
+        self.lease = lease  # episodes are dispatched under it; None: no run lease
+        self._lease_keeper: asyncio.Task[None] | None = None
         self._checkpoints: dict[str, _Checkpoint] = {}
         self._handed_back: dict[str, int] = {}  # restore id -> staged tokens handed back
 
@@ -181,12 +191,27 @@ class Participants:
             return fleet, {name: EngineClient(url, engine_token) for name, url in engines.items()}
 
         fleet, clients_by_name = loop.run(clients())
-        return cls(fleet, clients_by_name, loop=loop, options=options)
+        options = options or ParticipantOptions()
+        holder = f"dispatcher-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        lease = RunLease(holder=holder, ttl_s=options.run_lease_s)
+        participants = cls(fleet, clients_by_name, loop=loop, options=options, lease=lease)
+        participants.loop.run(participants._keep_lease())
+        return participants
+
+    async def _keep_lease(self) -> None:
+        """Start renewing the run lease in the background (on :attr:`loop`)."""
+        if self.lease is not None:
+            keeper = self.fleet.keep_run_lease(self.lease, self.lease.ttl_s / 5)
+            self._lease_keeper = asyncio.get_running_loop().create_task(keeper)
 
     def close(self) -> None:
         """Close the clients :meth:`connect` made, and their loop."""
 
         async def close_clients() -> None:
+            if self._lease_keeper is not None:  # closed: its episodes' lease runs out
+                self._lease_keeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._lease_keeper
             await self.fleet.aclose()
             for engine in self.engines.values():
                 close = getattr(engine, "aclose", None)
@@ -212,7 +237,7 @@ class Participants:
         ref = to_ref(episode)
         self.pending.add(ref, instance)
         try:
-            request = RunEpisode(episode=ref, task=dict(task))
+            request = RunEpisode(episode=ref, task=dict(task), lease=self.lease)
             result = await self.fleet.run_episode(instance, request, max_wait_s=max_wait_s)
             await asyncio.to_thread(seal, result)
             return result

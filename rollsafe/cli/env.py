@@ -28,6 +28,7 @@ from rollsafe.env.participant import LEASE_GRACE_S, TOOL_WAIT_S
 from rollsafe.env.serve import (
     HooksFactory,
     ServeContext,
+    hooks_options,
     load_hooks_factory,
     make_hooks,
     serve,
@@ -36,6 +37,7 @@ from rollsafe.errors import RollsafeError
 from rollsafe.http.bearer import ENGINE_TOKEN_ENV, ENV_TOKEN_ENV
 
 if TYPE_CHECKING:
+    from rollsafe.env.conformance import ConformanceReport
     from rollsafe.env.hooks import EnvironmentHooks
     from rollsafe.reference.envs.workplace.faults import FaultSwitches
 
@@ -112,6 +114,17 @@ def env_serve(
             "rollsafe.env.serve.ServeContext, returning EnvironmentHooks"
         ),
     ] = None,
+    hooks_option: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="KEY=VALUE for your hooks (ServeContext.options); repeat for more. Secrets "
+            "belong in a file the hooks read, not here (argv is visible)",
+        ),
+    ] = None,
+    hooks_options_file: Annotated[
+        Path | None,
+        typer.Option(help="a JSON object of strings: your hooks' options (under --hooks-option)"),
+    ] = None,
     engine_url: Annotated[
         str | None,
         typer.Option(help="the policy engine, e.g. http://host:port (workplace needs one)"),
@@ -155,6 +168,8 @@ def env_serve(
 
     if (problem := _environment_problem(name, hooks)) is not None:
         usage_error(problem)
+    if hooks is None and (hooks_option or hooks_options_file):
+        usage_error("--hooks-option and --hooks-options-file are for --hooks")
     if snapshot_root is not None and "://" in snapshot_root:
         usage_error(f"--snapshot-root is a local directory, not {snapshot_root!r}")
     from rollsafe.reference.envs.workplace.faults import parse_faults
@@ -176,7 +191,9 @@ def env_serve(
             "snapshot_root": snapshot_root,
         }
         factory = _workplace(max_tokens) if hooks is None else load_hooks_factory(hooks)
-        asyncio.run(_serve_hooks(factory, engine_url, engine_secret, switches, served))
+        options = hooks_options(hooks_option or (), hooks_options_file)
+        context = ServeContext(engine=None, instance=instance, options=options)
+        asyncio.run(_serve_hooks(factory, context, engine_url, engine_secret, switches, served))
     except RollsafeError as exc:
         fail(exc)
 
@@ -188,7 +205,10 @@ def env_check(
     token_file: TokenFile = None,
     task: Annotated[
         str | None,
-        typer.Option(help="an episode task as a JSON object (without: episode checks skip)"),
+        typer.Option(
+            help="an episode task as a JSON object, long enough to park mid-way (required: "
+            "the restore checks run episodes)"
+        ),
     ] = None,
     lease_wait_s: Annotated[
         float,
@@ -214,7 +234,8 @@ def env_check(
 
     The instance must be idle, and may run other episodes meanwhile. One line per check (on
     stderr with --json, which prints the report). Fails (1) when a check fails (named) or
-    the instance cannot be reached; a token it refuses (401) is a usage error (2)."""
+    the instance cannot be reached; exits 2 when a check could not run (named, with what to
+    give), when the instance refuses the token (401), or without --task."""
     import asyncio
 
     from rollsafe.env.conformance import run_conformance
@@ -229,6 +250,11 @@ def env_check(
         fail(exc)
     if (engine_url is None) != (engine_secret is None):
         usage_error("--engine-url and --engine-token go together")
+    if episode_task is None:
+        usage_error(
+            "--task is required: without an episode the restore, cut, abandoned-attempt and "
+            "effect checks cannot run, and a check that did not run is not a pass"
+        )
     try:
         report = asyncio.run(
             run_conformance(
@@ -247,11 +273,25 @@ def env_check(
     if as_json:
         typer.echo(report.model_dump_json(indent=2))
     else:
-        failed = [c.name for c in report.checks if not c.passed]
-        verdict = f"FAILED: {', '.join(failed)}" if failed else "all checks passed"
-        typer.echo(f"{report.url} ({report.instance}): {verdict} in {report.seconds:.1f}s")
-    if not report.passed:
+        typer.echo(_verdict(report))
+    if any(not c.passed and not c.skipped for c in report.checks):
         raise typer.Exit(int(ExitCode.FAILURE))
+    if report.skipped:
+        raise typer.Exit(int(ExitCode.USAGE))
+
+
+def _verdict(report: ConformanceReport) -> str:
+    """The last line: failed and skipped checks by name; "all checks passed" only when each
+    ran and passed; then what could not be compared."""
+    failed = [c.name for c in report.checks if not c.passed and not c.skipped]
+    skipped = [f"{c.name} ({c.detail})" for c in report.skipped]
+    parts = [f"FAILED: {', '.join(failed)}"] if failed else []
+    parts += [f"NOT RUN: {'; '.join(skipped)}"] if skipped else []
+    verdict = "; ".join(parts) or "all checks passed"
+    line = f"{report.url} ({report.instance}): {verdict} in {report.seconds:.1f}s"
+    if report.not_compared:
+        line += "\nnot compared: " + "; ".join(report.not_compared)
+    return line
 
 
 def _workplace(max_tokens: int) -> HooksFactory:
@@ -267,6 +307,7 @@ def _workplace(max_tokens: int) -> HooksFactory:
 
 async def _serve_hooks(
     factory: HooksFactory,
+    context: ServeContext,
     engine_url: str | None,
     engine_token: str | None,
     switches: FaultSwitches,
@@ -274,6 +315,8 @@ async def _serve_hooks(
 ) -> None:
     """Serve the hooks ``factory`` makes (built-in or ``--hooks``), behind the fault
     switches, with the policy engine reached over HTTP."""
+    import dataclasses
+
     from rollsafe.engine.http import EngineClient
     from rollsafe.reference.envs.workplace.faults import FaultMiddleware
 
@@ -281,7 +324,7 @@ async def _serve_hooks(
     if engine_url is not None and engine_token is not None:
         engine = EngineClient(engine_url, engine_token)
     try:
-        env = make_hooks(factory, ServeContext(engine=engine))
+        env = make_hooks(factory, dataclasses.replace(context, engine=engine))
         wrap = lambda app: FaultMiddleware(app, served["token"], switches)  # noqa: E731
         await serve(env, wrap=wrap, **served)
     finally:

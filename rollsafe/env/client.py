@@ -40,9 +40,12 @@ from rollsafe.env.protocol import (
     CommitReply,
     CommitRequest,
     CountReply,
+    EffectsReply,
+    EffectsRequest,
     EpisodeResult,
     ErrorReply,
     ForgetRequest,
+    LeaseReply,
     PrepareReply,
     PrepareRequest,
     RenewReply,
@@ -53,6 +56,7 @@ from rollsafe.env.protocol import (
     ResumeRequest,
     RetireRequest,
     RunEpisode,
+    RunLease,
     StatusReply,
 )
 from rollsafe.errors import (
@@ -121,6 +125,12 @@ class EnvClient:
         # Reading records back can take longer than a control call, and never less.
         budget = max(self._until(request.deadline_ts), self.timeout_s + self.grace_s)
         return await self._control("restore", request, RestoreReply, budget)
+
+    async def effects(self, request: EffectsRequest) -> EffectsReply:
+        return await self._control("effects", request, EffectsReply)
+
+    async def lease(self, request: RunLease) -> LeaseReply:
+        return await self._control("lease", request, LeaseReply)
 
     # -- episodes -------------------------------------------------------------------------------
 

@@ -5,14 +5,19 @@ Ids are fresh. Commit files are verified here when the URL is a loopback one (el
 files are a warning). An episode parked ``generating`` must stay committable even though this
 suite cuts no engine call: a conforming server holds a response that arrives while parked.
 
-With a task, one episode runs first, uninterrupted: a task shorter than
-:data:`MIN_TASK_TURNS` turns is refused up front (an episode must be parked mid-way for its
-restore to be checked). The restore check parks episodes after their first turn, restores
-them as attempt n + 1 and requires each to continue its record: it reports the boundary it
-continued from (``restored_at_turn``: the parked turn, or the next one if a call was in
-flight), and it ends as the uninterrupted attempt did (same turns, same reward; sampling and
-effects are keyed by rollout and turn, never by attempt). An environment that restarts a
-restored attempt from its task fails it."""
+A task is required: one episode runs first, uninterrupted and audited (its effects, model
+calls and state digests); a task shorter than :data:`MIN_TASK_TURNS` turns is refused up front
+(an episode must be parked mid-way for its restore to be checked). The restore checks park
+episodes after their first turn, restore them as attempt n + 1 and require each to continue
+its record and end as the uninterrupted attempt did (:mod:`rollsafe.env.conformance_compare`:
+turns, reward, info, the training row, state digests, effects none applied twice); one
+abandons an attempt mid-turn and restores its successor while it runs. An environment that
+restarts a restored attempt from its task fails them.
+
+A check that cannot run (no engine given for an episode that makes model calls, no lease
+wait) is *skipped* with its reason, and a report with one is not passed: env-check exits 2.
+What a check could not compare because the environment does not offer it (no state_digest
+hook, no effect) is listed in the report's ``not_compared``."""
 
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollsafe.engine.http import EngineClient
 from rollsafe.env import protocol as w
 from rollsafe.env import store
-from rollsafe.env.conformance_restore import cut_resume, probe, restore
+from rollsafe.env.conformance_restore import abandoned, cut_resume, probe, restore
 from rollsafe.env.conformance_run import (
     EPISODE_S,
     CheckFailed,
@@ -47,10 +52,10 @@ class CheckResult(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
-    passed: bool
+    passed: bool = Field(description="it ran and passed")
     detail: str
     seconds: float = Field(ge=0)
-    skipped: bool = Field(default=False, description="not applicable here; counts as passed")
+    skipped: bool = Field(default=False, description="it could not run here; detail says why")
 
 
 class ConformanceReport(BaseModel):
@@ -58,9 +63,16 @@ class ConformanceReport(BaseModel):
 
     url: str
     instance: str | None
-    passed: bool = Field(description="every check passed (or was skipped)")
+    passed: bool = Field(description="every check ran and passed")
     seconds: float = Field(ge=0)
     checks: tuple[CheckResult, ...]
+    not_compared: tuple[str, ...] = Field(
+        default=(), description="what the environment offers no way to compare, and why"
+    )
+
+    @property
+    def skipped(self) -> tuple[CheckResult, ...]:
+        return tuple(c for c in self.checks if c.skipped)
 
 
 def _verify_files(r: Run, dest: Path, cid: str, commit: w.CommitReply) -> str:
@@ -144,14 +156,23 @@ async def prepare_commit_resume(r: Run) -> str:
 
 
 async def idempotent_replay(r: Run) -> str:
-    cid, dest = r.new_id(), r.new_dir()
-    first = await r.env.prepare(request := prep_request(cid))
-    expect(await r.env.prepare(request) == first, "a repeated prepare replied differently")
-    done = await r.commit(cid, (), dest)
-    expect(await r.commit(cid, (), dest) == done, "a repeated commit replied differently")
+    """Each operation repeated replies as the first did, a commit that holds parked episodes
+    included (its records are not written again, nor differently)."""
+
+    async def holds_one(prep: w.PrepareReply) -> bool:
+        return any(p.episode.key in r.running for p in prep.parked)
+
+    cid, prep, done, dest = await park_commit(r, 2, holds_one)
+    request = w.PrepareRequest(checkpoint_id=cid, deadline_ts=time.time() + 10)
+    expect(await r.env.prepare(request) == prep, "a repeated prepare replied differently")
+    again = await r.commit(cid, done.committed, dest)
+    expect(again == done, f"a repeated commit replied differently: {again} != {done}")
+    expect(bool(done.committed), "the commit held no parked episode")
     once, twice = await r.resume(cid), await r.resume(cid)
     expect(once.resumed and twice == once, f"resume replied {once}, then {twice}")
-    return f"prepare, commit (sha256 {done.participants[0].sha256[:12]}) and resume replayed"
+    await r.finish(r.running, EPISODE_S, "after resume")
+    sha, n = done.participants[0].sha256[:12], len(done.committed)
+    return f"prepare, commit of {n} parked episode(s) (sha256 {sha}) and resume replayed"
 
 
 async def resumed_id_refused(r: Run) -> str:
@@ -206,18 +227,15 @@ async def lease_expiry(r: Run) -> str:
 Check = Callable[[Run], Awaitable[str]]
 CHECKS: tuple[Check, ...] = (status_shape, auth, malformed_bodies, prepare_commit_resume)
 CHECKS += (idempotent_replay, resumed_id_refused, wrong_phase, retire_forget, restore)
-CHECKS += (cut_resume, lease_expiry)
-NEEDS_TASK = (retire_forget, restore, cut_resume)
+CHECKS += (cut_resume, abandoned, lease_expiry)
 
 
 async def _check(r: Run, fn: Check) -> CheckResult:
     began, skipped = time.monotonic(), False
     try:
-        if fn in NEEDS_TASK and r.task is None:
-            raise Skip("no task given: needs episodes")
         detail, passed = await fn(r), True  # every call and wait in it has a time limit
     except Skip as exc:
-        detail, passed, skipped = str(exc), True, True
+        detail, passed, skipped = str(exc), False, True
     except Exception as exc:  # CheckFailed, or whatever the server did: reported as found
         passed = False
         detail = str(exc) if isinstance(exc, CheckFailed) else f"{type(exc).__name__}: {exc}"
@@ -235,7 +253,7 @@ async def run_conformance(
     url: str,
     token: str,
     *,
-    task: dict[str, Any] | None = None,
+    task: dict[str, Any],
     lease_wait_s: float = 60.0,
     engine_url: str | None = None,
     engine_token: str | None = None,
@@ -261,8 +279,7 @@ async def run_conformance(
             raise EnvUnavailable(f"environment at {url}: unreachable: {exc!r}") from None
         if first.status_code == 401:
             raise InvalidInput(f"environment at {url} refused the token (401): {first.text}")
-        if task is not None:
-            await probe(r)
+        await probe(r)
         for fn in CHECKS:
             results.append(c := await _check(r, fn))
             mark = "SKIP" if c.skipped else "PASS" if c.passed else "FAIL"
@@ -276,5 +293,10 @@ async def run_conformance(
         shutil.rmtree(r.root, ignore_errors=True)
     passed, seconds = all(x.passed for x in results), time.monotonic() - began
     return ConformanceReport(
-        url=url, instance=r.instance or None, passed=passed, seconds=seconds, checks=tuple(results)
+        url=url,
+        instance=r.instance or None,
+        passed=passed,
+        seconds=seconds,
+        checks=tuple(results),
+        not_compared=tuple(sorted(r.not_compared)),
     )

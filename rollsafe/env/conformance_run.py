@@ -52,7 +52,7 @@ class Run:
         self,
         url: str,
         token: str,
-        task: dict[str, Any] | None,
+        task: dict[str, Any],
         wait_s: float,
         engine: Engine | None = None,
         snapshot_root: Path | None = None,
@@ -69,6 +69,8 @@ class Run:
         self.retired: list[w.EpisodeRef] = []
         self.frozen: list[str] = []  # calls this run cut on the engine: released at cleanup
         self.running: Tasks = {}
+        self.probe: w.EpisodeResult | None = None  # the task's first episode, uninterrupted
+        self.not_compared: set[str] = set()  # what the checks could not compare, and why
 
     def new_id(self) -> str:
         self.opened.append(cid := f"conf-{uuid.uuid4().hex}")  # resumed when the check ends
@@ -82,7 +84,8 @@ class Run:
         return Path(tempfile.mkdtemp(dir=self.root))
 
     def run(self, ref: w.EpisodeRef, timeout_s: float = EPISODE_S) -> Awaitable[w.EpisodeResult]:
-        run = w.RunEpisode(episode=ref, task=self.task or {})
+        """Run an episode of the task, audited (its effects, calls and state digests)."""
+        run = w.RunEpisode(episode=ref, task=self.task, audit=True)
         return self.env.run_episode(run, timeout_s=timeout_s)
 
     async def commit(self, cid: str, scope: tuple[w.EpisodeRef, ...], dest: Path) -> w.CommitReply:
@@ -135,13 +138,11 @@ class Run:
 async def park_commit(
     r: Run, n: int, wanted: Wanted | None = None
 ) -> tuple[str, w.PrepareReply, w.CommitReply, Path]:
-    """Start ``n`` episodes (given a task); once live, prepare (until ``wanted`` says it
+    """Start ``n`` episodes of the task; once live, prepare (until ``wanted`` says it
     parked what the check needs), commit the parked ones at once, check that those not listed
     end by themselves. Leaves the instance committed; returns the id, the replies, the dest."""
-    running: Tasks = {}
-    if r.task is not None:
-        refs = [r.new_ref() for _ in range(n)]
-        r.running = running = {ref.key: asyncio.ensure_future(r.run(ref)) for ref in refs}
+    refs = [r.new_ref() for _ in range(n)]
+    r.running = running = {ref.key: asyncio.ensure_future(r.run(ref)) for ref in refs}
     until = time.monotonic() + 10
     while (await r.env.status()).live_episodes < sum(not t.done() for t in running.values()):
         await asyncio.gather(*(t for t in running.values() if t.done()))  # raises a refusal

@@ -68,11 +68,13 @@ from rollsafe.env.protocol import (
     PrepareReply,
     PrepareRequest,
     RenewRequest,
+    RestoreReply,
     RestoreRequest,
     ResumeReply,
     ResumeRequest,
     RetireRequest,
     RunEpisode,
+    RunLease,
 )
 from rollsafe.errors import (
     EnvNotReady,
@@ -98,7 +100,12 @@ class EnvFleet:
         """Park every instance, or none: on any failure every instance is resumed, then the
         error names each blocking instance (and its blockers)."""
         request = _build(PrepareRequest, checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
-        replies, failed = await self._instances.each(self.names, lambda _, c: c.prepare(request))
+
+        async def prepare(name: str, client: EnvClient) -> PrepareReply:
+            await self._instances.identify(name)
+            return await client.prepare(request)
+
+        replies, failed = await self._instances.each(self.names, prepare)
         for name, reply in replies.items():
             if not reply.ready:
                 blockers = ", ".join(reply.blockers) or "no reason given"
@@ -245,7 +252,12 @@ class EnvFleet:
             )
             for name in names
         }
-        replies, failed = await self._instances.each(names, lambda n, c: c.restore(requests[n]))
+
+        async def restore(name: str, client: EnvClient) -> RestoreReply:
+            await self._instances.identify(name)
+            return await client.restore(requests[name])
+
+        replies, failed = await self._instances.each(names, restore)
         why = {name: str(exc) for name, exc in failed.items()}
         for name, reply in replies.items():
             problem = _restore_problem(requests[name].episodes, reply.restored)
@@ -343,6 +355,7 @@ class EnvFleet:
         status says idle: no attempt is spent. Gives up (re-raising :class:`EpisodeParked`)
         when ``max_wait_s`` has passed."""
         client = self._client(instance)
+        await self._instances.identify(instance)
         give_up = time.monotonic() + max_wait_s
         while True:
             try:
@@ -352,6 +365,19 @@ class EnvFleet:
                     exc.add_note(f"{instance} still parked after {max_wait_s:g}s")
                     raise
                 await until_idle(client, give_up, parked_retry_s)
+
+    async def keep_run_lease(self, lease: RunLease, every_s: float) -> None:
+        """Renew ``lease`` on every instance every ``every_s`` until cancelled: while this
+        runs, the episodes dispatched under it make effects. A failed renewal is logged and
+        tried again next round (an instance restarted learns the lease from either)."""
+        failing: set[str] = set()
+        while True:
+            _, failed = await self._instances.each(self.names, lambda _, c: c.lease(lease))
+            for name, exc in failed.items():
+                if name not in failing:  # once per outage, not every round
+                    log.warning("run lease %s on %s not renewed: %s", lease.holder, name, exc)
+            failing = set(failed)
+            await asyncio.sleep(every_s)
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from typing import TypeVar
 from rollsafe.env.client import EnvClient
 from rollsafe.env.fleet_rules import FleetPrepared, failures_summary
 from rollsafe.env.protocol import RenewRequest
-from rollsafe.errors import EnvUnavailable, InvalidInput
+from rollsafe.errors import EnvUnavailable, InvalidInput, TransientError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -26,6 +26,16 @@ _INSTANCE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 MAX_RENEW_EVERY_S = 10.0
 MIN_RENEW_EVERY_S = 0.1
 MAX_POLL_S = 2.0
+
+
+def misnamed(name: str, url: str, calls_itself: str) -> str:
+    """What is wrong when the run's name for an instance is not the instance's own."""
+    return (
+        f"participants.envs names the instance at {url} {name!r}, but it calls itself "
+        f"{calls_itself!r} (its --instance): start it with `--instance {name}`, or name it "
+        f"{calls_itself!r} in participants.envs. Its commits and restores are filed under "
+        "its own name, so the two must agree"
+    )
 
 
 class Instances:
@@ -40,6 +50,21 @@ class Instances:
                 raise InvalidInput(f"instance name {name!r} is not [A-Za-z0-9._-]{{1,64}}")
         self._clients = dict(clients)
         self.names: tuple[str, ...] = tuple(sorted(self._clients))
+        self._identified: set[str] = set()  # answered status with the name the run gives it
+
+    async def identify(self, name: str) -> None:
+        """Once per instance, before the first call that counts: its status must name it as
+        the run does, or nothing is sent to it (:func:`misnamed`)."""
+        if name in self._identified:
+            return
+        client = self.client(name)
+        try:
+            status = await client.status()
+        except TransientError:
+            return  # down for now: the call itself finds that; identified at a later one
+        if status.instance != name:
+            raise InvalidInput(misnamed(name, client.base_url, status.instance))
+        self._identified.add(name)
 
     def client(self, name: str) -> EnvClient:
         try:

@@ -16,7 +16,9 @@ episode run:
             request = session.request(state["turn"], prompt(state), max_tokens=8)
             completion = await session.complete(self.engine, request)  # cut and resumed for you
             with session.tool():                           # a tool call: never parked inside
-                apply(state, completion.tokens)            # idempotent per (rollout, turn)
+                move = move_of(completion.tokens)
+                await session.effect(state["turn"], "submit", submit, args=move)  # once
+                apply(state, move)                         # the episode's own state; turn + 1
             await session.boundary(state["turn"])
         return EpisodeResult(episode=run.episode, reward=..., turns=state["turn"], restored=False)
 
@@ -25,6 +27,10 @@ it when an episode starts (t = 0, or a restored record's turn) and after every t
 state ``export_episode`` returns must be the state at that boundary. A restored attempt whose
 record was parked while its model call was generating re-issues that call first (no boundary
 before it): ``complete`` resumes it from the cut's prefix when the checkpoint staged one.
+
+Effects: whatever an episode changes outside the state ``export_episode`` returns (a ledger,
+a database, a message) goes through ``session.effect`` (once per rollout, turn and name,
+whatever attempt asks: :mod:`rollsafe.env.effects`) or is itself idempotent by that key.
 
 What the toolkit sets for you: ``EpisodeResult.restored`` (whether this attempt continued a
 record) and ``EpisodeResult.restored_at_turn`` (the first boundary a restored attempt
@@ -37,13 +43,18 @@ restored attempt keeps its record until a run of it succeeds); anything else is 
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any, Protocol
 
 from rollsafe.engine.protocol import Completion, Engine, GenerateRequest, PrefixRecord
+from rollsafe.env.effects import EffectKey
 from rollsafe.env.protocol import EpisodeRef, EpisodeResult, ParticipantKind, RunEpisode
+
+# An effect's apply: given its key (for the system it writes to), returns a JSON result.
+Apply = Callable[[EffectKey], Awaitable[Any] | Any]
 
 
 class EpisodeSession(Protocol):
@@ -100,6 +111,16 @@ class EpisodeSession(Protocol):
         """How many of ``completion``'s tokens came from a staged prefix (0: none)."""
         ...
 
+    async def effect(self, turn: int, name: str, apply: Apply, *, args: Any = None) -> Any:
+        """Apply an effect outside the episode's state once per key ``(rollout, turn, name)``
+        (never the attempt): ``apply(key)`` (sync or async) runs only if no attempt of this
+        rollout applied the key before, on this instance or in the records it restored;
+        otherwise its recorded result is returned. ``args`` (JSON) are what the effect does:
+        asked again with other args, :class:`~rollsafe.errors.EffectDiverged`. A superseded
+        attempt (a newer one of the rollout was run or restored here) is refused at once
+        (409 ``superseded``). ``apply``'s result must be JSON (None is fine)."""
+        ...
+
 
 class EnvironmentHooks(ABC):
     """An environment's side of the toolkit. One instance per server process."""
@@ -128,7 +149,39 @@ class EnvironmentHooks(ABC):
         (``session.restored``); by default every record is accepted."""
         return None  # not abstract on purpose: most environments need no check here
 
+    def state_digest(self, episode: EpisodeRef) -> str | None:
+        """A digest of everything this instance holds of ``episode`` at its current boundary,
+        hidden state included (a library's internal game state, a random generator), and
+        nothing that names the attempt. Optional: env-check compares a restored attempt's
+        digests with the uninterrupted attempt's at every boundary, and says so when an
+        environment implements none (None, the default)."""
+        return None
+
     @abstractmethod
     def drop_episode(self, episode: EpisodeRef) -> None:
         """Forget whatever this instance holds of ``episode`` (a retired or abandoned attempt,
         restored state a failed restore leaves behind). Idempotent."""
+
+
+# The earlier toolkit's restore_episode(episode, record, prefixes): the hook installed the
+# record and took the staged prefixes of its cut calls itself. Called that way for one release
+# more, with a DeprecationWarning; since then the session hands both to the restored attempt
+# (session.restored, and session.complete resumes the cut call).
+LEGACY_RESTORE = (
+    "{cls}.restore_episode(episode, record, prefixes) is the earlier toolkit's signature: it is "
+    "called that way in this release only (prefixes: the episode's staged prefixes, JSON by "
+    "call id). Write restore_episode(episode, record): the session hands the record and the "
+    "prefixes to the restored attempt (session.restored; session.complete resumes a cut call)"
+)
+
+
+def legacy_restore(env: EnvironmentHooks) -> bool:
+    """Whether ``env`` implements the earlier three-argument ``restore_episode``."""
+    try:
+        parameters = inspect.signature(env.restore_episode).parameters
+    except (TypeError, ValueError):  # a callable whose signature cannot be read: as today's
+        return False
+    positional = [
+        p for p in parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return len(positional) == 3

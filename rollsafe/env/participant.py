@@ -20,8 +20,10 @@ from the task.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
@@ -31,7 +33,8 @@ from pydantic import BaseModel
 
 from rollsafe.env import protocol as wire
 from rollsafe.env import store
-from rollsafe.env.hooks import EnvironmentHooks
+from rollsafe.env.effects import EffectLedger
+from rollsafe.env.hooks import LEGACY_RESTORE, EnvironmentHooks, legacy_restore
 from rollsafe.env.participant_records import (
     Restored,
     confined,
@@ -45,6 +48,7 @@ from rollsafe.errors import InvalidInput, ParticipantRefused
 from rollsafe.faults import fault_point, register
 
 R = TypeVar("R", bound=BaseModel)
+log = logging.getLogger(__name__)
 _CAPTURED: dict[str, wire.Activity] = {"boundary": "boundary", "generating": "generating"}
 # While a restore reads its records (in a thread): tests hold it there to race a run against it.
 RESTORE_READING = register("env.restore.reading")[0]
@@ -59,6 +63,9 @@ LEASE_GRACE_S = 30.0
 MAX_LEASE_S = 3600.0
 # How long a prepare waits for the tool calls in flight to end.
 TOOL_WAIT_S = 5.0
+# A run lease this long past its expiry is forgotten (its dispatcher is long gone; an episode
+# still holding it is refused all the same: an unknown holder is no lease).
+FORGET_LEASE_S = 3600.0
 
 
 class Participant:
@@ -76,6 +83,11 @@ class Participant:
     ) -> None:
         self.instance = instance
         self.env = env
+        self.legacy = legacy_restore(env)  # the earlier restore_episode: one release more
+        if self.legacy:
+            warning = LEGACY_RESTORE.format(cls=type(env).__name__)
+            log.warning("environment instance %s: %s", instance, warning)
+            warnings.warn(warning, DeprecationWarning, stacklevel=2)
         # Where commit and restore may write and read (None: anywhere absolute).
         root = None if snapshot_root is None else os.path.realpath(snapshot_root)
         self.snapshot_root = None if root is None else Path(root)
@@ -92,6 +104,8 @@ class Participant:
         self._live: dict[str, Session] = {}
         self._retired: set[tuple[str, int]] = set()
         self._restored: dict[str, Restored] = {}  # attempt n + 1's key -> what it continues
+        self.effects = EffectLedger()  # applied once per key; superseded attempts fenced
+        self._leases: dict[str, float] = {}  # run lease holder -> when it runs out (clock)
         # Set by resume; None while admission is open. Parked episodes wait on it.
         self._release: asyncio.Event | None = None
         self._changed = asyncio.Event()  # an episode changed activity or ended
@@ -270,7 +284,7 @@ class Participant:
             self._require(cid, "prepared")
             self._check_scope(request.scope)
             dest = confined(request.dest, "dest", self.snapshot_root)
-            records = export_records(self.env, request.scope, self._parked)
+            records = export_records(self.env, request.scope, self._parked, self.effects)
             env = self.env
             manifest = await asyncio.to_thread(
                 store.write_records, dest, env.name, env.kind, self.instance, cid, records,
@@ -358,7 +372,10 @@ class Participant:
                 for root, scope in sources:
                     read = await asyncio.to_thread(self._read, root, request.source_checkpoint_id)
                     restored |= restored_in_scope(read, scope, root, request.prefixes)
-                install(self.env, episodes, restored)
+                install(self.env, episodes, restored, legacy=self.legacy)
+                for ep in episodes:  # from here on the committed attempts are superseded
+                    self.effects.make_current(ep.next_attempt())
+                    self.effects.install(ep.rollout_id, restored[ep.key].effects)
             except BaseException:
                 self._phase, self._open_id, self._lease = "idle", None, None
                 self._lease_changed.set()
@@ -400,7 +417,9 @@ class Participant:
         ep = run.episode
         self._admit(ep)
         restored = self._restored.get(ep.key)
-        session = Session(self, ep, restored)
+        if run.lease is not None:
+            self.take_lease(run.lease)  # a dispatch is its dispatcher's sign of life
+        session = Session(self, ep, restored, audit=run.audit, lease=run.lease)
         self._live[ep.key] = session
         try:
             session.task = asyncio.get_running_loop().create_task(
@@ -408,11 +427,13 @@ class Participant:
             )
             result = await session.task
             self._restored.pop(ep.key, None)
+            audit = None if session.audit is None else session.audit.reply()
             return result.model_copy(
                 update={
                     "restored": restored is not None,
                     "restored_at_turn": session.first_turn if restored is not None else None,
                     "prefix_tokens": session.prefix_tokens,
+                    "audit": audit,
                 }
             )
         except asyncio.CancelledError:
@@ -429,6 +450,55 @@ class Participant:
         if self._phase != "idle":
             raise ParticipantRefused("checkpoint_parked", f"{self._open_id} is {self._phase}")
         self._check_free(ep)
+        self.effects.make_current(ep)  # other attempts of the rollout make no more effects
+
+    def clock(self) -> float:
+        return self._clock()
+
+    def take_lease(self, lease: wire.RunLease) -> wire.LeaseReply:
+        """Take or renew ``lease.holder``'s run lease for ``ttl_s`` from now (this clock)."""
+        now = self._clock()
+        for holder, expires in list(self._leases.items()):  # long gone: forgotten
+            if expires < now - FORGET_LEASE_S:
+                del self._leases[holder]
+        self._leases[lease.holder] = expires = now + lease.ttl_s
+        return wire.LeaseReply(holder=lease.holder, expires_ts=expires)
+
+    def fence(self, session: Session) -> None:
+        """Refuse an attempt that may make no further effects: superseded by another attempt
+        of its rollout, or dispatched under a run lease that ran out (its dispatcher gone)."""
+        self.effects.fence(session.episode)
+        lease = session.lease
+        if lease is None:
+            return
+        expires = self._leases.get(lease.holder)
+        if expires is None or self._clock() >= expires:
+            raise ParticipantRefused(
+                "lease_expired",
+                f"{session.episode.key}: the run lease of {lease.holder} ran out (not renewed "
+                f"within {lease.ttl_s:g} s: its dispatcher is gone); no further effects",
+            )
+
+    def applied_effects(self, request: wire.EffectsRequest) -> wire.EffectsReply:
+        """What the ledger holds of each rollout: its current attempt, the effects applied."""
+        return wire.EffectsReply(
+            rollouts=tuple(
+                wire.RolloutEffects(
+                    rollout_id=rollout,
+                    current_attempt=self.effects.current(rollout),
+                    live_attempts=tuple(
+                        sorted(
+                            s.episode.attempt
+                            for s in self._live.values()
+                            if s.episode.rollout_id == rollout
+                        )
+                    ),
+                    applied=self.effects.of_rollout(rollout),
+                )
+                for rollout in request.rollouts
+            ),
+            leases=dict(self._leases),
+        )
 
     def _check_free(self, ep: EpisodeRef) -> None:
         if (ep.rollout_id, ep.attempt) in self._retired:

@@ -1,12 +1,15 @@
 """The episode records a :class:`~rollsafe.env.participant.Participant` commits and restores.
 
 A record is ``{"episode": <EpisodeRef>, "state": <what the environment exported>, "parked":
-<where prepare found it: turn, activity, model call>}``; :mod:`rollsafe.env.store` writes and
-reads them on disk. This module is the part in between: the records a commit exports through
-the environment's hooks, the checks a restore applies to what it read (and to the staged
-prefixes of cut calls), and the all-or-nothing install of a restore's scope. ``parked`` is
-absent from records written before it existed; such a record is restored with every staged
-prefix of the restore (a session only uses one whose prompt and sampling match its call).
+<where prepare found it: turn, activity, model call>, "effects": [<AppliedEffect>, ...]}``
+(the effects applied for the episode's rollout so far, :mod:`rollsafe.env.effects`);
+:mod:`rollsafe.env.store` writes and reads them on disk. This module is the part in between:
+the records a commit exports through the environment's hooks, the checks a restore applies
+to what it read (and to the staged prefixes of cut calls), and the all-or-nothing install of
+a restore's scope. ``parked`` is absent from records written before it existed; such a
+record is restored with every staged prefix of the restore (a session only uses one whose
+prompt and sampling match its call).
+``effects`` is absent from records written before effects existed: none.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from rollsafe.engine.protocol import PrefixRecord
+from rollsafe.env.effects import EffectLedger
 from rollsafe.env.hooks import EnvironmentHooks
-from rollsafe.env.protocol import EpisodeRef, ParkedEpisode
+from rollsafe.env.protocol import AppliedEffect, EpisodeRef, ParkedEpisode
 from rollsafe.errors import InvalidInput, PrefixMismatch, SnapshotCorrupt
 from rollsafe.snapshot.manifest import validation_failure
 
@@ -34,10 +38,14 @@ class Restored:
     state: dict[str, Any]
     parked: ParkedEpisode | None
     prefixes: Mapping[str, PrefixRecord] = field(default_factory=dict)
+    effects: tuple[AppliedEffect, ...] = ()
 
 
 def export_records(
-    env: EnvironmentHooks, scope: tuple[EpisodeRef, ...], parked: Mapping[str, ParkedEpisode]
+    env: EnvironmentHooks,
+    scope: tuple[EpisodeRef, ...],
+    parked: Mapping[str, ParkedEpisode],
+    effects: EffectLedger,
 ) -> list[dict[str, Any]]:
     """One record per scope episode, in scope order."""
     return [
@@ -45,6 +53,7 @@ def export_records(
             "episode": ep.model_dump(mode="json"),
             "state": env.export_episode(ep),
             "parked": parked[ep.key].model_dump(mode="json", exclude={"episode"}),
+            "effects": [e.model_dump(mode="json") for e in effects.of_rollout(ep.rollout_id)],
         }
         for ep in scope
     ]
@@ -82,7 +91,8 @@ def restored_in_scope(
         state, parked = record.get("state"), _parked(record, episode, root)
         if not isinstance(state, dict):
             raise SnapshotCorrupt(f"{root}: the record of {episode.key} holds no state object")
-        found[episode.key] = Restored(state, parked, _prefixes_of(parked, prefixes))
+        effects = _effects(record, episode, root)
+        found[episode.key] = Restored(state, parked, _prefixes_of(parked, prefixes), effects)
     missing = sorted(wanted.keys() - found.keys())
     if missing:
         raise SnapshotCorrupt(f"{root}: no record for {', '.join(missing)}; nothing restored")
@@ -97,6 +107,14 @@ def _parked(record: dict[str, Any], episode: EpisodeRef, root: Path) -> ParkedEp
         return ParkedEpisode.model_validate({**raw, "episode": episode.model_dump(mode="json")})
     except (TypeError, ValidationError) as exc:
         raise SnapshotCorrupt(f"{root}: the record of {episode.key}: bad parked: {exc}") from None
+
+
+def _effects(record: dict[str, Any], episode: EpisodeRef, root: Path) -> tuple[AppliedEffect, ...]:
+    raw = record.get("effects", [])
+    try:
+        return tuple(AppliedEffect.model_validate(e) for e in raw)
+    except (TypeError, ValidationError) as exc:
+        raise SnapshotCorrupt(f"{root}: the record of {episode.key}: bad effects: {exc}") from None
 
 
 def _prefixes_of(
@@ -126,15 +144,25 @@ def _prefixes_of(
 
 
 def install(
-    env: EnvironmentHooks, scope: tuple[EpisodeRef, ...], restored: Mapping[str, Restored]
+    env: EnvironmentHooks,
+    scope: tuple[EpisodeRef, ...],
+    restored: Mapping[str, Restored],
+    *,
+    legacy: bool = False,
 ) -> None:
     """Let the environment check each scope episode's record (``restore_episode``), all or
-    nothing: a refused record drops every episode this call installed."""
+    nothing: a refused record drops every episode this call installed. ``legacy``: it has the
+    earlier three-argument ``restore_episode`` (:data:`~rollsafe.env.hooks.LEGACY_RESTORE`)."""
     done: list[EpisodeRef] = []
     for ep in scope:
         try:
             done.append(ep)  # before: a half-installed record is dropped too
-            env.restore_episode(ep, restored[ep.key].state)
+            record = restored[ep.key]
+            if legacy:  # the earlier signature, for one release (hooks.LEGACY_RESTORE)
+                prefixes = {c: p.model_dump(mode="json") for c, p in record.prefixes.items()}
+                env.restore_episode(ep, record.state, prefixes)  # type: ignore[call-arg]
+            else:
+                env.restore_episode(ep, record.state)
         except Exception as exc:
             for installed in done:
                 env.drop_episode(installed.next_attempt())

@@ -14,6 +14,8 @@ endpoint                    body                    reply
 ``POST retire``             :class:`RetireRequest`   :class:`CountReply`
 ``POST forget``             :class:`ForgetRequest`   :class:`CountReply`
 ``POST restore``            :class:`RestoreRequest`  :class:`RestoreReply`
+``POST effects``            :class:`EffectsRequest`  :class:`EffectsReply`
+``POST lease``              :class:`RunLease`        :class:`LeaseReply`
 ``POST /episodes/run``      :class:`RunEpisode`      :class:`EpisodeResult` (or 409)
 ==========================  ======================  ==========================================
 
@@ -253,12 +255,113 @@ class RestoreReply(_Message):
 # -- episodes -----------------------------------------------------------------------------------
 
 
+HOLDER_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+MAX_RUN_LEASE_S = 300.0
+
+
+class RunLease(_Message):
+    """A dispatcher's lease on its episodes: while it holds (renewed within ``ttl_s``), the
+    episodes it dispatched under ``holder`` make effects; once it runs out (the dispatcher is
+    gone), they are refused before their next effect or boundary (409 ``lease_expired``).
+    ``ttl_s`` runs on the instance's own clock from the moment the request arrives."""
+
+    holder: str = Field(pattern=HOLDER_PATTERN)
+    ttl_s: float = Field(gt=0, le=MAX_RUN_LEASE_S)
+
+
+class LeaseReply(_Message):
+    holder: str
+    expires_ts: float = Field(description="the instance's clock")
+
+
 class RunEpisode(_Message):
     """Drive one episode to its end. A restored episode is continued when its attempt is the
     restored attempt (n + 1); otherwise the episode starts from ``task``."""
 
     episode: EpisodeRef
     task: dict[str, Any] = Field(default_factory=dict, description="environment-specific")
+    audit: bool = Field(
+        default=False,
+        description="reply with the run's EpisodeAudit (env-check compares attempts with it)",
+    )
+    lease: RunLease | None = Field(
+        default=None,
+        description="the dispatcher's run lease, taken (renewed) as the run is admitted; "
+        "None: the run is fenced by nothing but its successors",
+    )
+
+    @model_serializer(mode="wrap")
+    def _as_before_without_audit(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return omit_unused(handler(self), self, "audit", "lease")
+
+
+EFFECT_NAME_PATTERN = r"^[A-Za-z0-9._:@-]{1,128}$"
+
+
+class AppliedEffect(_Message):
+    """One effect applied on an instance (rollsafe.env.effects): in a commit's records and in
+    the ``effects`` reply."""
+
+    turn: int = Field(ge=0)
+    name: str = Field(pattern=EFFECT_NAME_PATTERN)
+    args_sha256: str = Field(pattern=_HEX64)
+    result: Any = Field(description="what the effect returned (JSON); a later call gets it")
+    attempt: int = Field(ge=0, description="the attempt that applied it")
+    applied_ts: float = Field(description="when its apply began, on the instance's clock")
+
+
+class EffectUse(_Message):
+    """An effect a run asked for: applied by it, or answered from the ledger."""
+
+    turn: int = Field(ge=0)
+    name: str
+    applied: bool = Field(description="False: applied before (any attempt), answered here")
+
+
+class CallRecord(_Message):
+    """A model call a run made through ``session.complete``: one part of the training row."""
+
+    call_id: str
+    boundary: int = Field(ge=0, description="turns completed when the call was made")
+    prompt_sha256: str
+    tokens: tuple[int, ...] = Field(description="the generated tokens, a resumed prefix's too")
+
+
+class EpisodeAudit(_Message):
+    """What a run did besides its result, when :attr:`RunEpisode.audit` asked for it."""
+
+    effects: tuple[EffectUse, ...] = ()
+    calls: tuple[CallRecord, ...] = ()
+    generating: int = Field(
+        default=0,
+        ge=0,
+        description="model calls waited on inside session.generating, session.complete's "
+        "included: more than len(calls) means calls whose tokens the audit cannot see",
+    )
+    state_digests: dict[int, str] = Field(
+        default_factory=dict,
+        description="boundary turn -> the environment's state_digest there (empty: no hook)",
+    )
+
+
+class EffectsRequest(_Message):
+    rollouts: tuple[str, ...] = Field(min_length=1, max_length=1000)
+
+
+class RolloutEffects(_Message):
+    rollout_id: str
+    current_attempt: int | None = Field(
+        description="the attempt last run or restored there (None: none known)"
+    )
+    live_attempts: tuple[int, ...] = Field(description="its attempts running there now")
+    applied: tuple[AppliedEffect, ...]
+
+
+class EffectsReply(_Message):
+    rollouts: tuple[RolloutEffects, ...]
+    leases: dict[str, float] = Field(
+        default_factory=dict, description="each run lease's holder -> when it runs out"
+    )
 
 
 class EpisodeResult(_Message):
@@ -279,3 +382,8 @@ class EpisodeResult(_Message):
         "checkpoint cut, instead of generating them again",
     )
     info: dict[str, Any] = Field(default_factory=dict, description="environment-specific")
+    audit: EpisodeAudit | None = Field(default=None, description="asked for: RunEpisode.audit")
+
+    @model_serializer(mode="wrap")
+    def _as_before_without_audit(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return omit_unused(handler(self), self, "audit")

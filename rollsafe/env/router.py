@@ -89,6 +89,13 @@ def _post(model: type[M], call: Callable[[M], Awaitable[BaseModel]]) -> Handler:
     return handler
 
 
+def _answered(call: Callable[[M], BaseModel]) -> Callable[[M], Awaitable[BaseModel]]:
+    async def answer(request: M) -> BaseModel:
+        return call(request)
+
+    return answer
+
+
 def router_routes(participant: Participant, token: str) -> list[Route]:
     """The protocol's routes (``/checkpoint/v1/...`` and ``/episodes/run``), to mount on an
     existing Starlette app. Whoever serves them starts the lease watcher
@@ -108,6 +115,8 @@ def router_routes(participant: Participant, token: str) -> list[Route]:
         "retire": _post(wire.RetireRequest, p.retire),
         "forget": _post(wire.ForgetRequest, p.forget),
         "restore": _post(wire.RestoreRequest, p.restore),
+        "effects": _post(wire.EffectsRequest, _answered(p.applied_effects)),
+        "lease": _post(wire.RunLease, _answered(p.take_lease)),
     }
     routes = [Route(f"{wire.PREFIX}/status", _guarded(token, status), methods=["GET"])]
     routes += [

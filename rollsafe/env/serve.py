@@ -14,11 +14,13 @@ once the server listens: ``rollsafe env serving <name> <instance> on http://host
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -39,6 +41,11 @@ class ServeContext:
     """What a hooks factory (``--hooks module:factory``) is given."""
 
     engine: Engine | None  # the policy engine at --engine-url; None without one
+    # --instance as given; None: the default, <hooks.name>-<pid>, named once the hooks exist.
+    instance: str | None = None
+    # The hooks' own options: --hooks-options-file (a JSON object of strings), then each
+    # --hooks-option KEY=VALUE over it. Read what you know; refuse (InvalidInput) what you don't.
+    options: Mapping[str, str] = field(default_factory=dict)
 
 
 HooksFactory = Callable[[ServeContext], EnvironmentHooks]
@@ -65,6 +72,28 @@ def load_hooks_factory(spec: str) -> HooksFactory:
     if not callable(factory):
         raise InvalidInput(f"--hooks {spec!r}: {module_name} has no callable {attribute!r}")
     return factory  # type: ignore[no-any-return]  # checked to be callable; its result below
+
+
+def hooks_options(pairs: Sequence[str], file: Path | None = None) -> dict[str, str]:
+    """``--hooks-options-file`` (a JSON object whose values are strings) with each
+    ``--hooks-option KEY=VALUE`` over it; refused by name when malformed."""
+    options: dict[str, str] = {}
+    if file is not None:
+        try:
+            loaded = json.loads(file.read_text())
+        except (OSError, ValueError) as exc:
+            raise InvalidInput(f"--hooks-options-file {file}: {exc}") from None
+        if not isinstance(loaded, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in loaded.items()
+        ):
+            raise InvalidInput(f"--hooks-options-file {file}: not a JSON object of strings")
+        options.update(loaded)
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise InvalidInput(f"--hooks-option {pair!r}: expected KEY=VALUE")
+        options[key] = value
+    return options
 
 
 def make_hooks(factory: HooksFactory, context: ServeContext) -> EnvironmentHooks:

@@ -1,16 +1,19 @@
 """One episode run's :class:`~rollsafe.env.hooks.EpisodeSession`: where the episode stands
 (at a boundary, generating, in a tool call) as its :class:`~rollsafe.env.participant.Participant`
 sees it, the places it waits while the instance is parked, and its model calls (built so that
-every attempt samples alike, resumed from a restored prefix when the checkpoint cut one)."""
+every attempt samples alike, resumed from a restored prefix when the checkpoint cut one), its
+effects (once per key: :mod:`rollsafe.env.effects`), and, when the run asks for it, its
+:class:`~rollsafe.env.protocol.EpisodeAudit`."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
 import hashlib
+import inspect
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rollsafe.engine.protocol import (
     Completion,
@@ -22,9 +25,18 @@ from rollsafe.engine.protocol import (
     plain_ints,
     prompt_digest,
 )
-from rollsafe.env.protocol import EpisodeRef, EpisodeResult
+from rollsafe.env.effects import EffectKey, EffectLedger, args_sha256
+from rollsafe.env.protocol import (
+    CallRecord,
+    EffectUse,
+    EpisodeAudit,
+    EpisodeRef,
+    EpisodeResult,
+    RunLease,
+)
 
 if TYPE_CHECKING:
+    from rollsafe.env.hooks import Apply
     from rollsafe.env.participant import Participant
     from rollsafe.env.participant_records import Restored
 
@@ -41,8 +53,17 @@ def call_seed(rollout_id: str, turn: int, name: str = "") -> int:
 class Session:
     """The :class:`~rollsafe.env.hooks.EpisodeSession` of one episode run."""
 
-    def __init__(self, owner: Participant, episode: EpisodeRef, restored: Restored | None):
+    def __init__(
+        self,
+        owner: Participant,
+        episode: EpisodeRef,
+        restored: Restored | None,
+        *,
+        audit: bool = False,
+        lease: RunLease | None = None,
+    ) -> None:
         self.episode, self._owner = episode, owner
+        self.lease = lease  # the dispatcher's run lease: checked before each effect
         # A deep copy per run: a run that fails part-way must not change what the retry gets.
         self.restored = None if restored is None else copy.deepcopy(restored.state)
         self.prefixes: Mapping[str, PrefixRecord] = {} if restored is None else restored.prefixes
@@ -55,17 +76,25 @@ class Session:
         self.turn, self.moved, self.retired = 0, False, False
         self.first_turn: int | None = None  # the first boundary this run reached
         self.task: asyncio.Task[EpisodeResult] | None = None
+        # What env-check compares between attempts; None: the run did not ask for it.
+        self.audit: _Audit | None = _Audit() if audit else None
 
     async def boundary(self, turn: int) -> None:
+        self._owner.fence(self)  # a superseded attempt, or its dispatcher gone: stops here
         self.turn = turn
         if self.first_turn is None:
             self.first_turn = turn
+        if self.audit is not None:
+            digest = self._owner.env.state_digest(self.episode)
+            if digest is not None:
+                self.audit.state_digests[turn] = digest
         release = self._owner._release
         if release is None:
             return
         self.activity = "boundary"
         self._owner._changed.set()
         await release.wait()  # Participant._close has already set activity back to running
+        self._owner.fence(self)  # superseded while parked (by a restore), or its lease ran out
 
     @asynccontextmanager
     async def generating(self, call_id: str) -> AsyncIterator[None]:
@@ -74,6 +103,12 @@ class Session:
         So is a call's failure (its engine died mid-cut): raised only after resume, so the
         commit still finds the episode parked in the call, which a restore makes again."""
         self._mark("generating", call_id)
+        if self.audit is not None:
+            self.audit.generating += 1
+        if self._owner.legacy and call_id in self._unused:
+            # The earlier toolkit's environments resume a cut call themselves, under its own
+            # id (hooks.LEGACY_RESTORE): counted as resumed, as complete() counts its own.
+            self._resumed[call_id] = len(self._unused.pop(call_id).tokens)
         try:
             yield
         except Exception:
@@ -127,7 +162,34 @@ class Session:
         prefix = take_prefix(request, self._unused)
         if prefix is not None:
             self._resumed[prefix.call_id] = len(prefix.tokens)
-        return await complete_call(engine, request, prefix, self.generating)
+        completion = await complete_call(engine, request, prefix, self.generating)
+        if self.audit is not None:
+            call = CallRecord(
+                call_id=completion.call_id,
+                boundary=self.turn,
+                prompt_sha256=prompt_digest(request.prompt_tokens),
+                tokens=tuple(completion.tokens),
+            )
+            self.audit.calls.append(call)
+        return completion
+
+    async def effect(self, turn: int, name: str, apply: Apply, *, args: Any = None) -> Any:
+        key = EffectKey(self.episode.rollout_id, turn, name)
+        ledger, digest = self._owner.effects, args_sha256(args)
+        async with ledger.held(key):  # an attempt racing for the key waits for the first
+            self._owner.fence(self)
+            done = ledger.lookup(key, digest)
+            if done is None:
+                began = self._owner.clock()
+                result = apply(key)
+                if inspect.isawaitable(result):
+                    result = await result
+                _record(ledger, key, digest, result, (self.episode.attempt, began))
+            else:
+                result = done.result
+        if self.audit is not None:
+            self.audit.effects.append(EffectUse(turn=turn, name=name, applied=done is None))
+        return result
 
     def resumed_tokens(self, completion: Completion) -> int:
         return self._resumed.get(completion.call_id, 0)
@@ -146,6 +208,40 @@ class Session:
         if self._owner._release is not None:
             self.moved = True
         self._owner._changed.set()
+
+
+def _record(
+    ledger: EffectLedger, key: EffectKey, digest: str, result: Any, by: tuple[int, float]
+) -> None:
+    """Record an effect applied by attempt ``by[0]``, begun at ``by[1]``; one whose result is
+    not JSON is recorded as applied all the same (None), then refused: applied is applied."""
+    try:
+        args_sha256(result)
+    except TypeError:
+        ledger.record(key, digest, None, *by)
+        raise TypeError(
+            f"effect {key.id}: apply returned a {type(result).__name__}, not JSON; recorded as "
+            "applied with result None"
+        ) from None
+    ledger.record(key, digest, result, *by)
+
+
+class _Audit:
+    """An audited run's effects, calls and state digests, as they happen."""
+
+    def __init__(self) -> None:
+        self.effects: list[EffectUse] = []
+        self.calls: list[CallRecord] = []
+        self.state_digests: dict[int, str] = {}
+        self.generating = 0
+
+    def reply(self) -> EpisodeAudit:
+        return EpisodeAudit(
+            effects=tuple(self.effects),
+            calls=tuple(self.calls),
+            generating=self.generating,
+            state_digests=dict(self.state_digests),
+        )
 
 
 def turn_request(

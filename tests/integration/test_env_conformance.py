@@ -8,8 +8,11 @@ Then, the way an environment author meets it: docs/environment-protocol.md's Fro
 example served with ``rollsafe env serve --hooks`` passes ``rollsafe env-check`` given its
 engine (a call is cut and must resume from its prefix); the same example made lossy (it
 exports nothing and restarts restored attempts from turn 0) fails the restore check, and made
-to generate a cut call again fails the cut check; a task too short to be parked mid-way is
-refused up front."""
+to generate a cut call again fails the cut check; without its engine and a lease wait two
+checks cannot run, which is no pass (exit 2); a task too short to be parked mid-way is refused
+up front. gymnasium's Taxi written against the earlier toolkit (its three-argument
+restore_episode) passes, warned of the deprecation. Effects, hidden state and the training
+row: test_env_check_effects.py."""
 
 from __future__ import annotations
 
@@ -45,7 +48,10 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedProcess]:
 
 
 def serve_envs(
-    engine: ServedProcess, logs: Path, how: dict[str, list[str]]
+    engine: ServedProcess,
+    logs: Path,
+    how: dict[str, list[str]],
+    env: dict[str, str] | None = None,
 ) -> Iterator[dict[str, ServedProcess]]:
     """``rollsafe env serve ...`` per instance name, started together, awaited in turn; every
     process stopped by its pid at the end, also when one of them never came up."""
@@ -55,7 +61,7 @@ def serve_envs(
             args = ["env", "serve", *serve_args, "--port", "0", "--token", ENV_TOKEN]
             args += ["--engine-url", engine.url, "--engine-token", ENGINE_TOKEN]
             args += ["--instance", instance, "--lease-grace-s", "1"]
-            started[instance] = ServedProcess(rollsafe_command(*args), logs / instance)
+            started[instance] = ServedProcess(rollsafe_command(*args), logs / instance, env)
         for instance, server in started.items():
             server.wait_listening(ENV_BANNER.format(name=r"\S+", instance=instance))
         yield started
@@ -113,12 +119,20 @@ async def test_a_lying_status_fails_the_checks_that_read_it(
             report = await run_conformance(url, ENV_TOKEN, task=TASK, lease_wait_s=0)
         finally:
             assert (await http.post("/faults", json={})).status_code == 200
-    failed = {c.name: c.detail for c in report.checks if not c.passed}
+    failed = {c.name: c.detail for c in report.checks if not c.passed and not c.skipped}
     assert not report.passed
-    assert set(failed) == {"status_shape", "prepare_commit_resume", "wrong_phase", "restore"}
+    read_status = {"status_shape", "prepare_commit_resume", "wrong_phase", "restore", "abandoned"}
+    assert set(failed) == read_status, failed
     assert failed["status_shape"].startswith("not idle"), failed
-    # Every check still left the instance idle: the real status (no fault) says so.
-    assert (await run_conformance(url, ENV_TOKEN, lease_wait_s=0)).passed
+    # Every check still left the instance idle: the real status (no fault) says so. Without
+    # an engine and a lease wait, two checks cannot run: not a pass.
+    again = await run_conformance(url, ENV_TOKEN, task=TASK, lease_wait_s=0)
+    assert not any(not c.passed and not c.skipped for c in again.checks), failures(again)
+    assert not again.passed
+    assert {c.name: c.detail for c in again.skipped} == {
+        "cut_resume": "the episode makes model calls: give the instance's engine (--engine-url)",
+        "lease_expiry": "lease_wait_s is 0: not waiting for a lease to run out",
+    }
 
 
 def test_env_check_exits_0_on_a_conformant_instance(
@@ -129,13 +143,15 @@ def test_env_check_exits_0_on_a_conformant_instance(
     for fn in CHECKS:
         assert f"PASS {fn.__name__} (" in done.stdout, done.stdout
     assert "all checks passed" in done.stdout
+    # The workplace environment makes no effect through session.effect: said, not passed over.
+    assert "not compared: effects (the episode made none through session.effect" in done.stdout
 
 
 def test_env_check_with_a_wrong_token_exits_2_naming_it(servers: dict[str, ServedProcess]) -> None:
     url = servers[INSTANCES[1]].url
     env = {**os.environ, "ROLLSAFE_ENV_TOKEN": "not-the-token"}  # the token from the variable
     done = subprocess.run(
-        rollsafe_command("env-check", url, "--json"),
+        rollsafe_command("env-check", url, "--json", "--task", json.dumps(TASK)),
         capture_output=True,
         text=True,
         timeout=60,
@@ -189,7 +205,7 @@ def test_the_docs_example_environment_passes_env_check(
     assert done.returncode == 0, done.stdout + done.stderr
     for fn in CHECKS:
         assert f"PASS {fn.__name__} (" in done.stdout, done.stdout
-    assert "each continued its record to the uninterrupted end" in done.stdout
+    assert "each ended as the uninterrupted attempt did" in done.stdout
     assert "/t" in done.stdout.split("PASS cut_resume", 1)[1].split("\n")[0]  # a call, resumed
 
 
@@ -211,6 +227,42 @@ def test_an_environment_that_regenerates_a_cut_call_fails_env_check(
     failed = failed_checks(done)
     assert list(failed) == ["cut_resume"], done.stdout
     assert "generated the cut call again" in failed["cut_resume"]
+
+
+def test_a_check_that_cannot_run_is_not_a_pass(lakes: dict[str, ServedProcess]) -> None:
+    command = rollsafe_command("env-check", lakes["lake"].url, "--task", json.dumps(LAKE_TASK))
+    env = {**os.environ, "ROLLSAFE_ENV_TOKEN": ENV_TOKEN}
+    done = subprocess.run(
+        [*command, "--lease-wait-s", "0"], capture_output=True, text=True, timeout=180, env=env
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "SKIP cut_resume" in done.stdout and "SKIP lease_expiry" in done.stdout
+    assert "all checks passed" not in done.stdout and "FAIL" not in done.stdout
+    assert "NOT RUN: cut_resume (the episode makes model calls: give the instance's engine" in (
+        done.stdout
+    )
+
+
+@pytest.fixture(scope="module")
+def taxi(
+    engine: ServedProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServedProcess]:
+    """gymnasium's Taxi as written against the earlier toolkit (tests/fixtures), unchanged."""
+    fixtures = Path(__file__).parents[1] / "fixtures"
+    env = {"PYTHONPATH": str(fixtures)}
+    how = {"taxi": ["--hooks", "taxi_previous_release:make"]}
+    for started in serve_envs(engine, tmp_path_factory.mktemp("taxi"), how, env):
+        yield started["taxi"]
+
+
+def test_an_environment_written_against_the_earlier_toolkit_passes_with_a_warning(
+    taxi: ServedProcess, engine: ServedProcess
+) -> None:
+    done = env_check(taxi.url, {"seed": 5, "turns": 12}, engine)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "all checks passed" in done.stdout and "resumed after" in done.stdout
+    warned = taxi.err.read_text()
+    assert "Taxi.restore_episode(episode, record, prefixes) is the earlier toolkit's" in warned
 
 
 def test_a_task_too_short_to_park_mid_way_is_refused_up_front(

@@ -452,10 +452,11 @@ def check_the_restored_episodes(
             assert result.info["mutations"][turn]["call_id"] == expected
             if cut_call is not None and turn == park.turn:
                 prefix = loaded[cut_call]
-                assert log["resumed_from"] == len(prefix.tokens) == staged.staged[cut_call]
+                resumed = result.info["attempt"]["resumed_from"]
+                assert resumed == {cut_call: len(prefix.tokens)} and staged.staged[cut_call]
                 assert tuple(log["tokens"][: len(prefix.tokens)]) == prefix.tokens
             else:
-                assert log["resumed_from"] == 0
+                assert log["call_id"] not in result.info["attempt"]["resumed_from"]
     assert {ep.rollout_id for ep in results} == ck.in_scope
 
 

@@ -140,7 +140,8 @@ async def test_full_checkpoint_over_http(tmp_path: Path) -> None:
         manifest = wire.CommitReply.model_validate_json(done.content).participants[0]
         line = json.loads((tmp_path / manifest.file).read_text())
         parked = {"turn": 1, "activity": "boundary", "model_call_id": None}
-        assert line == {"episode": A.model_dump(), "state": {"turn": 1}, "parked": parked}
+        record = {"episode": A.model_dump(), "state": {"turn": 1}, "parked": parked}
+        assert line == {**record, "effects": []}  # the toy makes none
         assert (await status(http))["phase"] == "committed" and not run.done()
 
         resume = wire.ResumeRequest(checkpoint_id="ck1")

@@ -281,9 +281,9 @@ def check_the_restored_episodes(
         assert turns == list(range(TURNS)), (idx, i)  # every turn once, none repeated
     staged_calls = set(record.staged)
     resumed_from = {
-        turn["call_id"]: turn["resumed_from"]
+        call: tokens
         for result in outcomes.values()
-        for turn in result.info["history"]
+        for call, tokens in result.info["attempt"]["resumed_from"].items()
     }
     # Each cut call continued from its staged prefix (its tokens were not generated again).
     assert all(resumed_from.get(call, 0) == record.staged[call] for call in staged_calls)
@@ -409,4 +409,4 @@ def test_an_engine_that_dies_mid_cut_leaves_its_calls_at_turn_level_and_loses_no
         assert result.restored and result.episode.attempt == 1 and result.turns == TURNS, key
         history = result.info["history"]
         assert [turn["turn"] for turn in history] == list(range(TURNS)), key
-        assert all(not turn.get("resumed_from") for turn in history), key
+        assert not result.info["attempt"]["resumed_from"], key

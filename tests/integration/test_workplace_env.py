@@ -216,7 +216,7 @@ async def test_cut_call_resumes_from_its_prefix_without_regenerating(
     assert engine.resumed == [cut_call]
     assert engine.generated.count(cut_call) == 1  # the original call only
     assert session.calls == [cut_call, f"{ROLLOUT}-a1/t3"]
-    assert result.info["history"][CUT_TURN]["resumed_from"] == len(prefix.tokens)
+    assert result.info["attempt"]["resumed_from"] == {cut_call: len(prefix.tokens)}
     same_play(result, whole)
 
 
@@ -240,7 +240,7 @@ async def test_restore_at_a_boundary_and_without_a_prefix(torch_engine: TorchEng
     session = Session(again, ref(1), restored=record)
     result = await again.run_episode(RunEpisode(episode=ref(1), task=TASK), session)
     assert session.calls[0] == f"{ROLLOUT}-a1/t{CUT_TURN}"
-    assert result.info["history"][CUT_TURN]["resumed_from"] == 0
+    assert result.info["attempt"]["resumed_from"] == {}
     same_play(result, whole)
 
 
@@ -457,7 +457,7 @@ async def test_checkpoint_mid_generation_restores_over_http(
     await control(env_http, "resume", ResumeRequest(checkpoint_id="wp-ck-r1"))
     restored = await run_http(env_http, episode.next_attempt(), task)
     assert restored.restored and not original.restored
-    assert restored.info["history"][parked.turn]["resumed_from"] == len(prefix.tokens)
+    assert restored.info["attempt"]["resumed_from"] == {prefix.call_id: len(prefix.tokens)}
     assert restored.info["mutations"][parked.turn]["call_id"] == prefix.call_id
     same_play(restored, original)
 

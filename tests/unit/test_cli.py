@@ -408,6 +408,8 @@ def test_a_value_outside_a_choice_is_a_usage_error(args):
     [
         (("scenario", "run", "/"), "is a directory"),
         (("env-check", "localhost:8400", "--token", "t"), "give http://host:port"),
+        (("env-check", "http://127.0.0.1:9", "--token", "t"), "--task is required"),
+        (("env", "serve", "workplace", "--port", "0", "--hooks-option", "a=b"), "for --hooks"),
         (("demo", "--interval-s", "0"), "interval_s: Input should be greater than 0"),
         (("demo", "--deterministic", "--sampler", "windowed"), "cannot use sampler windowed"),
         (("demo", "--fault", "temporal@nowhere"), "the phase must be one of open,"),
@@ -798,3 +800,9 @@ def test_log_settings_are_checked_before_a_worker_starts(monkeypatch) -> None:
     assert "telemetry.log_format" in refused.output and "ROLLSAFE_TELEMETRY__LOG_FORMAT" in (
         refused.output
     )
+
+
+def test_a_hooks_option_without_a_value_is_a_usage_error() -> None:
+    serve = ("env", "serve", "--hooks", "json:loads", "--port", "0", "--token", "t")
+    result = invoke(*serve, "--hooks-option", "ab")
+    assert result.exit_code == 2 and "--hooks-option 'ab': expected KEY=VALUE" in result.output

@@ -407,4 +407,5 @@ def test_the_table_prints_brackets_literally(capsys: pytest.CaptureFixture[str])
 def test_json_output_is_one_object(dead_port: int) -> None:
     code, output, _ = doctor("--json", address=f"127.0.0.1:{dead_port}")
     payload = json.loads(output)
-    assert code == 1 and payload["ok"] is False and len(payload["checks"]) == 6
+    assert code == 1 and payload["ok"] is False and len(payload["checks"]) == 7
+    assert payload["checks"][-1]["name"] == "environment instances"  # none configured: skipped

@@ -606,3 +606,24 @@ def test_place_on_the_same_fleet_moves_nothing() -> None:
     placement = place(scope, {}, ["a", "b"])
     assert placement.own == {"a": (ref(1),)}
     assert (placement.adopted, placement.stranded, placement.lost) == ({}, (), {})
+
+
+async def test_an_instance_the_run_names_otherwise_is_refused_at_first_contact_naming_both() -> (
+    None
+):
+    a = FakeInstance("env-a")
+    run = RunEpisode(episode=ref(1), task={"prompt": "p"})
+    async with EnvFleet({"w0": client_for(a)}) as fleet:
+        with pytest.raises(InvalidInput) as info:
+            await fleet.run_episode("w0", run)
+        message = str(info.value)
+        assert "participants.envs names the instance at http://env-a.test:8000 'w0'" in message
+        assert "it calls itself 'env-a'" in message and "`--instance w0`" in message
+        with pytest.raises(InvalidInput, match="calls itself 'env-a'"):
+            await fleet.prepare_all("ck-1", soon())
+    assert a.bodies("run") == [] and a.bodies("prepare") == []  # nothing reached it
+    asked = len(a.bodies("status"))
+    async with fleet_of(a) as fleet:  # named as it names itself: one status, then calls
+        await fleet.run_episode("env-a", run)
+        await fleet.run_episode("env-a", run.model_copy(update={"episode": ref(2)}))
+    assert len(a.bodies("status")) == asked + 1 and len(a.bodies("run")) == 2

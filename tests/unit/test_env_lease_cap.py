@@ -13,30 +13,15 @@ import pytest
 from pydantic import BaseModel
 
 from rollsafe.env import protocol as wire
-from rollsafe.env.hooks import EnvironmentHooks
 from rollsafe.env.participant import MAX_LEASE_S, Participant
 from rollsafe.env.router import participant_app
+from rollsafe.testing.envs import Idle
 
 TOKEN = "unit-token"
 NOW = 1_000_000.0
 P = wire.PREFIX
 # Past the cap: the adversarial test's 1e308, and one second too far.
 TOO_FAR = [1e308, NOW + MAX_LEASE_S + 1]
-
-
-class Idle(EnvironmentHooks):
-    """An environment with no episodes: the checkpoint protocol alone."""
-
-    name = "idle"
-
-    async def run_episode(self, run: Any, session: Any) -> Any:
-        raise NotImplementedError
-
-    def export_episode(self, episode: Any) -> dict[str, Any]:
-        return {}
-
-    def drop_episode(self, episode: Any) -> None:
-        return None
 
 
 @pytest.fixture

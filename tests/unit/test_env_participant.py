@@ -631,3 +631,27 @@ def test_a_restore_request_names_each_episode_once_across_its_scope_and_adoption
             restore_id="r1", source_checkpoint_id="ck1", root="/r/me", scope=(A,),
             adopted=(adopted,), deadline_ts=soon(),
         )  # fmt: skip
+
+
+class LegacyToy(Toy):
+    """Written against the earlier toolkit: restore_episode(episode, record, prefixes)."""
+
+    def restore_episode(  # type: ignore[override]
+        self, episode: EpisodeRef, record: dict[str, Any], prefixes: dict[str, Any]
+    ) -> None:
+        self.installed[episode.next_attempt().key] = {"record": record, "prefixes": prefixes}
+
+
+async def test_the_earlier_restore_signature_still_restores_with_a_deprecation_warning(
+    tmp_path: Path,
+) -> None:
+    root, call = await _committed_generating(tmp_path)
+    toy = LegacyToy()
+    with pytest.warns(DeprecationWarning, match=r"LegacyToy.restore_episode\(episode, record, "):
+        part = Participant("toy-legacy", toy, tool_wait_s=0.1)
+    request = _restore(root, (A,)).model_copy(update={"prefixes": {call: _prefix_of(call)}})
+    assert (await part.restore(request)).restored == (A.next_attempt(),)
+    installed = toy.installed[A.next_attempt().key]
+    assert installed["prefixes"] == {call: _prefix_of(call)}  # as the earlier toolkit gave them
+    assert installed["record"] == {"turn": 0}
+    assert not Participant("toy-now", Toy()).legacy  # today's signature: no warning, no shim

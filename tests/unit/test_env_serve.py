@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rollsafe.cli.app import app
-from rollsafe.env.serve import ServeContext, load_hooks_factory, make_hooks
+from rollsafe.env.serve import ServeContext, hooks_options, load_hooks_factory, make_hooks
 from rollsafe.errors import InvalidInput
 from rollsafe.reference.envs.frozen_lake import FrozenLake
 
@@ -75,3 +75,18 @@ def test_the_docs_example_is_the_tested_file() -> None:
     doc = (REPO / "docs" / "environment-protocol.md").read_text()
     source = (REPO / "reference" / "envs" / "frozen_lake.py").read_text()
     assert f"```python\n{source}```" in doc
+
+
+def test_hooks_options_come_from_a_file_then_the_flags_over_it(tmp_path: Path) -> None:
+    file = tmp_path / "options.json"
+    file.write_text('{"ledger": "/a", "turn_s": "1"}')
+    assert hooks_options(["turn_s=2", "empty="], file) == {
+        "ledger": "/a",
+        "turn_s": "2",
+        "empty": "",
+    }
+    file.write_text('{"turn_s": 1}')
+    with pytest.raises(InvalidInput, match="not a JSON object of strings"):
+        hooks_options([], file)
+    with pytest.raises(InvalidInput, match=r"options\.json\.missing"):
+        hooks_options([], tmp_path / "options.json.missing")

@@ -22,11 +22,11 @@ from starlette.routing import Route
 from rollsafe.engine.http import EngineClient, engine_app
 from rollsafe.engine.protocol import EngineInfo
 from rollsafe.env.client import EnvClient
-from rollsafe.env.hooks import EnvironmentHooks
 from rollsafe.env.participant import Participant
 from rollsafe.env.router import participant_app
 from rollsafe.http.client import http_client
 from rollsafe.http.tracing import ServerSpans
+from rollsafe.testing.envs import Idle
 
 TOKEN = "unit-token"
 
@@ -149,19 +149,6 @@ class Info:
         return EngineInfo(
             model="0" * 64, kind="dense", weight_version=3, active=0, frozen=0, handoffs=0
         )
-
-
-class Idle(EnvironmentHooks):
-    name = "idle"
-
-    async def run_episode(self, run: Any, session: Any) -> Any:
-        raise NotImplementedError
-
-    def export_episode(self, episode: Any) -> dict[str, Any]:
-        return {}
-
-    def drop_episode(self, episode: Any) -> None:
-        return None
 
 
 async def test_engine_and_environment_calls_join_the_callers_trace(

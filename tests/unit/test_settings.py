@@ -4,6 +4,7 @@ order of precedence; unknown keys refused by name; each value's source reported.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from omegaconf import OmegaConf
@@ -125,6 +126,31 @@ def test_run_config_names_what_is_missing() -> None:
         Settings.load(env={}).run_config()
     with pytest.raises(InvalidInput, match="ROLLSAFE_RUN__GROUPS_PER_STEP"):
         Settings.load({"run_id": "r"}, env={}).run_config(group_size=2)
+
+
+@pytest.mark.parametrize(
+    ("participants", "level", "why"),
+    [
+        ({}, RunConfig.model_fields["restore_level"].default, "no participants"),
+        ({"envs": {"w0": "http://h:1"}}, "turn", "participants.envs is set, no engine"),
+        ({"envs": {"w0": "http://h:1"}, "engines": {"e0": "http://h:2"}}, "prefix", "engines"),
+    ],
+)
+def test_the_default_restore_level_is_the_most_lossless_the_participants_support(
+    participants: dict[str, Any], level: str, why: str
+) -> None:
+    settings = Settings.load({"run_id": "r", "participants": participants}, env={})
+    assert settings.run_config(group_size=2, groups_per_step=1).restore_level == level
+    (row,) = [r for r in settings.effective(env={}) if r.key == "run.restore_level"]
+    assert row.value == level and row.source.startswith("default: ") and why in row.source
+    # Set, it is what it is, wherever it came from.
+    chosen = Settings.load(
+        {"run_id": "r", "participants": participants},
+        env={"ROLLSAFE_RUN__RESTORE_LEVEL": "sibling"},
+    )
+    assert chosen.run_config(group_size=2, groups_per_step=1).restore_level == "sibling"
+    (row,) = [r for r in chosen.effective(env={}) if r.key == "run.restore_level"]
+    assert (row.value, row.source) == ("sibling", "env ROLLSAFE_RUN__RESTORE_LEVEL")
 
 
 def test_supervisor_config_takes_the_sections_and_keyword_overrides() -> None:

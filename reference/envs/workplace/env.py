@@ -14,6 +14,8 @@ holds it; the same seed and prompt make the same tokens on the same weights.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from rollsafe.engine.protocol import Engine
@@ -69,7 +71,15 @@ class WorkplaceEnv(EnvironmentHooks):
                     for m in state.calendar.mutations
                 ],
                 "calendar": [e.model_dump(mode="json") for e in state.calendar.events],
-                "history": [h.model_dump(mode="json") for h in state.history],
+                "history": [
+                    h.model_dump(mode="json", exclude={"resumed_from"}) for h in state.history
+                ],
+                # About this attempt, not the episode (env-check compares all but this).
+                "attempt": {
+                    "resumed_from": {
+                        h.call_id: h.resumed_from for h in state.history if h.resumed_from
+                    }
+                },
             },
         )
 
@@ -83,6 +93,21 @@ class WorkplaceEnv(EnvironmentHooks):
         state = parse_record(record)
         if state.episode != episode:
             raise InvalidInput(f"record is for {state.episode.key}, not {episode.key}")
+
+    def state_digest(self, episode: EpisodeRef) -> str | None:
+        """The calendar, the turn and every turn's tokens: the whole state but the call ids
+        and resumed counts, which name the attempt."""
+        state = self._live[episode.key]
+        whole = {
+            "task": state.task.model_dump(mode="json"),
+            "turn": state.turn,
+            "calendar": state.calendar.model_dump(mode="json", exclude={"mutations"}),
+            "mutations": [
+                m.model_dump(mode="json", exclude={"call_id"}) for m in state.calendar.mutations
+            ],
+            "tokens": [list(h.tokens) for h in state.history],
+        }
+        return hashlib.sha256(json.dumps(whole, sort_keys=True).encode()).hexdigest()
 
     def drop_episode(self, episode: EpisodeRef) -> None:
         self._live.pop(episode.key, None)

@@ -2,8 +2,10 @@
 
 Rows, in order: Temporal reachable, namespace exists, search attributes, clock skew
 (:mod:`rollsafe.cli.doctor.temporal`); Ray reachable, snapshot storage
-(:mod:`rollsafe.cli.doctor.checks`). Each is ok, FAILED (with the command or setting that fixes
-it) or skipped (not configured, not allowed to look, or needing a check that failed).
+(:mod:`rollsafe.cli.doctor.checks`); each environment instance of the settings'
+``participants.envs`` (:mod:`rollsafe.cli.doctor.participants`). Each is ok, FAILED (with the
+command or setting that fixes it) or skipped (not configured, not allowed to look, or needing a
+check that failed).
 Skipped rows do not fail the run: the doctor checks what this deployment says it uses.
 """
 
@@ -18,9 +20,12 @@ import typer
 from pydantic import BaseModel, ConfigDict
 
 from rollsafe.cli.doctor.checks import DoctorCheck, Status, check_ray, check_storage
+from rollsafe.cli.doctor.participants import env_checks
 from rollsafe.cli.doctor.temporal import DEFAULT_MAX_SKEW_S, temporal_checks
-from rollsafe.cli.exits import EXIT_CODES, ExitCode
+from rollsafe.cli.exits import EXIT_CODES, ExitCode, fail
 from rollsafe.cli.options import JsonOption
+from rollsafe.errors import RollsafeError
+from rollsafe.settings import ParticipantsSection, Settings
 from rollsafe.temporal.connect import ConnectionSettings
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -44,13 +49,16 @@ async def run_doctor(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     max_skew_s: float = DEFAULT_MAX_SKEW_S,
     settings: ConnectionSettings | None = None,
+    participants: ParticipantsSection | None = None,
 ) -> DoctorReport:
     """Every check, each bounded by ``timeout_s`` per network call. ``settings`` (tests)
-    replaces the worker's resolution from the environment."""
+    replaces the worker's resolution from the environment; ``participants``: the run's
+    environment instances to check (None: skipped)."""
     rows = await temporal_checks(timeout_s=timeout_s, max_skew_s=max_skew_s, settings=settings)
     # Socket connects and fsyncs block: off the loop, so nothing else on it stalls.
     rows.append(await asyncio.to_thread(check_ray, ray_address, timeout_s))
     rows.append(await asyncio.to_thread(check_storage, snapshot_root, timeout_s))
+    rows += await env_checks(participants or ParticipantsSection(), timeout_s)
     return DoctorReport.of(rows)
 
 
@@ -97,16 +105,22 @@ def register_doctor_command(app: typer.Typer) -> None:
         TEMPORAL_NAMESPACE, TLS and API-key variables, or a temporal config profile) answers,
         its namespace exists, rollsafe's search attributes are registered, its clock agrees
         with this machine's; Ray answers; the snapshot root (a directory or a bucket) takes
-        an atomic publish.
+        an atomic publish; each environment instance of the settings' participants.envs
+        answers with the run's token under the name the run gives it (its --instance).
 
         Fails (1) when a check FAILED (named, with its fix); skipped ones are fine.
         """
+        try:
+            participants = Settings.load().participants
+        except RollsafeError as exc:
+            fail(exc, ExitCode.USAGE)
         report = asyncio.run(
             run_doctor(
                 ray_address=ray_address,
                 snapshot_root=snapshot_root,
                 timeout_s=timeout_s,
                 max_skew_s=max_skew_s,
+                participants=participants,
             )
         )
         if as_json:

@@ -1,0 +1,142 @@
+"""``rollsafe env-check`` against what breaks exactly once, on a third party's game: textarena's
+Mastermind (``reference/envs/mastermind.py``), every guess submitted through ``session.effect``
+to an append-only ledger file that keeps duplicates, served with ``rollsafe env serve --hooks
+... --hooks-option ledger=PATH`` as an author would, beside its broken twins
+(``reference/envs/lossy.py``). The honest one passes every check and its ledger holds each
+(rollout, turn) once; the twin that names its effect after the attempt fails on effects applied
+twice (and its ledger shows them), the one that loses textarena's hidden history fails on the
+state digest alone, the one whose info carries only its own run's guesses fails on the training
+row. Each env-check runs as its own process, all four at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rollsafe.http.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, rollsafe_command
+
+ENGINE_TOKEN = "fx-engine-token"
+ENV_TOKEN = "fx-env-token"
+TASK = {"seed": 3, "turns": 12}
+ENVS = {
+    "honest": "rollsafe.reference.envs.mastermind:Mastermind",
+    "resubmitting": "rollsafe.reference.envs.lossy:ResubmittingMastermind",
+    "forgetful": "rollsafe.reference.envs.lossy:ForgetfulMastermind",
+    "row-changing": "rollsafe.reference.envs.lossy:RowChangingMastermind",
+}
+
+
+class Served:
+    """The engine, the instances by name, where their ledgers are."""
+
+    def __init__(self, engine: ServedProcess, envs: dict[str, ServedProcess], logs: Path):
+        self.engine, self.envs, self.logs = engine, envs, logs
+
+    def ledger(self, name: str) -> list[dict[str, object]]:
+        path = self.logs / f"{name}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """An engine and one instance per environment, each with its own ledger file."""
+    logs = tmp_path_factory.mktemp("effects")
+    started: list[ServedProcess] = []
+    try:
+        command = rollsafe_command("engine", "serve", "--port", "0", "--token", ENGINE_TOKEN)
+        started.append(engine := ServedProcess(command, logs / "engine"))
+        engine.wait_listening(ENGINE_BANNER.format(kind="dense"))
+        envs = {}
+        for name, hooks in ENVS.items():
+            args = ["env", "serve", "--hooks", hooks, "--port", "0", "--token", ENV_TOKEN]
+            args += ["--engine-url", engine.url, "--engine-token", ENGINE_TOKEN]
+            args += ["--instance", name, "--lease-grace-s", "1"]
+            args += ["--hooks-option", f"ledger={logs / name}.jsonl"]
+            started.append(
+                envs.setdefault(name, ServedProcess(rollsafe_command(*args), logs / name))
+            )
+        for name, server in envs.items():
+            server.wait_listening(ENV_BANNER.format(name=r"\S+", instance=name))
+        yield Served(engine, envs, logs)
+    finally:
+        for server in reversed(started):
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def checked(served: Served) -> dict[str, subprocess.CompletedProcess[str]]:
+    """``rollsafe env-check`` of every instance, all at once; each one's outcome."""
+    env = {**os.environ, "ROLLSAFE_ENV_TOKEN": ENV_TOKEN, "ROLLSAFE_ENGINE_TOKEN": ENGINE_TOKEN}
+    running = {}
+    for name, server in served.envs.items():
+        command = rollsafe_command("env-check", server.url, "--task", json.dumps(TASK))
+        command += ["--engine-url", served.engine.url, "--lease-wait-s", "2"]
+        running[name] = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+    done = {}
+    for name, process in running.items():
+        out, err = process.communicate(timeout=240)
+        done[name] = subprocess.CompletedProcess(process.args, process.returncode, out, err)
+    return done
+
+
+def failed(done: subprocess.CompletedProcess[str]) -> dict[str, str]:
+    lines = [line.split(" ", 2) for line in done.stdout.splitlines() if line.startswith("FAIL ")]
+    return {name: detail for _, name, detail in lines}
+
+
+def twice(entries: list[dict[str, object]]) -> list[tuple[str, str]]:
+    """(rollout, turn) pairs the ledger holds more than once."""
+    keys = Counter(tuple(str(e["key"]).split("/")[:2]) for e in entries)
+    return sorted(k for k, n in keys.items() if n > 1)  # type: ignore[misc]
+
+
+def test_the_honest_game_passes_every_check_and_submits_each_guess_once(
+    served: Served, checked: dict[str, subprocess.CompletedProcess[str]]
+) -> None:
+    done = checked["honest"]
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "all checks passed" in done.stdout and "not compared" not in done.stdout
+    abandoned = next(line for line in done.stdout.splitlines() if "PASS abandoned" in line)
+    assert "effect(s) applied once each, by attempt(s) [0" in abandoned, abandoned
+    entries = served.ledger("honest")
+    assert entries and twice(entries) == []
+
+
+def test_effects_named_after_the_attempt_are_applied_twice_and_fail(
+    served: Served, checked: dict[str, subprocess.CompletedProcess[str]]
+) -> None:
+    done = checked["resubmitting"]
+    assert done.returncode == 1, done.stdout + done.stderr
+    found = failed(done)
+    assert set(found) == {"restore", "cut_resume", "abandoned"}, done.stdout
+    for detail in found.values():
+        assert "effects applied that the finished attempt did not ask for" in detail, detail
+        assert "never the attempt" in detail
+    assert twice(served.ledger("resubmitting"))  # the ledger agrees: guesses submitted twice
+
+
+@pytest.mark.parametrize(
+    ("twin", "named"),
+    [
+        # Hidden state lost: the pegs, the reward and the info are the same; the digest not.
+        ("forgetful", "differs from the uninterrupted attempt's (state_digest"),
+        ("row-changing", "its info differs from the uninterrupted attempt's: info.guesses:"),
+    ],
+)
+def test_lost_hidden_state_and_a_different_training_row_fail_the_restore_checks(
+    checked: dict[str, subprocess.CompletedProcess[str]], twin: str, named: str
+) -> None:
+    done = checked[twin]
+    assert done.returncode == 1, done.stdout + done.stderr
+    found = failed(done)
+    assert set(found) == {"restore", "cut_resume"}, done.stdout
+    for detail in found.values():
+        assert named in detail, detail
