@@ -19,6 +19,7 @@ from rollsafe.env.conformance_run import (
     MIN_TASK_TURNS,
     Run,
     Skip,
+    Wanted,
     expect,
     park_commit,
 )
@@ -68,18 +69,22 @@ async def probe(r: Run) -> None:
         )
 
 
-async def restore(r: Run) -> str:
-    async def mid_way(prep: w.PrepareReply) -> bool:
+def _mid_way(r: Run) -> Wanted:
+    """A prepare that parked one of this check's episodes after its first turn."""
+
+    async def wanted(prep: w.PrepareReply) -> bool:
         return any(p.turn >= 1 and p.episode.key in r.running for p in prep.parked)
 
-    cid, prep, commit, dest = await park_commit(r, 2, mid_way)
+    return wanted
+
+
+async def restore(r: Run) -> str:
+    cid, prep, commit, dest = await park_commit(r, 2, _mid_way(r))
     ends = await _let_finish(r, cid)
     results = await _restore_and_run(r, cid, commit, dest, {})
     parked = {p.episode.key: p for p in prep.parked}
     for ep, result in zip(commit.committed, results, strict=True):
-        end = ends[ep.key]
-        applied_once(await _ledger(r, ep), _uses(end), 0)
-        _continued(r, parked[ep.key], result, end)
+        await _continued(r, parked[ep.key], result, ends[ep.key])
     turns = ", ".join(f"{ep.key} at turn {parked[ep.key].turn}" for ep in commit.committed)
     return f"restored {turns}; each ended as the uninterrupted attempt did"
 
@@ -116,8 +121,7 @@ async def cut_resume(r: Run) -> str:
     parked = {p.episode.key: p for p in prep.parked}
     done = []
     for ep, result in zip(commit.committed, results, strict=True):
-        applied_once(await _ledger(r, ep), _uses(ends[ep.key]), 0)
-        _continued(r, parked[ep.key], result, ends[ep.key])
+        await _continued(r, parked[ep.key], result, ends[ep.key])
         prefix = prefixes.get(parked[ep.key].model_call_id or "")
         if prefix is not None:
             want = len(prefix.tokens)
@@ -137,10 +141,7 @@ async def abandoned(r: Run) -> str:
     Each abandoned attempt must stop (superseded) and its successor finish, with no effect
     applied twice across the two."""
 
-    async def mid_way(prep: w.PrepareReply) -> bool:
-        return any(p.turn >= 1 and p.episode.key in r.running for p in prep.parked)
-
-    cid, prep, commit, dest = await park_commit(r, 3, mid_way)
+    cid, prep, commit, dest = await park_commit(r, 3, _mid_way(r))
     await r.resume(cid)
     for task in r.running.values():
         task.cancel()  # the caller is gone; the instance runs the attempt on
@@ -197,10 +198,12 @@ def _uses(result: w.EpisodeResult) -> tuple[w.EffectUse, ...]:
     return () if result.audit is None else result.audit.effects
 
 
-def _continued(
+async def _continued(
     r: Run, parked: w.ParkedEpisode, result: w.EpisodeResult, end: w.EpisodeResult
 ) -> None:
-    """Attempt n + 1 continued where attempt n was parked, and ended as attempt n did."""
+    """Attempt n + 1 continued where attempt n was parked, and ended as attempt n did; the
+    instance applied no effect of the rollout under a key attempt n did not use."""
+    applied_once(await _ledger(r, end.episode), _uses(end), 0)
     key, turn = result.episode.key, parked.turn
     expect(result.restored, f"{key}: a restored attempt says restored=False")
     at = result.restored_at_turn

@@ -85,6 +85,8 @@ from rollsafe.errors import (
 )
 
 log = logging.getLogger(__name__)
+# How a server that predates run leases refuses one (its 422 names the field).
+_LEASE_UNKNOWN = "RunEpisode: lease: Extra inputs are not permitted"
 
 
 class EnvFleet:
@@ -93,6 +95,7 @@ class EnvFleet:
     def __init__(self, instances: Mapping[str, EnvClient]) -> None:
         self._instances = Instances(instances)
         self.names: tuple[str, ...] = self._instances.names
+        self._without_leases: set[str] = set()  # instances of a release before run leases
 
     # -- checkpoint -----------------------------------------------------------------------------
 
@@ -356,6 +359,8 @@ class EnvFleet:
         when ``max_wait_s`` has passed."""
         client = self._client(instance)
         await self._instances.identify(instance)
+        if instance in self._without_leases:
+            run = run.model_copy(update={"lease": None})
         give_up = time.monotonic() + max_wait_s
         while True:
             try:
@@ -365,6 +370,19 @@ class EnvFleet:
                     exc.add_note(f"{instance} still parked after {max_wait_s:g}s")
                     raise
                 await until_idle(client, give_up, parked_retry_s)
+            except InvalidInput as exc:
+                if run.lease is None or _LEASE_UNKNOWN not in str(exc):
+                    raise
+                # A server of an earlier release (no run leases): refused before it started
+                # anything, so the same run goes again without the lease.
+                log.warning(
+                    "environment instance %s predates run leases: its episodes run without one "
+                    "(a dead trainer's attempts there are fenced only by their successors); "
+                    "upgrade it",
+                    instance,
+                )
+                self._without_leases.add(instance)
+                run = run.model_copy(update={"lease": None})
 
     async def keep_run_lease(self, lease: RunLease, every_s: float) -> None:
         """Renew ``lease`` on every instance every ``every_s`` until cancelled: while this

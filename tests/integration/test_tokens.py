@@ -24,6 +24,7 @@ from rollsafe.env.participant import Participant
 from rollsafe.env.router import participant_app
 from rollsafe.reference.envs.workplace.faults import FaultSwitches
 from rollsafe.reference.rl.servers import RunServers
+from rollsafe.testing.envs import Idle
 
 A = wire.EpisodeRef(rollout_id="tok-0_g0", attempt=0)
 CALL = GenerateRequest(
@@ -101,7 +102,7 @@ def engine_bodies() -> dict[tuple[str, str], bytes]:
 
 def env_bodies(dest: Path) -> dict[tuple[str, str], bytes]:
     """A body for each environment endpoint that, with the token, would change the instance."""
-    routes = guarded_routes(participant_app(Participant("x", None), "t"), set())  # type: ignore[arg-type]
+    routes = guarded_routes(participant_app(Participant("x", Idle()), "t"), set())
     ck, deadline = "tok-ck1", time.time() + 600  # within the lease cap (MAX_LEASE_S)
     models: dict[str, Any] = {
         "status": None,
@@ -118,6 +119,8 @@ def env_bodies(dest: Path) -> dict[tuple[str, str], bytes]:
             scope=(A,),
             deadline_ts=deadline,
         ),
+        "effects": wire.EffectsRequest(rollouts=(A.rollout_id,)),
+        "lease": wire.RunLease(holder="tok-dispatcher", ttl_s=60),
     }
     bodies = {
         ("GET" if op == "status" else "POST", f"{wire.PREFIX}/{op}"): (

@@ -34,6 +34,7 @@ from rollsafe.env.protocol import (
     ResumeReply,
     RetireRequest,
     RunEpisode,
+    RunLease,
     StatusReply,
 )
 from rollsafe.errors import (
@@ -627,3 +628,20 @@ async def test_an_instance_the_run_names_otherwise_is_refused_at_first_contact_n
         await fleet.run_episode("env-a", run)
         await fleet.run_episode("env-a", run.model_copy(update={"episode": ref(2)}))
     assert len(a.bodies("status")) == asked + 1 and len(a.bodies("run")) == 2
+
+
+async def test_an_instance_that_predates_run_leases_runs_the_episode_without_one() -> None:
+    a = FakeInstance("env-a")
+    old = refuse(422, "InvalidInput", "RunEpisode: lease: Extra inputs are not permitted")
+
+    async def predates_leases(request: httpx.Request) -> httpx.Response | None:
+        return await old(request) if "lease" in json.loads(request.content) else None
+
+    a.faults["run"] = predates_leases
+    lease = RunLease(holder="dispatcher-1", ttl_s=5.0)
+    run = RunEpisode(episode=ref(1), task={"prompt": "p"}, lease=lease)
+    async with fleet_of(a) as fleet:
+        assert (await fleet.run_episode("env-a", run)).episode == ref(1)
+        await fleet.run_episode("env-a", run.model_copy(update={"episode": ref(2)}))
+    sent = a.bodies("run")
+    assert ["lease" in body for body in sent] == [True, False, False]  # asked once, then known
