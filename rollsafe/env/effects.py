@@ -24,8 +24,6 @@ writes to must drop a second write of the same key (docs/environment-protocol.md
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import re
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable
@@ -35,6 +33,7 @@ from typing import Any
 
 from rollsafe.env.protocol import EFFECT_NAME_PATTERN, AppliedEffect, EpisodeRef
 from rollsafe.errors import EffectDiverged, InvalidInput, ParticipantRefused
+from rollsafe.snapshot.manifest import canonical_sha256
 
 # Rollouts whose effects and current attempt an instance remembers; the least recently touched
 # beyond it are forgotten (a rollout's episodes run within hours; 100k rollouts of a few effects
@@ -65,10 +64,9 @@ class EffectKey:
 def args_sha256(args: Any) -> str:
     """The digest an effect's arguments are compared by (canonical JSON; not JSON: refused)."""
     try:
-        text = json.dumps(args, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return canonical_sha256(args)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"an effect's args must be JSON: {exc}") from None
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass
@@ -141,15 +139,28 @@ class EffectLedger:
     def record(
         self, key: EffectKey, args_digest: str, result: Any, attempt: int, applied_ts: float
     ) -> None:
+        """Record an effect ``attempt`` applied (its apply began at ``applied_ts``). A result
+        that is not JSON is recorded all the same, as None, then refused (TypeError): applied
+        is applied, whatever it returned."""
+        try:
+            canonical_sha256(result)
+            kept = result
+        except (TypeError, ValueError):
+            kept = None
         applied = AppliedEffect(
             turn=key.turn,
             name=key.name,
             args_sha256=args_digest,
-            result=result,
+            result=kept,
             attempt=attempt,
             applied_ts=applied_ts,
         )
         self._touch(key.rollout_id).applied[(key.turn, key.name)] = applied
+        if kept is not result:
+            raise TypeError(
+                f"effect {key.id}: apply returned a {type(result).__name__}, not JSON; "
+                "recorded as applied with result None"
+            )
 
     def of_rollout(self, rollout_id: str) -> tuple[AppliedEffect, ...]:
         entry = self._rollouts.get(rollout_id)

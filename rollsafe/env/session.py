@@ -25,7 +25,7 @@ from rollsafe.engine.protocol import (
     plain_ints,
     prompt_digest,
 )
-from rollsafe.env.effects import EffectKey, EffectLedger, args_sha256
+from rollsafe.env.effects import EffectKey, args_sha256
 from rollsafe.env.protocol import (
     CallRecord,
     EffectUse,
@@ -184,7 +184,7 @@ class Session:
                 result = apply(key)
                 if inspect.isawaitable(result):
                     result = await result
-                _record(ledger, key, digest, result, (self.episode.attempt, began))
+                ledger.record(key, digest, result, self.episode.attempt, began)
             else:
                 result = done.result
         if self.audit is not None:
@@ -208,22 +208,6 @@ class Session:
         if self._owner._release is not None:
             self.moved = True
         self._owner._changed.set()
-
-
-def _record(
-    ledger: EffectLedger, key: EffectKey, digest: str, result: Any, by: tuple[int, float]
-) -> None:
-    """Record an effect applied by attempt ``by[0]``, begun at ``by[1]``; one whose result is
-    not JSON is recorded as applied all the same (None), then refused: applied is applied."""
-    try:
-        args_sha256(result)
-    except TypeError:
-        ledger.record(key, digest, None, *by)
-        raise TypeError(
-            f"effect {key.id}: apply returned a {type(result).__name__}, not JSON; recorded as "
-            "applied with result None"
-        ) from None
-    ledger.record(key, digest, result, *by)
 
 
 class _Audit:

@@ -148,9 +148,9 @@ class SnapshotManifest(BaseModel):
         return body.model_copy(update={"digest": sealed["digest"]})
 
 
-def canonical_sha256(fields: Mapping[str, Any]) -> str:
-    """sha256 of ``fields`` as canonical JSON (sorted keys, no spaces): the same fields give
-    the same digest whichever program wrote them and in which order."""
+def canonical_sha256(fields: Any) -> str:
+    """sha256 of ``fields`` (JSON) as canonical JSON (sorted keys, no spaces): the same fields
+    give the same digest whichever program wrote them and in which order."""
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -1,4 +1,5 @@
-"""Environment hooks for tests of the protocol alone."""
+"""Environment hooks for tests of the protocol alone, and reading ``rollsafe env-check``'s
+output."""
 
 from __future__ import annotations
 
@@ -20,3 +21,9 @@ class Idle(EnvironmentHooks):
 
     def drop_episode(self, episode: Any) -> None:
         return None
+
+
+def failed_checks(stdout: str) -> dict[str, str]:
+    """``rollsafe env-check``'s ``FAIL <check> (<s>s): <detail>`` lines, by check name."""
+    lines = [line.split(" ", 2) for line in stdout.splitlines() if line.startswith("FAIL ")]
+    return {name: detail for _, name, detail in lines}

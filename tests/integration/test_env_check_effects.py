@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from rollsafe.http.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, rollsafe_command
+from rollsafe.testing.envs import failed_checks
 
 ENGINE_TOKEN = "fx-engine-token"
 ENV_TOKEN = "fx-env-token"
@@ -87,11 +88,6 @@ def checked(served: Served) -> dict[str, subprocess.CompletedProcess[str]]:
     return done
 
 
-def failed(done: subprocess.CompletedProcess[str]) -> dict[str, str]:
-    lines = [line.split(" ", 2) for line in done.stdout.splitlines() if line.startswith("FAIL ")]
-    return {name: detail for _, name, detail in lines}
-
-
 def twice(entries: list[dict[str, object]]) -> list[tuple[str, str]]:
     """(rollout, turn) pairs the ledger holds more than once."""
     keys = Counter(tuple(str(e["key"]).split("/")[:2]) for e in entries)
@@ -115,7 +111,7 @@ def test_effects_named_after_the_attempt_are_applied_twice_and_fail(
 ) -> None:
     done = checked["resubmitting"]
     assert done.returncode == 1, done.stdout + done.stderr
-    found = failed(done)
+    found = failed_checks(done.stdout)
     assert set(found) == {"restore", "cut_resume", "abandoned"}, done.stdout
     for detail in found.values():
         assert "effects applied that the finished attempt did not ask for" in detail, detail
@@ -136,7 +132,7 @@ def test_lost_hidden_state_and_a_different_training_row_fail_the_restore_checks(
 ) -> None:
     done = checked[twin]
     assert done.returncode == 1, done.stdout + done.stderr
-    found = failed(done)
+    found = failed_checks(done.stdout)
     assert set(found) == {"restore", "cut_resume"}, done.stdout
     for detail in found.values():
         assert named in detail, detail

@@ -28,6 +28,7 @@ import pytest
 
 from rollsafe.env.conformance import CHECKS, ConformanceReport, run_conformance
 from rollsafe.http.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, rollsafe_command
+from rollsafe.testing.envs import failed_checks
 
 ENGINE_TOKEN = "conf-engine-token"
 ENV_TOKEN = "conf-env-token"
@@ -193,11 +194,6 @@ def env_check(
 LAKE_TASK = {"map": "4x4", "turns": 32}
 
 
-def failed_checks(done: subprocess.CompletedProcess[str]) -> dict[str, str]:
-    lines = [line.split(" ", 2) for line in done.stdout.splitlines() if line.startswith("FAIL ")]
-    return {name: detail for _, name, detail in lines}
-
-
 def test_the_docs_example_environment_passes_env_check(
     lakes: dict[str, ServedProcess], engine: ServedProcess
 ) -> None:
@@ -214,7 +210,7 @@ def test_a_lossy_environment_fails_env_check(
 ) -> None:
     done = env_check(lakes["lossy-lake"].url, LAKE_TASK, engine)
     assert done.returncode == 1, done.stdout + done.stderr
-    failed = failed_checks(done)
+    failed = failed_checks(done.stdout)
     assert "restore" in failed and set(failed) <= {"restore", "cut_resume"}, done.stdout
     assert "continued from turn 0, but it was parked at turn" in failed["restore"]
 
@@ -224,7 +220,7 @@ def test_an_environment_that_regenerates_a_cut_call_fails_env_check(
 ) -> None:
     done = env_check(lakes["regen-lake"].url, LAKE_TASK, engine)
     assert done.returncode == 1, done.stdout + done.stderr
-    failed = failed_checks(done)
+    failed = failed_checks(done.stdout)
     assert list(failed) == ["cut_resume"], done.stdout
     assert "generated the cut call again" in failed["cut_resume"]
 
