@@ -107,11 +107,7 @@ def ray_session() -> Iterator[Any]:
     wanted = {**tq_runtime.RAY_ENV, **tq_runtime.TQ_ENV}
     saved = {name: os.environ.get(name) for name in wanted}
     os.environ.update(wanted)  # before init, so every Ray process inherits them
-    ray.init(
-        num_cpus=tq_runtime.LOCAL_RAY_CPUS,
-        include_dashboard=False,
-        object_store_memory=tq_runtime.LOCAL_OBJECT_STORE_BYTES,
-    )
+    tq_runtime.start_local_ray()  # never a developer's `ray start` cluster
     try:
         yield ray
     finally:

@@ -216,5 +216,6 @@ async def _serve(
         health.worker = worker
         if health.state == "starting":
             health.state = "serving"
-        print(f"rollsafe worker: run {run_id!r}, task queue {queue!r}", flush=True)
+        joined = ray.get_runtime_context().gcs_address
+        print(f"rollsafe worker: run {run_id!r}, task queue {queue!r}, Ray {joined}", flush=True)
         await stop.wait()

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from rollsafe.checkpoint.actor import NAMESPACE, actor_name
+from rollsafe.dataplane.tq_runtime import start_local_ray
 from rollsafe.engine.loop import HoldRule
 from rollsafe.errors import TemporalUnavailable
 from rollsafe.evidence.files import (
@@ -270,13 +271,7 @@ class Demo:
             dev = DevServer(self.work / "temporal")
             asyncio.run(dev.start())
             stack.callback(dev.stop)
-            ray.init(
-                num_cpus=4,
-                include_dashboard=False,
-                object_store_memory=128 << 20,
-                namespace=NAMESPACE,
-                log_to_driver=False,
-            )
+            start_local_ray(namespace=NAMESPACE, log_to_driver=False)
             stack.callback(ray.shutdown)
             self.dev, self.temporal = dev, dev.settings()
             self.temporal_release.parent.mkdir(parents=True, exist_ok=True)

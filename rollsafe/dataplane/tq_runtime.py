@@ -33,6 +33,31 @@ LOCAL_OBJECT_STORE_BYTES = 128 << 20
 _lock = threading.Lock()
 
 
+def export_ray_env() -> None:
+    """The settings above into this process's environment, before ``ray.init``: every Ray
+    process it starts inherits them."""
+    for name, value in {**RAY_ENV, **TQ_ENV}.items():
+        os.environ.setdefault(name, value)
+
+
+def start_local_ray(**init: Any) -> None:
+    """Start a Ray cluster of this process's own (``address="local"``), with the settings above
+    in its environment. Never ``ray.init()`` without an address here: that joins the cluster of
+    the machine's last ``ray start`` (or ``RAY_ADDRESS``), another user's or release's on a
+    shared host (docs/deploy.md, "Which Ray cluster"). ``init``: further ``ray.init`` keywords
+    (``namespace``, ``log_to_driver``)."""
+    import ray
+
+    export_ray_env()
+    ray.init(
+        address="local",
+        num_cpus=LOCAL_RAY_CPUS,
+        include_dashboard=False,
+        object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+        **init,
+    )
+
+
 def tq_config(storage_units: int = 1, storage_resource: str | None = None) -> dict[str, Any]:
     """The default config hangs tq.init under a small ray.init; polling mode and one storage
     unit do not (docs/platform.md). ``storage_resource``: a Ray custom resource; the storage units
@@ -175,15 +200,10 @@ def start_transferqueue(
     ray_address = ray_address or os.environ.get("RAY_ADDRESS") or None
     started_ray = False
     if not ray.is_initialized():
-        for name, value in {**RAY_ENV, **TQ_ENV}.items():
-            os.environ.setdefault(name, value)  # before init, so every Ray process inherits them
         if ray_address is None:
-            ray.init(
-                num_cpus=LOCAL_RAY_CPUS,
-                include_dashboard=False,
-                object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-            )
+            start_local_ray()
         else:
+            export_ray_env()
             ray.init(address=ray_address)
         started_ray = True
     try:

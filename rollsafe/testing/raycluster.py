@@ -147,9 +147,12 @@ class RayNode:
 
 class RayCluster:
     """A head and further nodes on this machine, each its own
-    ``ray start --block`` process; started in order, stopped by pid (:meth:`stop`, also on a
-    failed start). ``root`` holds the node logs; Ray's session files go to a short temporary
-    directory (its socket paths must stay under 108 bytes), removed at :meth:`stop`."""
+        ``ray start --block`` process; started in order, stopped by pid (:meth:`stop`, also on a
+        failed start). ``root`` holds the node logs; Ray's session files go to a short temporary
+        directory (its socket paths must stay under 108 bytes), removed at :meth:`stop`: ``temp_dir``,
+    or a new one. ``ray start`` also writes its address there (``ray_current_cluster``), where
+    ``address="auto"`` looks for it when ``RAY_TMPDIR`` is that directory's parent and it is named
+    ``ray``: a cluster any process of that environment joins by default, as a plain ``ray start``."""
 
     def __init__(
         self,
@@ -160,6 +163,7 @@ class RayCluster:
         object_store_bytes: int = OBJECT_STORE_BYTES,
         env: Mapping[str, str] | None = None,
         start_timeout_s: float = 120.0,
+        temp_dir: str | None = None,
     ) -> None:
         self.root = Path(root)
         self.specs = [head, *nodes]
@@ -169,6 +173,7 @@ class RayCluster:
         self.start_timeout_s = start_timeout_s
         self.port = 0
         self.temp_dir = ""
+        self._wanted_temp_dir = temp_dir
         self.nodes: dict[str, RayNode] = {}
 
     @property
@@ -217,7 +222,11 @@ class RayCluster:
 
     def start(self) -> RayCluster:
         self.root.mkdir(parents=True, exist_ok=True)
-        self.temp_dir = tempfile.mkdtemp(prefix="rs-ray-", dir="/tmp")
+        if self._wanted_temp_dir is None:
+            self.temp_dir = tempfile.mkdtemp(prefix="rs-ray-", dir="/tmp")
+        else:
+            self.temp_dir = self._wanted_temp_dir
+            os.makedirs(self.temp_dir, exist_ok=True)
         self.port = free_port()
         try:
             for n, spec in enumerate(self.specs):

@@ -195,7 +195,7 @@ def test_ray_without_an_address_is_skipped() -> None:
 def test_auto_without_a_local_cluster_fails_and_local_is_skipped(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(doctor_checks, "_local_ray_address", lambda: None)
+    monkeypatch.setattr(doctor_checks, "_local_ray_clusters", lambda: (None, []))
     auto = check_ray("auto", 1.0)
     assert auto.status is Status.FAILED and "no Ray cluster on this machine" in auto.detail
     assert check_ray("local", 1.0).status is Status.SKIPPED

@@ -93,13 +93,15 @@ def check_ray(address: str | None, timeout_s: float, *, count_nodes: bool = True
         return skipped(RAY, "no --ray-address or RAY_ADDRESS: workers use the local cluster")
     if address.strip() == "local":
         return skipped(RAY, "RAY_ADDRESS=local: each process starts a cluster of its own")
+    among = ""
     if address.strip() == "auto":
-        resolved = _local_ray_address()
+        resolved, running = _local_ray_clusters()
         if resolved is None:
             return failed(
                 RAY, f"{address!r}: no Ray cluster on this machine", _ray_fix("on this machine")
             )
         address = resolved
+        among = _auto_among(resolved, running)
     try:
         scheme, host, port = parse_ray_address(address)
     except InvalidInput as exc:
@@ -115,19 +117,34 @@ def check_ray(address: str | None, timeout_s: float, *, count_nodes: bool = True
     if scheme == "ray":  # a Ray Client server: its port answers, nothing more to ask cheaply
         return ok(RAY, f"Ray Client at {host}:{port} accepts connections")
     if not count_nodes:
-        return ok(RAY, f"GCS at {host}:{port} accepts connections")
-    return ok(RAY, f"GCS at {host}:{port} accepts connections; {_node_count(address, timeout_s)}")
+        return ok(RAY, f"GCS at {host}:{port} accepts connections{among}")
+    nodes = _node_count(address, timeout_s)
+    return ok(RAY, f"GCS at {host}:{port} accepts connections; {nodes}{among}")
 
 
-def _local_ray_address() -> str | None:
+def _local_ray_clusters() -> tuple[str | None, list[str]]:
     """The cluster ``ray.init(address="auto")`` (a worker without an address) would join,
-    found by Ray's own lookup: the last ``ray start`` on this machine, else any running GCS."""
+    found by Ray's own lookup (the last ``ray start`` under the default temp dir, else any
+    running GCS), and the GCS addresses of every cluster running on this machine."""
     try:
         services = importlib.import_module("ray._private.services")
+        running = sorted(services.find_gcs_addresses())
         found: str | None = services.get_ray_address_from_environment("auto", None)
     except Exception:  # private API: its absence only loses this lookup
-        return None
-    return found
+        return None, []
+    return found, running
+
+
+def _auto_among(resolved: str, running: list[str]) -> str:
+    """What a shared host adds to the Ray row: ``auto`` picks one of several clusters."""
+    others = [address for address in running if address != resolved]
+    if not others:
+        return ""
+    return (
+        f"; 'auto' joins {resolved} but {len(running)} Ray clusters run on this machine "
+        f"(also {', '.join(others)}): set RAY_ADDRESS to the run's own (docs/deploy.md, "
+        "'Which Ray cluster')"
+    )
 
 
 def _node_count(address: str, timeout_s: float) -> str:
