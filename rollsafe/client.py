@@ -193,10 +193,12 @@ class Checkpointer:
         return self
 
     async def train_step_committed(self, step: int) -> None:
-        """Tell the run a train step committed: a snapshot that has not captured yet is now
-        stale and aborts (its outcome: ``skipped``, reason ``trainer_state_changed: step N
-        committed``). One signal, returned once the server has it (within
-        ``notify_timeout_s``, else :class:`TemporalUnavailable`); no worker is waited for."""
+        """Tell the run a train step committed: a rollout snapshot that has not captured yet
+        goes on and captures the state after it; an anchored snapshot (one
+        ``trainer_checkpoint_saved`` asked for) that has not captured yet aborts (its outcome:
+        ``skipped``, reason ``trainer_state_changed: step N committed``). One signal,
+        returned once the server has it (within ``notify_timeout_s``, else
+        :class:`TemporalUnavailable`); no worker is waited for."""
         await self._notify(SnapshotSupervisor.train_step_committed, _step(step))
         if self._workers_due():
             try:
@@ -271,6 +273,8 @@ class Checkpointer:
                     raise
                 await self._running(handle)  # closed meanwhile: say so instead
                 warnings.append(f"no checkpoint worker answered within {self.worker_timeout_s:g} s")
+        if supervisor is not None and supervisor.warning is not None:
+            warnings.append(supervisor.warning)
         return CheckpointerStatus(
             run_id=self.run_id, workers=workers, supervisor=supervisor, warnings=warnings
         )

@@ -80,6 +80,9 @@ class SnapshotStatus(BaseModel):
     phase_started_at: float | None  # workflow time (seconds since the epoch)
     abort_reason: str | None
     completed: list[Phase]
+    # Steps the trainer committed while this rollout snapshot had not captured yet: its
+    # capture includes them (workflows/snapshot.py, OUTLIVES_STEPS).
+    steps_committed: list[int] = []
 
 
 class SupervisorConfig(BaseModel):
@@ -89,6 +92,9 @@ class SupervisorConfig(BaseModel):
     # Seconds between periodic snapshots; None takes snapshots only on request.
     interval_s: float | None = Field(default=None, gt=0)
     max_consecutive_failures: int = Field(default=3, ge=1)
+    # After this many snapshots in a row ended unpublished (skipped or failed), each further
+    # one is a WARNING, and the status (SDK, `inspect`) says the run is not being checkpointed.
+    warn_unpublished_after: int = Field(default=3, ge=1)
     participants: bool = True  # passed to every snapshot: see SnapshotInput.participants
     # Continue as new after this many snapshots even if the server has not suggested it yet,
     # so a long run's history never nears its limits (one snapshot adds ~10 events here).
@@ -107,6 +113,8 @@ class SupervisorState(BaseModel):
     skipped: int = 0
     failed: int = 0
     last_outcome: SnapshotOutcome | None = None
+    unpublished_in_a_row: int = 0  # skipped or failed since the last published snapshot
+    last_published_at: float | None = None  # workflow time (seconds since the epoch)
     last_committed_step: int | None = None
     pending_anchors: list[int] = Field(default_factory=list)  # trainer steps to anchor
     # Anchors still held: weight versions the trainer holds checkpoints of (sorted). Every
@@ -132,3 +140,21 @@ class SupervisorStatus(BaseModel):
     running_seq: int | None
     running_workflow_id: str | None
     queued_requests: int
+    # Set when the run is not being checkpointed: warn_unpublished_after snapshots or more in
+    # a row ended unpublished (unpublished_warning).
+    warning: str | None = None
+
+
+def unpublished_warning(state: SupervisorState, warn_after: int) -> str | None:
+    """What the run's operator must hear when snapshots keep ending unpublished: a crash now
+    restores from the last published one (or starts over), losing everything since."""
+    if state.unpublished_in_a_row < warn_after:
+        return None
+    last = state.last_outcome
+    why = f"; the last {last.status}: {last.reason}" if last is not None else ""
+    since = (
+        "no snapshot published yet: a crash now starts the run over"
+        if state.last_published_at is None
+        else "a crash now restores the last published one, losing the work since"
+    )
+    return f"{state.unpublished_in_a_row} snapshots in a row ended unpublished ({since}){why}"

@@ -57,6 +57,14 @@ TRAINER_STATE_CHANGED = "trainer_state_changed"
 # The patch under which the park window's phases run as local activities (histories recorded
 # before it replay them as regular activities: tests/histories/README.md).
 LOCAL_PARK_WINDOW = "park-window-local-activities"
+# The patch under which a step committed before capture no longer skips a rollout snapshot
+# (periodic or on request): its capture, under the controller's barrier, records the state as
+# it is then, step included, so what it publishes is consistent whatever committed before. A
+# skip there made a snapshot's fate a race between open-to-capture and a training step, which
+# a loaded machine lost every time (issue 35: no snapshot at all with 1.5 s steps). An
+# anchored (trainer) snapshot still aborts: its capture refuses any weight version but its
+# anchor's (AnchorPassed), so going on would only hold the park window for nothing.
+OUTLIVES_STEPS = "rollout-snapshot-outlives-steps"
 PARK_WINDOW = frozenset(
     PHASES[PHASES.index(Phase.CLOSE_ADMISSION) : PHASES.index(Phase.RESUME) + 1]
 )
@@ -170,7 +178,12 @@ def start_activity(
 
 @workflow.defn(name="RolloutSnapshot")
 class RolloutSnapshot:
-    def __init__(self) -> None:
+    @workflow.init
+    def __init__(self, request: SnapshotInput) -> None:
+        # The input here too: a signal can arrive before run starts, and its handler needs
+        # the snapshot's kind.
+        self._kind = request.spec.kind
+        self._steps_committed: list[int] = []  # before capture, in a rollout snapshot
         self._phase: Phase | None = None
         self._phase_started_at: float | None = None
         self._abort_reason: str | None = None
@@ -297,9 +310,14 @@ class RolloutSnapshot:
 
     @workflow.signal(name=TRAINER_STATE_CHANGED)
     def trainer_state_changed(self, step: int) -> None:
-        """A train step committed: abort if the snapshot has not captured yet."""
-        if abortable(self._phase):
-            self._abort_reason = f"trainer_state_changed: step {step} committed"
+        """A train step committed before capture: a rollout snapshot notes it and goes on (its
+        capture includes the step), an anchored one aborts (``OUTLIVES_STEPS``)."""
+        if not abortable(self._phase):
+            return
+        if self._kind == "rollout" and workflow.patched(OUTLIVES_STEPS):
+            self._steps_committed.append(step)
+            return
+        self._abort_reason = f"trainer_state_changed: step {step} committed"
 
     @workflow.query
     def status(self) -> SnapshotStatus:
@@ -309,4 +327,5 @@ class RolloutSnapshot:
             phase_started_at=self._phase_started_at,
             abort_reason=self._abort_reason,
             completed=[r.phase for r in self._results],
+            steps_committed=list(self._steps_committed),
         )

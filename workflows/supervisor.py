@@ -32,6 +32,7 @@ with workflow.unsafe.imports_passed_through():
         SupervisorConfig,
         SupervisorInput,
         SupervisorStatus,
+        unpublished_warning,
     )
     from rollsafe.workflows.snapshot import (
         TRAINER_STATE_CHANGED,
@@ -42,6 +43,9 @@ with workflow.unsafe.imports_passed_through():
 
 NEXT_SEQ_ACTIVITY = "next_snapshot_seq"
 TOO_MANY_FAILURES = "TooManyConsecutiveSnapshotFailures"
+# A gauge on the SDK's metric meter (exported with the worker's Temporal metrics; never
+# emitted while a history replays).
+UNPUBLISHED_GAUGE = "rollsafe_snapshots_unpublished_in_a_row"
 
 
 @workflow.defn(name="SnapshotSupervisor")
@@ -143,6 +147,7 @@ class SnapshotSupervisor:
         assert config is not None
         state.last_outcome = outcome
         fields = {"run_id": config.run_id, "checkpoint_id": outcome.checkpoint_id}
+        self._count_unpublished(outcome)
         if outcome.status != "failed":
             state.consecutive_failures = 0
             if outcome.status == "published":
@@ -182,6 +187,33 @@ class SnapshotSupervisor:
                 f"{outcome.error_type}: {outcome.reason}",
                 type=TOO_MANY_FAILURES,
                 non_retryable=True,
+            )
+
+    def _count_unpublished(self, outcome: SnapshotOutcome) -> None:
+        """Skipped or failed snapshots in a row: a WARNING each from ``warn_unpublished_after``
+        on, and the gauge ``rollsafe_snapshots_unpublished_in_a_row`` (the SDK's metrics)."""
+        config, state = self._config, self._state
+        assert config is not None
+        if outcome.status == "published":
+            state.unpublished_in_a_row = 0
+            state.last_published_at = workflow.time()
+        else:
+            state.unpublished_in_a_row += 1
+        gauge = workflow.metric_meter().create_gauge(
+            UNPUBLISHED_GAUGE, "snapshots in a row that ended skipped or failed"
+        )
+        gauge.set(state.unpublished_in_a_row, {"run_id": config.run_id})
+        warning = unpublished_warning(state, config.warn_unpublished_after)
+        if warning is not None:
+            workflow.logger.warning(
+                "run %s: %s",
+                config.run_id,
+                warning,
+                extra={
+                    "run_id": config.run_id,
+                    "checkpoint_id": outcome.checkpoint_id,
+                    "unpublished_in_a_row": state.unpublished_in_a_row,
+                },
             )
 
     def _log_failures_in_a_row(self, outcome: SnapshotOutcome, allowed: int) -> None:
@@ -238,8 +270,8 @@ class SnapshotSupervisor:
 
     @workflow.signal
     async def train_step_committed(self, step: int) -> None:
-        """A committed step changes the trainer state: a snapshot still before capture is
-        stale and aborts (outcome skipped: trainer_state_changed)."""
+        """A committed step, passed on to the running snapshot: an anchored one still before
+        capture aborts (outcome skipped: trainer_state_changed); a rollout one notes it."""
         self._state.last_committed_step = step
         if self._running is not None and self._config is not None:
             child = workflow.get_external_workflow_handle(
@@ -273,4 +305,5 @@ class SnapshotSupervisor:
             if running
             else None,
             queued_requests=len(self._requests),
+            warning=unpublished_warning(self._state, self._config.warn_unpublished_after),
         )

@@ -41,7 +41,7 @@ from rollsafe.temporal.devserver import DevServer
 from rollsafe.testing.waiting import eventually_async
 from rollsafe.workers.checkpoint import build_worker
 from rollsafe.workflows.models import PhaseOptions, SnapshotInput, SupervisorConfig, SupervisorInput
-from rollsafe.workflows.snapshot import RolloutSnapshot
+from rollsafe.workflows.snapshot import TRAINER_STATE_CHANGED, RolloutSnapshot
 from rollsafe.workflows.supervisor import SnapshotSupervisor
 
 HERE = Path(__file__).resolve().parent
@@ -121,6 +121,22 @@ async def snapshot_skipped_before_capture(case: Case) -> WorkflowHandle[Any, Any
     return handle
 
 
+async def snapshot_published_past_step_committed(case: Case) -> WorkflowHandle[Any, Any]:
+    """A rollout snapshot signalled ``trainer_state_changed`` while open runs (not a park-window
+    phase: those run as local activities, and a query waits for their workflow task) publishes
+    under the patch ``rollout-snapshot-outlives-steps``, the step in its status.
+    ``snapshot_skipped_on_step_committed.json`` is the same drive recorded before the patch
+    (skipped); this script can no longer record that one."""
+    arm("phase.open.before", "sleep:1.5")
+    handle = await case.start_snapshot()
+    await eventually_async(lambda: in_phase(handle, Phase.OPEN), what="the snapshot in open")
+    await handle.signal(TRAINER_STATE_CHANGED, 7)
+    outcome = await handle.result()
+    assert outcome.status == "published", outcome
+    assert (await handle.query(RolloutSnapshot.status)).steps_committed == [7]
+    return handle
+
+
 async def snapshot_failed_after_retries(case: Case) -> WorkflowHandle[Any, Any]:
     arm("phase.capture.before", "raise")  # every attempt
     handle = await case.start_snapshot()
@@ -168,6 +184,7 @@ CASES: dict[str, Callable[[Case], Awaitable[WorkflowHandle[Any, Any]]]] = {
         snapshot_published_without_participants,
         snapshot_published_park_window_local,
         snapshot_skipped_before_capture,
+        snapshot_published_past_step_committed,
         snapshot_failed_after_retries,
         snapshot_retried_then_published,
         supervisor_two_requests_stopped,

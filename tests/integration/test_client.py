@@ -29,7 +29,7 @@ from rollsafe.errors import (
 from rollsafe.faults import arm, disarm_all
 from rollsafe.settings import Settings
 from rollsafe.testing.waiting import eventually_async, holding
-from rollsafe.workflows.models import PhaseOptions, SupervisorInput
+from rollsafe.workflows.models import PhaseOptions, SnapshotOutcome, SupervisorInput
 from rollsafe.workflows.snapshot import TRAINER_STATE_CHANGED, RolloutSnapshot
 from rollsafe.workflows.supervisor import SnapshotSupervisor
 
@@ -112,36 +112,68 @@ async def _published(ckpt: Checkpointer, count: int) -> bool:
     return (await supervisor_status(ckpt)).state.published >= count
 
 
-async def test_train_step_committed_aborts_before_capture_and_is_too_late_after(
-    harness,
-) -> None:
+async def _steps_noted(harness, seq: int) -> list[int]:
+    handle = harness.client.get_workflow_handle(harness.snapshot_workflow_id(seq))
+    noted: list[int] = (await handle.query(RolloutSnapshot.status)).steps_committed
+    return noted
+
+
+async def test_a_step_committed_before_capture_is_in_the_rollout_snapshot(harness) -> None:
+    """The capture, under the barrier, records the state after the step: the snapshot is not
+    thrown away (issue 35: under load, none would ever publish). A step committed after
+    capture changes nothing either."""
     async with harness.worker():
         ckpt = await checkpointer(harness).start()
         with holding("phase.drain.before") as drain:
             pending = asyncio.create_task(ckpt.snapshot_now())
             await drain.reached_async()  # snapshot 1 stands in its drain until released
             assert await harness.snapshot_phase(1) == Phase.DRAIN
-            await ckpt.train_step_committed(7)
+            harness.controller.set_weight_version(1)  # the trainer's step, on the controller
+            await ckpt.train_step_committed(1)
             await eventually_async(
-                lambda: _abort_reason(harness, 1), what="snapshot 1 told to abort in its drain"
+                lambda: _steps_noted(harness, 1), what="snapshot 1 told of step 1 in its drain"
             )
+            assert await _abort_reason(harness, 1) is None
         outcome = await pending
-        assert outcome.status == "skipped" and "step 7 committed" in outcome.reason
-        assert harness.store.list() == [] and harness.controller.status().gate_open
+        assert outcome.status == "published" and outcome.published is not None
+        assert outcome.published.weight_version == 1  # captured after the step
+        assert harness.controller.status().gate_open
 
         with holding("phase.publish.before") as publish:
             pending = asyncio.create_task(ckpt.snapshot_now())
             await publish.reached_async()
             assert await harness.snapshot_phase(2) == Phase.PUBLISH
-            await ckpt.train_step_committed(8)  # captured already: it publishes
+            await ckpt.train_step_committed(2)  # captured already
             await eventually_async(
                 lambda: _signalled(harness, 2, TRAINER_STATE_CHANGED),
-                what="snapshot 2 told of step 8 in its publish",
+                what="snapshot 2 told of step 2 in its publish",
             )
         assert (await pending).status == "published"
+        assert await _steps_noted(harness, 2) == []
         status = await supervisor_status(ckpt)
-        assert (status.state.skipped, status.state.published) == (1, 1)
-        assert status.state.last_committed_step == 8
+        assert (status.state.skipped, status.state.published) == (0, 2)
+        assert status.state.last_committed_step == 2
+
+
+async def test_a_step_committed_before_an_anchored_capture_aborts_it(harness) -> None:
+    """An anchored snapshot captures at its anchor's weight version or not at all: a step
+    before its capture aborts it at once instead of failing in capture."""
+    async with harness.worker():
+        ckpt = await checkpointer(harness).start()
+        with holding("phase.drain.before") as drain:
+            await ckpt.trainer_checkpoint_saved(0, "/ckpt/v0")
+            await drain.reached_async()
+            assert await harness.snapshot_phase(1) == Phase.DRAIN
+            harness.controller.set_weight_version(1)
+            await ckpt.train_step_committed(1)
+            await eventually_async(
+                lambda: _abort_reason(harness, 1), what="snapshot 1 told to abort in its drain"
+            )
+        snapshot_id = harness.snapshot_workflow_id(1)
+        handle = harness.client.get_workflow_handle(snapshot_id, result_type=SnapshotOutcome)
+        outcome = await handle.result()
+        assert outcome.status == "skipped" and "step 1 committed" in outcome.reason
+        assert harness.store.list() == [] and harness.controller.status().gate_open
 
 
 async def test_a_trainer_snapshot_past_its_anchor_is_skipped_not_published(harness) -> None:

@@ -113,6 +113,65 @@ async def test_supervisor_snapshot_now_publishes_and_resets_the_count(harness) -
         await handle.result()
 
 
+async def test_snapshots_unpublished_in_a_row_warn_and_set_a_gauge(harness, server, caplog) -> None:
+    """Two failed snapshots (of ten allowed) with warn_unpublished_after=2: the second is a
+    WARNING naming the count, the status says so, the gauge reads 2; a published one clears
+    all three. The gauge is read from a metric buffer on the worker's own Temporal runtime."""
+    from temporalio.client import Client
+    from temporalio.contrib.pydantic import pydantic_data_converter
+    from temporalio.runtime import MetricBuffer, Runtime, TelemetryConfig
+
+    from rollsafe.workers.checkpoint import build_worker
+    from rollsafe.workflows.supervisor import UNPUBLISHED_GAUGE
+
+    caplog.set_level(logging.WARNING, logger="temporalio.workflow")
+    buffer = MetricBuffer(10_000)
+    gauge = GaugeReader(buffer)
+    client = await Client.connect(
+        server.address,
+        namespace=server.namespace,
+        data_converter=pydantic_data_converter,
+        runtime=Runtime(telemetry=TelemetryConfig(metrics=buffer)),
+    )
+    arm("phase.capture.before", "raise", times=6)  # two snapshots' 3 attempts each
+    async with build_worker(client, harness.task_queue, lambda run_id: harness.local):
+        handle = await harness.start_supervisor(
+            max_consecutive_failures=10, warn_unpublished_after=2
+        )
+        for _ in range(2):
+            assert (await handle.execute_update(SnapshotSupervisor.snapshot_now)).status == "failed"
+        status = await handle.query(SnapshotSupervisor.status)
+        assert status.state.unpublished_in_a_row == 2 and status.state.last_published_at is None
+        assert status.warning is not None and status.warning.startswith(
+            "2 snapshots in a row ended unpublished (no snapshot published yet"
+        )
+        warned = [r for r in caplog.records if "in a row ended unpublished" in r.getMessage()]
+        assert [r.unpublished_in_a_row for r in warned] == [2]  # not at 1: below the threshold
+        assert gauge(UNPUBLISHED_GAUGE) == 2
+        assert (await handle.execute_update(SnapshotSupervisor.snapshot_now)).status == "published"
+        status = await handle.query(SnapshotSupervisor.status)
+        assert status.warning is None and status.state.unpublished_in_a_row == 0
+        assert status.state.last_published_at is not None
+        assert gauge(UNPUBLISHED_GAUGE) == 0
+        await handle.signal(SnapshotSupervisor.stop)
+        await handle.result()
+
+
+class GaugeReader:
+    """The newest value of each gauge among a metric buffer's updates so far (retrieving
+    empties the buffer, so the values seen are kept)."""
+
+    def __init__(self, buffer: Any) -> None:
+        self.buffer = buffer
+        self.values: dict[str, list[int]] = {}
+
+    def __call__(self, name: str) -> int | None:
+        for update in self.buffer.retrieve_updates():
+            self.values.setdefault(update.metric.name, []).append(update.value)
+        seen = self.values.get(name, [])
+        return seen[-1] if seen else None
+
+
 async def test_restore_workflow_brings_the_run_back_from_its_newest_snapshot(
     harness,
 ) -> None:
