@@ -14,7 +14,9 @@ itself once the lease runs out (rollsafe.core.gate).
 Each phase activity logs its outcome on ``temporalio.activity.logger`` (the activity's
 workflow id, attempt and task queue ride along in ``temporal_activity``): one INFO line when
 it is done (phase, checkpoint, replayed or not, seconds), one WARNING line when it fails (the
-error type, and whether a retry may help).
+error type, and whether a retry may help): INFO, and no traceback from the SDK either, for the
+outcomes the design expects (``RollsafeError.expected``: an anchor passed, a controller
+awaiting its restore).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from rollsafe.activities.controllers import ControllerResolver
 from rollsafe.activities.errors import to_application_error
@@ -114,7 +116,11 @@ def log_phase_failed(
     spec: SnapshotSpec, phase: Phase, error: BaseException, seconds: float
 ) -> None:
     error_type, transient = _failure(error)
-    activity.logger.warning(
+    expected = (
+        isinstance(error, ApplicationError) and error.category == ApplicationErrorCategory.BENIGN
+    )
+    log = activity.logger.info if expected else activity.logger.warning
+    log(
         "phase %s of %s failed after %.3f s (%s): %s: %s",
         phase.value,
         spec.checkpoint_id,

@@ -226,24 +226,22 @@ class Checkpointer:
         before the next step commits to be sure of a snapshot at ``step``); after
         ``timeout`` seconds :class:`CheckpointTimeout`, as :meth:`snapshot_now`."""
         step = _step(step)
-        outcome = None
-        if wait:
-            outcome = await self._update(
-                SnapshotSupervisor.trainer_checkpoint_snapshot, timeout, step
-            )
-        else:
-            await self._notify(SnapshotSupervisor.trainer_checkpoint_saved, step)
+        # Held from here on, whether the server hears of it now or not: the next start()
+        # sends every anchor held (the recipe after a Temporal outage, docs/deploy.md).
         self.saved_checkpoints[step] = path
         self._anchors = {*(self._anchors or ()), step}
-        return outcome
+        if wait:
+            return await self._update(SnapshotSupervisor.trainer_checkpoint_snapshot, timeout, step)
+        await self._notify(SnapshotSupervisor.trainer_checkpoint_saved, step)
+        return None
 
     async def trainer_checkpoint_removed(self, step: int) -> None:
         """The trainer deleted its checkpoint of weight version ``step``: retention no longer
         keeps a snapshot for it."""
         step = _step(step)
-        await self._notify(SnapshotSupervisor.trainer_checkpoint_removed, step)
-        self.saved_checkpoints.pop(step, None)
+        self.saved_checkpoints.pop(step, None)  # as trainer_checkpoint_saved: held here first
         self._anchors = (self._anchors or set()) - {step}
+        await self._notify(SnapshotSupervisor.trainer_checkpoint_removed, step)
 
     # `timeout`: the SDK's documented keyword; it bounds the update
     # and maps to CheckpointTimeout, which asyncio.timeout around the call would not.

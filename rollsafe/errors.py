@@ -28,6 +28,7 @@
     │   │   ├── NoValidSnapshot        no candidate verified; one reason per candidate
     │   │   └── RowMismatch            a restored row differs from what was sealed
     │   ├── SchemaMismatch
+    │   ├── VersionSkew                peers (or a file) of releases too far apart: names both
     │   ├── JournalCorrupt             a journal segment that is not one, or not this run's
     │   │   └── JournalGap             the journal does not continue the snapshot (names what)
     │   ├── LedgerInvariantViolation
@@ -51,6 +52,7 @@
     │   ├── EvidenceError              an evidence file is malformed
     │   ├── ScenarioError              a scenario file is malformed, or an event cannot happen
     │   ├── ParticipantRefused         an environment participant's 409, raised on its side
+    │   ├── RunNotFound                no workflow or worker of the run on the Temporal server
     │   └── EnvRefused                 an environment's 409 seen by its client, not retryable
     ├── EnvRefusal                     base of EpisodeParked and EnvRefused: the instance's 409
     ├── ServerDidNotStart              a rollsafe server process did not come up
@@ -72,6 +74,9 @@ class RollsafeError(Exception):
     """Base of every rollsafe error."""
 
     transient: bool = False
+    # An outcome the design expects (a fence, a skip), not a fault: logged as one INFO line,
+    # never with a traceback, here and by the Temporal SDK (ApplicationError category BENIGN).
+    expected: bool = False
 
     def __reduce__(self) -> tuple[object, ...]:
         # Subclasses take structured arguments but pass one message up; rebuilding from the
@@ -108,7 +113,18 @@ class DataPlaneUnavailable(TransientError):
 
 
 class TemporalUnavailable(TransientError):
-    """The Temporal server did not answer (or a local one failed to start)."""
+    """The Temporal server did not answer (or a local one failed to start), or its TLS does not
+    match the client's settings. ``fix``: what to change, when the cause is known (a TLS
+    mismatch names the setting; None: start the server or point TEMPORAL_ADDRESS at it)."""
+
+    fix: str | None = None  # a class default: an instance rebuilt from its message has it
+
+    def __init__(self, message: str, *, fix: str | None = None) -> None:
+        self.fix = fix
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return _rebuild, (type(self), str(self)), dict(vars(self))
 
 
 class EngineUnavailable(TransientError):
@@ -173,6 +189,11 @@ class JournalGap(JournalCorrupt):
 
 class SchemaMismatch(InvariantError):
     pass
+
+
+class VersionSkew(InvariantError):
+    """Two processes (or a process and a file) of releases too far apart to work together:
+    names both versions and what to do (rollsafe.versions)."""
 
 
 class LedgerInvariantViolation(InvariantError):
@@ -272,6 +293,8 @@ class AwaitingRestore(TransientError):
     ``start_over=True``. A snapshot of its empty state would become the newest one, and
     retention would delete the run's real state."""
 
+    expected = True
+
 
 class AdmissionLeaseExpired(TransientError):
     """The checkpoint held admission closed past its lease with no phase renewing it (no
@@ -289,6 +312,8 @@ class AnchorPassed(InvalidInput):
     when it came to capture (a step committed first, or the anchor given was not the trainer
     checkpoint's weight version). It is skipped, not failed: a snapshot at another version
     could never be restored with that checkpoint."""
+
+    expected = True
 
 
 class CheckpointRefused(InvalidInput):
@@ -376,6 +401,11 @@ class EvidenceError(InvalidInput):
 
 class ScenarioError(InvalidInput):
     """A malformed scenario file or an event that cannot happen (exit code 2)."""
+
+
+class RunNotFound(InvalidInput):
+    """The Temporal server knows no run by that id (a typo, or another namespace): no
+    supervisor, no workflow of the run, no worker ever polled its task queue (exit code 2)."""
 
 
 class ParticipantRefused(InvalidInput):

@@ -54,7 +54,7 @@ from rollsafe.core.config import (
 from rollsafe.core.ids import validate_run_id
 from rollsafe.errors import InvalidInput
 from rollsafe.http.bearer import ENGINE_TOKEN_ENV, ENV_TOKEN_ENV, read_token_file
-from rollsafe.temporal.connect import ConnectionSettings
+from rollsafe.temporal.connect import ConnectionSettings, config_sources
 from rollsafe.workflows.models import PhaseOptions, SupervisorConfig
 
 if TYPE_CHECKING:
@@ -178,7 +178,7 @@ class EffectiveSetting(BaseModel):
 
     key: str  # dotted: snapshots.interval_s
     value: Any  # as JSON shows it; a secret as "**********"
-    source: str  # default, env NAME, file PATH, mapping, Temporal's config
+    source: str  # default, env NAME, file PATH, mapping, profile 'P' in FILE
 
 
 class Settings(BaseSettings):
@@ -274,12 +274,24 @@ class Settings(BaseSettings):
                 )
             )
         connection = self.connection(env=env)
+        # As the worker connects: the profile the section or TEMPORAL_PROFILE names, from the
+        # file TEMPORAL_CONFIG_FILE names, under the TEMPORAL_* variables and the section.
+        temporal = config_sources(
+            self.temporal.profile, given_by=origins["temporal.profile"], env=env
+        )
+        rows = [
+            row
+            if row.key != "temporal.profile"
+            else EffectiveSetting(
+                key=row.key, value=temporal.profile, source=temporal.profile_source
+            )
+            for row in rows
+        ]
         for name in ConnectionSettings.model_fields:
             key = f"temporal.{name}"
             source = origins.get(key, DEFAULT)
             if source == DEFAULT:
-                variable = f"TEMPORAL_{name.upper()}"
-                source = f"env {variable}" if variable in environ else "Temporal's config"
+                source = temporal.fields[name]
             rows.append(
                 EffectiveSetting(key=key, value=_shown(getattr(connection, name)), source=source)
             )

@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -159,3 +160,20 @@ def tiny_models(request: pytest.FixtureRequest) -> dict[str, Path]:
     assert cache is not None
     root = cache.mkdir("rollsafe-models")
     return {arch: make_model(root / arch, ModelSpec(arch=arch)) for arch in ("dense", "moe")}
+
+
+@pytest.fixture
+def dead_port() -> Iterator[int]:
+    """A port bound and never listened on: a connect is refused, and nobody can take it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port that accepts connections (the kernel's backlog) and never says a word."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+        yield sock.getsockname()[1]

@@ -5,18 +5,24 @@ With a health port, the worker answers HTTP probes (``--health-port``, docs/depl
 - ``GET /healthz``: 200 while the worker polls its task queue; 503 while it is starting and
   once it is draining after SIGTERM/SIGINT (readiness, and "stop sending me work").
 - ``GET /livez``: 200 from start to exit, through the drain; 503 only when the worker is
-  neither starting nor draining and no longer polling (liveness). Both are answered by a
-  Starlette app under uvicorn on the worker's own event loop, so a loop blocked for longer
-  than the probe's timeout fails them too. Any other path is a 404, any other method a 405.
+  neither starting nor draining and no longer polling (liveness).
+
+Both answer 503 with status ``stuck`` once the worker's event loop or its channel to Ray has
+not moved for a few seconds (:mod:`rollsafe.workers.watchdog`, which also exits a worker
+stuck past ``stuck_exit_s``). They are served by a Starlette app under uvicorn on a thread
+and event loop of their own, so a stuck worker still answers its probes. Any other path is a
+404, any other method a 405.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import signal
 import socket
-from collections.abc import AsyncIterator, Callable, Generator
+import threading
+from collections.abc import Callable, Generator, Iterator
 from datetime import timedelta
 from typing import Final, Literal
 
@@ -31,13 +37,26 @@ from temporalio.worker import Worker
 from rollsafe.activities.controllers import ControllerResolver, RayControllerClient
 from rollsafe.activities.snapshot import SnapshotActivities
 from rollsafe.core.ids import task_queue_for
+from rollsafe.faults import register
 from rollsafe.http.served import server_config
 from rollsafe.temporal.connect import ConnectionSettings, connect
+from rollsafe.versions import THIS
+from rollsafe.workers.watchdog import (
+    EXIT_AFTER_S,
+    Watch,
+    beat_loop,
+    beat_ray,
+    stuck,
+    watchdog,
+)
 from rollsafe.workflows.restore import RestoreRun
 from rollsafe.workflows.snapshot import RolloutSnapshot
 from rollsafe.workflows.supervisor import SnapshotSupervisor
 
 STICKY_TIMEOUT = timedelta(seconds=2)
+# Reached once the worker has drained and stopped, before its process ends (`rollsafe
+# worker`): its probes still answer there.
+(WORKER_EXIT,) = register("worker.exit")
 
 HealthState = Literal["starting", "serving", "draining"]
 HealthPath = Literal["/healthz", "/livez"]
@@ -68,13 +87,14 @@ def build_worker(
 
 
 class WorkerHealth:
-    """The worker's state as HTTP probes see it; served on the worker's own event loop."""
+    """The worker's state as HTTP probes see it: read from the probes' own thread."""
 
     def __init__(self, run_id: str, task_queue: str) -> None:
         self.run_id = run_id
         self.task_queue = task_queue
         self.state: HealthState = "starting"
         self.worker: Worker | None = None
+        self.watches: list[Watch] = []  # the event loop, the channel to Ray (watchdog)
 
     def polling(self) -> bool:
         return self.worker is not None and self.worker.is_running
@@ -82,34 +102,49 @@ class WorkerHealth:
     def answer(self, path: HealthPath) -> tuple[int, dict[str, object]]:
         """(HTTP status, JSON body) for a GET of ``path``."""
         polling = self.polling()
-        if path == "/healthz":
+        stuck_on = stuck(self.watches)
+        if stuck_on is not None:
+            ok = False
+        elif path == "/healthz":
             ok = self.state == "serving" and polling
         else:
             ok = self.state != "serving" or polling
         body: dict[str, object] = {
-            "status": self.state,
+            "status": self.state if stuck_on is None else "stuck",
             "polling": polling,
             "run_id": self.run_id,
             "task_queue": self.task_queue,
         }
+        if stuck_on is not None:
+            body["stuck"] = stuck_on.describe()
         return (200 if ok else 503), body
 
-    @contextlib.asynccontextmanager
-    async def serving(self, host: str, port: int) -> AsyncIterator[int]:
-        """Serve :func:`health_app` on ``host:port`` (0: any free port) for the block, on
-        this event loop; yields the bound port. A port in use raises OSError here."""
-        sock = _listen(host, port)
-        server = _ProbeServer(server_config(health_app(self), host, port, lifespan="off"))
-        # The socket already listens: a probe that comes before uvicorn accepts just waits.
-        served = asyncio.create_task(server.serve(sockets=[sock]))
+    @contextlib.contextmanager
+    def serving(self, host: str, port: int) -> Iterator[int]:
+        """:meth:`serve` for the block: stopped, and its port closed, at its end."""
+        server, sock, thread = self.serve(host, port)
         try:
             yield sock.getsockname()[1]
         finally:
             server.should_exit = True
-            try:
-                await served
-            finally:
-                sock.close()
+            thread.join()
+            sock.close()
+
+    def serve(self, host: str, port: int) -> tuple[uvicorn.Server, socket.socket, threading.Thread]:
+        """Serve :func:`health_app` on ``host:port`` (0: any free port) on a daemon thread
+        and event loop of its own: a stuck worker still answers, and a worker answers until
+        its process ends (``draining`` through its exit, never a refused connection). A port
+        in use raises OSError here."""
+        sock = _listen(host, port)
+        server = _ProbeServer(server_config(health_app(self), host, port, lifespan="off"))
+        # The socket already listens: a probe that comes before uvicorn accepts just waits.
+        thread = threading.Thread(
+            target=lambda: asyncio.run(server.serve(sockets=[sock])),
+            name="rollsafe-worker-probes",
+            daemon=True,  # never keeps a worker that exits
+        )
+        thread.start()
+        return server, sock, thread
 
 
 def health_app(health: WorkerHealth) -> Starlette:
@@ -155,6 +190,7 @@ async def run_worker(
     health_port: int | None = None,
     health_host: str = "0.0.0.0",
     drain_timeout_s: float = 0.0,
+    stuck_exit_s: float = EXIT_AFTER_S,
 ) -> None:
     """Serve a run's checkpoint workflows until SIGINT/SIGTERM, then drain and stop.
 
@@ -163,7 +199,9 @@ async def run_worker(
     ``health_port`` (None: no probes; 0: any free port) serves ``/healthz`` and ``/livez``
     from before the worker connects until it exits; the port is printed once listening.
     ``drain_timeout_s``: how long activities in flight may finish after the signal before
-    they are cancelled (0: at once).
+    they are cancelled (0: at once). ``stuck_exit_s``: a worker whose event loop or channel
+    to Ray has not moved for this long exits with STUCK_EXIT (0: never; the probes still say
+    ``stuck``), for its supervisor to start a new one (rollsafe.workers.watchdog).
     """
     queue = task_queue or task_queue_for(run_id)
     health = WorkerHealth(run_id, queue)
@@ -179,12 +217,34 @@ async def run_worker(
             loop.add_signal_handler(sig, request_stop)
 
     on_signals()
-    async with contextlib.AsyncExitStack() as stack:
+    loop_watch = Watch("event loop")
+    health.watches.append(loop_watch)
+    watching = threading.Event()
+    exit_after = stuck_exit_s if stuck_exit_s > 0 else math.inf
+    with contextlib.ExitStack() as stack:
         if health_port is not None:
-            port = await stack.enter_async_context(health.serving(health_host, health_port))
+            _, sock, _ = health.serve(health_host, health_port)  # to the process's end
+            port = sock.getsockname()[1]
             print(f"rollsafe worker: health on http://{health_host}:{port}/healthz", flush=True)
+        beats = asyncio.create_task(beat_loop(loop_watch))
+        stack.callback(beats.cancel)
+        stack.callback(watching.set)  # the watchdog (and the Ray beat) stop with the worker
+        threading.Thread(
+            target=watchdog,
+            args=(health.watches, exit_after, watching),
+            name="rollsafe-worker-watchdog",
+            daemon=True,
+        ).start()
         await _serve(
-            run_id, queue, settings, ray_address, health, stop, drain_timeout_s, on_signals
+            run_id,
+            queue,
+            settings,
+            ray_address,
+            health,
+            stop,
+            drain_timeout_s,
+            on_signals,
+            watching,
         )
         await asyncio.sleep(0.1)  # sdk-python #300: let the worker's threads settle
 
@@ -198,15 +258,24 @@ async def _serve(
     stop: asyncio.Event,
     drain_timeout_s: float,
     on_signals: Callable[[], None],
+    watching: threading.Event,
 ) -> None:
     import ray
 
-    from rollsafe.checkpoint.actor import NAMESPACE
+    from rollsafe.checkpoint.actor import NAMESPACE, actor_name
 
     if not ray.is_initialized():
         ray.init(address=ray_address or "auto", namespace=NAMESPACE, log_to_driver=False)
         # ray.init installs its own SIGTERM handler (sys.exit: no drain): ours again.
         on_signals()
+    ray_watch = Watch("channel to Ray")
+    health.watches.append(ray_watch)
+    threading.Thread(
+        target=beat_ray,
+        args=(ray_watch, lambda: ray.get_actor(actor_name(run_id), NAMESPACE), watching),
+        name="rollsafe-worker-ray-beat",
+        daemon=True,
+    ).start()
     client = await connect(settings)
     if stop.is_set():  # stopped while connecting: never start polling
         return
@@ -217,5 +286,9 @@ async def _serve(
         if health.state == "starting":
             health.state = "serving"
         joined = ray.get_runtime_context().gcs_address
-        print(f"rollsafe worker: run {run_id!r}, task queue {queue!r}, Ray {joined}", flush=True)
+        print(
+            f"rollsafe worker: run {run_id!r}, task queue {queue!r}, Ray {joined}, "
+            f"rollsafe {THIS.release} (contract {THIS.contract})",
+            flush=True,
+        )
         await stop.wait()

@@ -10,6 +10,7 @@ from temporalio import workflow
 with workflow.unsafe.imports_passed_through():
     from rollsafe.core.gate import ADMISSION_LEASE_S
     from rollsafe.core.phases import Phase, PhaseResult, PublishedSnapshotInfo, SnapshotSpec
+    from rollsafe.core.wire import Evolving
 
 
 class PhaseOptions(BaseModel):
@@ -72,8 +73,9 @@ class SnapshotOutcome(BaseModel):
     phases: list[PhaseResult] = Field(default_factory=list)
 
 
-class SnapshotStatus(BaseModel):
+class SnapshotStatus(Evolving):
     model_config = ConfigDict(extra="forbid")
+    added = ("steps_committed",)  # contract 2
 
     checkpoint_id: str
     phase: Phase | None
@@ -82,11 +84,12 @@ class SnapshotStatus(BaseModel):
     completed: list[Phase]
     # Steps the trainer committed while this rollout snapshot had not captured yet: its
     # capture includes them (workflows/snapshot.py, OUTLIVES_STEPS).
-    steps_committed: list[int] = []
+    steps_committed: list[int] = Field(default_factory=list)
 
 
-class SupervisorConfig(BaseModel):
+class SupervisorConfig(Evolving):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    added = ("warn_unpublished_after",)  # contract 2
 
     run_id: str
     # Seconds between periodic snapshots; None takes snapshots only on request.
@@ -102,10 +105,11 @@ class SupervisorConfig(BaseModel):
     options: PhaseOptions = PhaseOptions()
 
 
-class SupervisorState(BaseModel):
+class SupervisorState(Evolving):
     """Carried across continue-as-new."""
 
     model_config = ConfigDict(extra="forbid")
+    added = ("unpublished_in_a_row",)  # contract 2
 
     next_seq: int | None = None  # None: ask the controller (after the newest on disk)
     consecutive_failures: int = 0
@@ -114,7 +118,6 @@ class SupervisorState(BaseModel):
     failed: int = 0
     last_outcome: SnapshotOutcome | None = None
     unpublished_in_a_row: int = 0  # skipped or failed since the last published snapshot
-    last_published_at: float | None = None  # workflow time (seconds since the epoch)
     last_committed_step: int | None = None
     pending_anchors: list[int] = Field(default_factory=list)  # trainer steps to anchor
     # Anchors still held: weight versions the trainer holds checkpoints of (sorted). Every
@@ -132,8 +135,9 @@ class SupervisorInput(BaseModel):
     state: SupervisorState = Field(default_factory=SupervisorState)
 
 
-class SupervisorStatus(BaseModel):
+class SupervisorStatus(Evolving):
     model_config = ConfigDict(extra="forbid")
+    added = ("warning",)  # contract 2
 
     run_id: str
     state: SupervisorState
@@ -154,7 +158,7 @@ def unpublished_warning(state: SupervisorState, warn_after: int) -> str | None:
     why = f"; the last {last.status}: {last.reason}" if last is not None else ""
     since = (
         "no snapshot published yet: a crash now starts the run over"
-        if state.last_published_at is None
+        if state.published == 0
         else "a crash now restores the last published one, losing the work since"
     )
     return f"{state.unpublished_in_a_row} snapshots in a row ended unpublished ({since}){why}"

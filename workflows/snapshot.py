@@ -32,6 +32,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, CancelledErro
 
 with workflow.unsafe.imports_passed_through():
     from rollsafe.core.phases import (
+        ABANDONING_ERRORS,
         PHASES,
         SKIPPING_ERRORS,
         Phase,
@@ -141,6 +142,8 @@ def _retry(options: PhaseOptions) -> RetryPolicy:
         initial_interval=timedelta(seconds=options.retry_initial_s),
         maximum_interval=timedelta(seconds=options.retry_maximum_s),
         maximum_attempts=options.retry_attempts,
+        # Not compared on replay (tests/histories/README.md): no patch needed.
+        non_retryable_error_types=sorted(ABANDONING_ERRORS),
     )
 
 

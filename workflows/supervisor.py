@@ -196,7 +196,6 @@ class SnapshotSupervisor:
         assert config is not None
         if outcome.status == "published":
             state.unpublished_in_a_row = 0
-            state.last_published_at = workflow.time()
         else:
             state.unpublished_in_a_row += 1
         gauge = workflow.metric_meter().create_gauge(

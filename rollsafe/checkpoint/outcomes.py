@@ -46,9 +46,13 @@ def log_aborted(spec: SnapshotSpec, result: PhaseResult) -> None:
 
 
 def _failure_level(error: BaseException) -> tuple[int, bool]:
-    """WARNING for an error a later try may not meet (transient), ERROR otherwise."""
-    transient = isinstance(error, RollsafeError) and error.transient
-    return (logging.WARNING if transient else logging.ERROR), transient
+    """INFO for an outcome the design expects, WARNING for an error a later try may not meet
+    (transient), ERROR otherwise."""
+    if not isinstance(error, RollsafeError):
+        return logging.ERROR, False
+    if error.expected:
+        return logging.INFO, error.transient
+    return (logging.WARNING if error.transient else logging.ERROR), error.transient
 
 
 def log_phase_failure(spec: SnapshotSpec, phase: Phase, error: Exception, seconds: float) -> None:

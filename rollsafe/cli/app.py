@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from importlib.metadata import PackageNotFoundError, version
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -40,6 +40,8 @@ from rollsafe.core.config import DataplaneName
 from rollsafe.core.ids import validate_run_id
 from rollsafe.dataplane import backend_running
 from rollsafe.errors import RollsafeError
+from rollsafe.versions import THIS
+from rollsafe.workers.watchdog import EXIT_AFTER_S
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="rollsafe: lossless RL rollout checkpoints"
@@ -51,12 +53,11 @@ app.add_typer(scenario_app, name="scenario")
 
 
 def _print_version(asked: bool) -> None:
+    """The release and its contract (the source's own: an editable install's metadata keeps
+    the version it was installed at)."""
     if not asked:
         return
-    try:
-        typer.echo(f"rollsafe {version('rollsafe')}")
-    except PackageNotFoundError:  # a source tree on sys.path, never installed
-        typer.echo("rollsafe (not installed: no version)")
+    typer.echo(f"rollsafe {THIS.release} (contract {THIS.contract}: docs/upgrading.md)")
     raise typer.Exit()
 
 
@@ -139,6 +140,20 @@ def _ray_where(ray_address: str | None) -> str:
     return ray_address or os.environ.get("RAY_ADDRESS") or "this machine (address 'auto')"
 
 
+def _ray_join_failure(error: BaseException, ray_address: str | None) -> str:
+    """The worker's one line for Ray's own join error: the address, Ray's cause (never the
+    traceback a Ray Client error carries from the server) and the fix for that kind of
+    address (Ray Client's port and versions for ``ray://``)."""
+    from rollsafe.cli.doctor.checks import parse_ray_address, ray_client_fix, ray_error_cause
+
+    where = _ray_where(ray_address)
+    fix = RAY_FIX
+    if where.startswith("ray://"):  # parsed already: the pre-check refuses a bad address
+        _scheme, host, port = parse_ray_address(where)
+        fix = ray_client_fix(host, port)
+    return f"cannot join Ray at {where}: {ray_error_cause(str(error))} (fix: {fix})"
+
+
 @app.command("worker", epilog=EXIT_CODES)
 def worker_command(
     run: Annotated[
@@ -175,6 +190,16 @@ def worker_command(
             "cancelled and retried elsewhere (0: cancel at once)",
         ),
     ] = 0.0,
+    stuck_exit: Annotated[
+        float,
+        typer.Option(
+            envvar="ROLLSAFE_STUCK_EXIT",
+            min=0.0,
+            help="seconds the worker's event loop or channel to Ray may stand still before "
+            "the worker exits (70) for its supervisor to restart it; its probes say 'stuck' "
+            "after 5 s (0: never exit)",
+        ),
+    ] = EXIT_AFTER_S,
     log_level: LogLevelOption = None,
     log_format: LogFormatOption = None,
 ) -> None:
@@ -184,7 +209,8 @@ def worker_command(
     --drain-timeout seconds, and exits 0."""
     import asyncio
 
-    from rollsafe.workers.checkpoint import run_worker
+    from rollsafe.faults import fault_point
+    from rollsafe.workers.checkpoint import WORKER_EXIT, run_worker
 
     try:
         validate_run_id(run)  # before joining anything: a typo is not worth a wait
@@ -193,6 +219,8 @@ def worker_command(
         fail(exc)
     if (problem := _ray_problem(ray_address)) is not None:
         fail(f"cannot join Ray: {problem}")
+    # Ray Client's warning on a failed join repeats the error line's fix over two more lines.
+    warnings.filterwarnings("ignore", "Ray Client connection timed out", UserWarning)
     try:
         asyncio.run(
             run_worker(
@@ -202,16 +230,16 @@ def worker_command(
                 health_port=health_port,
                 health_host=health_host,
                 drain_timeout_s=drain_timeout,
+                stuck_exit_s=stuck_exit,
             )
         )
+        fault_point(WORKER_EXIT)
     except RollsafeError as exc:
         fail(exc)
     except (ConnectionError, RuntimeError) as exc:
         if _ray_joined():
             raise  # not Ray's join: a failure nobody anticipated keeps its traceback
-        # Ray's own text tells the user to pass `--address`, a flag this command lacks.
-        what = str(exc).split(". ")[0]
-        fail(f"cannot join Ray at {_ray_where(ray_address)}: {what} (fix: {RAY_FIX})")
+        fail(_ray_join_failure(exc, ray_address))
 
 
 @app.command("inspect", epilog=EXIT_CODES)
@@ -221,7 +249,8 @@ def inspect_command(
 ) -> None:
     """The run's checkpointing at a glance: supervisor state, the running snapshot's phase and
     for how long, the pending activity's attempt and last failure. Works with no worker alive
-    (built from describe and search attributes)."""
+    (built from describe and search attributes). Exit 2 when the Temporal namespace knows no
+    such run (no workflow of it, no worker of its task queue)."""
     from temporalio.client import Client
 
     from rollsafe.cli.checkpointing import against_temporal

@@ -35,8 +35,9 @@ def register_config_commands(app: typer.Typer) -> None:
     ) -> None:
         """Every setting rollsafe reads (environment variables ROLLSAFE_*, TEMPORAL_*,
         RAY_ADDRESS, and the settings file), its value, and where it came from: default,
-        env NAME, file PATH, or Temporal's config (its profile). Secrets are masked. Exit 2
-        when a setting is unknown or malformed, naming it."""
+        env NAME, file PATH, or profile 'P' in FILE (Temporal's TOML config: the profile
+        TEMPORAL_PROFILE names, in TEMPORAL_CONFIG_FILE). Secrets are masked. Exit 2 when a
+        setting is unknown or malformed, naming it."""
         from rich.console import Console
         from rich.table import Table
 

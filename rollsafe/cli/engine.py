@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from rollsafe.cli.exits import EXIT_CODES, fail
 from rollsafe.cli.options import LogFormatOption, LogLevelOption, PortOption, start_logging
-from rollsafe.cli.tokens import required_token, token_file_option, token_option
+from rollsafe.cli.tokens import refused_token_option, required_token, token_file_option
 from rollsafe.engine.vllm.models import Arch, ModelSpec
 from rollsafe.errors import InvalidInput, RollsafeError
 from rollsafe.http.bearer import ENGINE_TOKEN_ENV
@@ -35,12 +35,9 @@ def register_engine_commands(app: typer.Typer) -> None:
 
 
 def engine_serve(
-    ctx: typer.Context,
     port: PortOption,
-    token: Annotated[
-        str | None, token_option(ENGINE_TOKEN_ENV, "bearer token clients must send")
-    ] = None,
-    token_file: Annotated[Path | None, token_file_option()] = None,
+    token_file: Annotated[Path | None, token_file_option("--token-file", ENGINE_TOKEN_ENV)] = None,
+    token: Annotated[str | None, refused_token_option("--token", ENGINE_TOKEN_ENV)] = None,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     backend: Annotated[
         Backend,
@@ -74,15 +71,14 @@ def engine_serve(
     log_format: LogFormatOption = None,
 ) -> None:
     """Serve an engine until SIGINT/SIGTERM. Prints one line, `rollsafe engine serving
-    <dense|moe> on http://host:port`, once listening (vLLM: after loading the model)."""
+    <dense|moe> on http://host:port`, once listening (vLLM: after loading the model). The
+    bearer token clients must send: ROLLSAFE_ENGINE_TOKEN, or --token-file."""
     import asyncio
 
     from rollsafe.engine.http import serve
 
     try:
-        secret = required_token(
-            ctx, "token", token, token_file, flag="--token", envvar=ENGINE_TOKEN_ENV
-        )
+        secret = required_token(token_file, file_flag="--token-file", envvar=ENGINE_TOKEN_ENV)
         start_logging(log_level, log_format)
         engine = _engine(backend, model, seed, dtype, max_model_len, script)
     except RollsafeError as exc:

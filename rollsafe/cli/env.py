@@ -19,10 +19,10 @@ from rollsafe.cli.options import (
 from rollsafe.cli.tokens import (
     EngineToken,
     EngineTokenFile,
-    TokenFile,
+    EnvToken,
+    EnvTokenFile,
     required_token,
     resolve_token,
-    token_option,
 )
 from rollsafe.env.participant import LEASE_GRACE_S, TOOL_WAIT_S
 from rollsafe.env.serve import (
@@ -44,14 +44,16 @@ if TYPE_CHECKING:
 ENVIRONMENTS = ("workplace",)
 
 
-def _engine_token(ctx: typer.Context, value: str | None, file: Path | None) -> str | None:
-    return resolve_token(
-        ctx, "engine_token", value, file, flag="--engine-token", envvar=ENGINE_TOKEN_ENV
-    )
+# The engine's token, named in the errors that ask for it.
+ENGINE_TOKEN_WAYS = f"an engine token ({ENGINE_TOKEN_ENV} or --engine-token-file)"
 
 
-def _env_token(ctx: typer.Context, value: str | None, file: Path | None) -> str:
-    return required_token(ctx, "token", value, file, flag="--token", envvar=ENV_TOKEN_ENV)
+def _engine_token(file: Path | None) -> str | None:
+    return resolve_token(file, file_flag="--engine-token-file", envvar=ENGINE_TOKEN_ENV)
+
+
+def _env_token(file: Path | None) -> str:
+    return required_token(file, file_flag="--token-file", envvar=ENV_TOKEN_ENV)
 
 
 def _environment_problem(name: str | None, hooks: str | None) -> str | None:
@@ -68,9 +70,9 @@ def _engine_problem(
 ) -> str | None:
     """What is wrong with ``env serve``'s policy engine flags, if anything."""
     if (engine_url is None) != (engine_token is None):
-        return "--engine-url and --engine-token go together"
+        return f"--engine-url and {ENGINE_TOKEN_WAYS} go together"
     if name is not None and engine_url is None:
-        return f"{name} needs --engine-url and --engine-token"
+        return f"{name} needs --engine-url and {ENGINE_TOKEN_WAYS}"
     return None
 
 
@@ -98,12 +100,9 @@ def _episode_task(task: str | None) -> dict[str, Any] | None:
 
 
 def env_serve(
-    ctx: typer.Context,
     port: PortOption,
-    token: Annotated[
-        str | None, token_option(ENV_TOKEN_ENV, "bearer token clients must send")
-    ] = None,
-    token_file: TokenFile = None,
+    token_file: EnvTokenFile = None,
+    token: EnvToken = None,
     name: Annotated[
         str | None, typer.Argument(help="a built-in environment: workplace (or use --hooks)")
     ] = None,
@@ -163,7 +162,9 @@ def env_serve(
 ) -> None:
     """Serve an environment's checkpoint protocol and /episodes/run until SIGINT/SIGTERM: the
     built-in NAME, or your own hooks (--hooks). Prints one line, `rollsafe env serving <name>
-    <instance> on http://host:port`, once listening."""
+    <instance> on http://host:port`, once listening. The bearer token clients must send:
+    ROLLSAFE_ENV_TOKEN, or --token-file; the engine's: ROLLSAFE_ENGINE_TOKEN, or
+    --engine-token-file."""
     import asyncio
 
     if (problem := _environment_problem(name, hooks)) is not None:
@@ -175,8 +176,8 @@ def env_serve(
     from rollsafe.reference.envs.workplace.faults import parse_faults
 
     try:
-        secret = _env_token(ctx, token, token_file)
-        engine_secret = _engine_token(ctx, engine_token, engine_token_file)
+        secret = _env_token(token_file)
+        engine_secret = _engine_token(engine_token_file)
         if (problem := _engine_problem(name, engine_url, engine_secret)) is not None:
             usage_error(problem)
         switches = parse_faults(faults)
@@ -199,10 +200,9 @@ def env_serve(
 
 
 def env_check(
-    ctx: typer.Context,
     url: Annotated[str, typer.Argument(help="the instance, e.g. http://host:port")],
-    token: Annotated[str | None, token_option(ENV_TOKEN_ENV, "the instance's bearer token")] = None,
-    token_file: TokenFile = None,
+    token_file: EnvTokenFile = None,
+    token: EnvToken = None,
     task: Annotated[
         str | None,
         typer.Option(
@@ -235,7 +235,9 @@ def env_check(
     The instance must be idle, and may run other episodes meanwhile. One line per check (on
     stderr with --json, which prints the report). Fails (1) when a check fails (named) or
     the instance cannot be reached; exits 2 when a check could not run (named, with what to
-    give), when the instance refuses the token (401), or without --task."""
+    give), when the instance refuses the token (401), or without --task. The instance's token:
+    ROLLSAFE_ENV_TOKEN, or --token-file; the engine's: ROLLSAFE_ENGINE_TOKEN, or
+    --engine-token-file."""
     import asyncio
 
     from rollsafe.env.conformance import run_conformance
@@ -244,12 +246,12 @@ def env_check(
         usage_error(f"{url!r} is not an instance URL: give http://host:port")
     episode_task = _episode_task(task)
     try:
-        secret = _env_token(ctx, token, token_file)
-        engine_secret = _engine_token(ctx, engine_token, engine_token_file)
+        secret = _env_token(token_file)
+        engine_secret = _engine_token(engine_token_file)
     except RollsafeError as exc:
         fail(exc)
     if (engine_url is None) != (engine_secret is None):
-        usage_error("--engine-url and --engine-token go together")
+        usage_error(f"--engine-url and {ENGINE_TOKEN_WAYS} go together")
     if episode_task is None:
         usage_error(
             "--task is required: without an episode the restore, cut, abandoned-attempt and "

@@ -22,6 +22,7 @@ import typer
 from pydantic import ValidationError
 
 from rollsafe.errors import InvalidInput, TemporalUnavailable
+from rollsafe.temporal.diagnose import UNREACHABLE_FIX
 
 
 class ExitCode(IntEnum):
@@ -36,10 +37,9 @@ EXIT_CODES = (
 )
 
 # What to do about an error the command cannot fix itself, appended to its line. Temporal's
-# address comes from the environment, never a flag: the fix names the variables.
-TEMPORAL_FIX = (
-    "start a server (`rollsafe server`) or point TEMPORAL_ADDRESS (and TEMPORAL_NAMESPACE) at yours"
-)
+# address comes from the environment, never a flag: the fix names the variables. A connection
+# that failed on TLS carries its own fix (rollsafe.temporal.diagnose); this is for the others.
+TEMPORAL_FIX = UNREACHABLE_FIX
 RAY_FIX = "start Ray (`ray start --head`) or pass --ray-address / RAY_ADDRESS"
 
 
@@ -62,7 +62,7 @@ def _describe(error: BaseException) -> str:
 
 def _fix_for(error: BaseException) -> str | None:
     if isinstance(error, TemporalUnavailable):
-        return TEMPORAL_FIX
+        return error.fix or TEMPORAL_FIX
     return None
 
 

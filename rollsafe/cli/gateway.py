@@ -13,11 +13,12 @@ from rollsafe.cli.options import LogFormatOption, LogLevelOption, PortOption, st
 from rollsafe.cli.tokens import (
     EngineToken,
     EngineTokenFile,
-    TokenFile,
+    EnvToken,
+    EnvTokenFile,
+    refused_token_option,
     required_token,
     resolve_token,
     token_file_option,
-    token_option,
 )
 from rollsafe.env.participant import LEASE_GRACE_S
 from rollsafe.errors import InvalidInput, RollsafeError
@@ -51,7 +52,6 @@ def _pairs(values: list[str], flag: str) -> dict[str, str]:
 
 
 def gateway_serve(
-    ctx: typer.Context,
     port: PortOption,
     model: Annotated[
         Path,
@@ -60,21 +60,14 @@ def gateway_serve(
     engine_url: Annotated[
         list[str], typer.Option(help="an engine serving the model (repeat for several)")
     ],
-    token: Annotated[
-        str | None, token_option(ENV_TOKEN_ENV, "the run's checkpoint-protocol token")
-    ] = None,
-    token_file: TokenFile = None,
-    engine_token: EngineToken = None,
+    token_file: EnvTokenFile = None,
+    token: EnvToken = None,
     engine_token_file: EngineTokenFile = None,
-    api_token: Annotated[
-        str | None,
-        token_option(
-            GATEWAY_TOKEN_ENV,
-            "token agents must send to /v1 (default: none, loopback only)",
-            "--api-token",
-        ),
+    engine_token: EngineToken = None,
+    api_token_file: Annotated[
+        Path | None, token_file_option("--api-token-file", GATEWAY_TOKEN_ENV)
     ] = None,
-    api_token_file: Annotated[Path | None, token_file_option("--api-token-file")] = None,
+    api_token: Annotated[str | None, refused_token_option("--api-token", GATEWAY_TOKEN_ENV)] = None,
     agent_url: Annotated[
         str | None, typer.Option(help="the agent's episode endpoint, e.g. NeMo Gym's /run")
     ] = None,
@@ -106,31 +99,22 @@ def gateway_serve(
 ) -> None:
     """Serve the gateway until SIGINT/SIGTERM. Prints `rollsafe gateway serving <instance> on
     http://host:port` once listening, and one `rollsafe gateway tools <name> on ...` line per
-    tool proxy."""
+    tool proxy. Tokens: the run's checkpoint-protocol token from ROLLSAFE_ENV_TOKEN or
+    --token-file, the engines' from ROLLSAFE_ENGINE_TOKEN or --engine-token-file, and the one
+    agents must send to /v1 (default: none, loopback only) from ROLLSAFE_GATEWAY_TOKEN or
+    --api-token-file."""
     import asyncio
     import os
 
     from rollsafe.gateway.serve import serve
 
     try:
-        env_secret = required_token(
-            ctx, "token", token, token_file, flag="--token", envvar=ENV_TOKEN_ENV
-        )
+        env_secret = required_token(token_file, file_flag="--token-file", envvar=ENV_TOKEN_ENV)
         engine_secret = required_token(
-            ctx,
-            "engine_token",
-            engine_token,
-            engine_token_file,
-            flag="--engine-token",
-            envvar=ENGINE_TOKEN_ENV,
+            engine_token_file, file_flag="--engine-token-file", envvar=ENGINE_TOKEN_ENV
         )
         api_secret = resolve_token(
-            ctx,
-            "api_token",
-            api_token,
-            api_token_file,
-            flag="--api-token",
-            envvar=GATEWAY_TOKEN_ENV,
+            api_token_file, file_flag="--api-token-file", envvar=GATEWAY_TOKEN_ENV
         )
         start_logging(log_level, log_format)
         tools = _pairs(tool_server or [], "--tool-server")

@@ -52,6 +52,10 @@ def abortable(phase: Phase | None) -> bool:
 # all: it ends "skipped", the error's message its reason, not "failed"
 # (rollsafe.checkpoint.controller).
 SKIPPING_ERRORS = frozenset({"AnchorPassed"})
+# Errors after which this checkpoint cannot go on (its park lease ran out, its draft is
+# gone): a retry of the phase only holds the snapshot's workflow task, so it is not retried;
+# the snapshot fails as transient and the supervisor's next one starts afresh.
+ABANDONING_ERRORS = frozenset({"AdmissionLeaseExpired", "CheckpointSpent", "SnapshotLost"})
 
 
 def holds_admission(phase: Phase) -> bool:

@@ -54,6 +54,7 @@ from rollsafe.faults import fault_point, register
 from rollsafe.http import bearer
 from rollsafe.http.bearer import Handler
 from rollsafe.http.client import http_client
+from rollsafe.http.contract import ContractHeaders
 from rollsafe.http.served import listening_url, server_config
 from rollsafe.http.tracing import ServerSpans
 from rollsafe.observability.tracing import configure_tracing
@@ -219,7 +220,7 @@ def engine_app(engine: Engine, token: str, *, heartbeat_s: float = HEARTBEAT_S) 
             Route("/v1/weights", guarded(weights), methods=["POST"]),
         ],
         # A span per request, the caller's child (when tracing is configured).
-        middleware=[Middleware(ServerSpans)],
+        middleware=[Middleware(ServerSpans), Middleware(ContractHeaders)],
     )
 
 

@@ -34,6 +34,7 @@ from rollsafe.env import protocol as wire
 from rollsafe.env.participant import Participant
 from rollsafe.errors import InvalidInput, InvariantError, ParticipantRefused, TransientError
 from rollsafe.http.bearer import Handler, guarded
+from rollsafe.http.contract import ContractHeaders
 from rollsafe.http.tracing import ServerSpans
 
 M = TypeVar("M", bound=BaseModel)
@@ -153,5 +154,5 @@ def participant_app(participant: Participant, token: str) -> Starlette:
     return Starlette(
         routes=router_routes(participant, token),
         lifespan=participant_lifespan(participant),
-        middleware=[Middleware(ServerSpans)],
+        middleware=[Middleware(ServerSpans), Middleware(ContractHeaders)],
     )

@@ -62,6 +62,7 @@ from rollsafe.gateway.wire import (
     ResponsesRequest,
 )
 from rollsafe.http.bearer import token_matches
+from rollsafe.http.contract import ContractHeaders
 from rollsafe.http.tracing import ServerSpans
 
 M = TypeVar("M", bound=BaseModel)
@@ -211,7 +212,8 @@ def gateway_app(
     return Starlette(
         routes=routes,
         lifespan=participant_lifespan(participant),
-        middleware=[Middleware(ServerSpans)],
+        # OpenAI clients send no contract: served as they are (rollsafe.http.contract).
+        middleware=[Middleware(ServerSpans), Middleware(ContractHeaders, strangers=True)],
     )
 
 

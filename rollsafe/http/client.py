@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import httpx
 
+from rollsafe.http.contract import HEADERS, check_response
 from rollsafe.http.served import CLIENT_KEEPALIVE_S
 from rollsafe.http.tracing import inject_trace_context
 
@@ -21,14 +22,18 @@ def http_client(
     holds one, and a bounded pool would make the next wait for one, then time out. Idle ones
     are dropped before the server drops them (``CLIENT_KEEPALIVE_S``). Every request carries
     the current trace context (``traceparent``; none while no span is current): the server's
-    span joins the caller's trace (:mod:`rollsafe.http.tracing`)."""
-    headers = {"authorization": f"Bearer {token}"} if token is not None else None
+    span joins the caller's trace (:mod:`rollsafe.http.tracing`), and this release's contract:
+    a server one too many releases apart is VersionSkew at the first answer
+    (:mod:`rollsafe.http.contract`)."""
+    headers = dict(HEADERS)
+    if token is not None:
+        headers["authorization"] = f"Bearer {token}"
     return httpx.AsyncClient(
         base_url=base_url.rstrip("/"),
         headers=headers,
         timeout=timeout,
         transport=transport,
-        event_hooks={"request": [inject_trace_context]},
+        event_hooks={"request": [inject_trace_context], "response": [check_response]},
         limits=httpx.Limits(
             max_connections=None,
             max_keepalive_connections=64,

@@ -123,13 +123,14 @@ def configure_metrics(reader: MetricReader | None = None) -> bool:
         if _configured:
             return True
         if reader is None:
+            export = otlp.metrics_export()  # checked as Temporal's runtime checks it
             exporter = exporter_from_env()
-            if exporter is None:
+            if export is None or exporter is None:
                 return False
             from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
             # The interval read here, not by the reader: Temporal's runtime uses the same one.
-            interval_ms = otlp.export_interval_s() * 1000
+            interval_ms = export.interval_s * 1000
             reader = PeriodicExportingMetricReader(exporter, export_interval_millis=interval_ms)
         from opentelemetry.sdk.metrics import MeterProvider
 
@@ -152,8 +153,10 @@ def temporal_metrics_config(
     """Where Temporal's core exports its metrics: the collector rollsafe's own metrics go to
     (endpoint, protocol, headers, interval, temporality read as the Python exporter reads
     them); None unless ``OTEL_METRICS_EXPORTER=otlp`` (``console`` has no Temporal
-    counterpart). Durations are exported in seconds, like rollsafe's histograms."""
-    if otlp.exporter_name("metrics", environ) != "otlp":
+    counterpart, but its interval is checked all the same). Durations are exported in
+    seconds, like rollsafe's histograms."""
+    export = otlp.metrics_export(environ)  # checked as rollsafe's own provider checks it
+    if export is None or export.exporter != "otlp":
         return None
     from temporalio.runtime import OpenTelemetryConfig, OpenTelemetryMetricTemporality
 
@@ -165,7 +168,7 @@ def temporal_metrics_config(
     return OpenTelemetryConfig(
         url=otlp.metrics_endpoint(environ),
         headers=otlp.headers("metrics", environ),
-        metric_periodicity=timedelta(seconds=otlp.export_interval_s(environ)),
+        metric_periodicity=timedelta(seconds=export.interval_s),
         metric_temporality=temporality,
         durations_as_seconds=True,
         http=otlp.protocol("metrics", environ) == otlp.HTTP_PROTOBUF,

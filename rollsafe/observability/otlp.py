@@ -19,10 +19,13 @@ as the Python exporter does, for :func:`rollsafe.observability.metrics.temporal_
 from __future__ import annotations
 
 import importlib
+import math
 import os
 from collections.abc import Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Literal, cast
+
+from pydantic import BaseModel, ConfigDict
 
 from rollsafe.errors import InvalidInput
 
@@ -155,9 +158,32 @@ def export_interval_s(environ: Mapping[str, str] | None = None) -> float:
         millis = float(raw)
     except ValueError:
         millis = -1.0
-    if not millis > 0:
-        raise InvalidInput(f"{INTERVAL_ENV}={raw!r}: expected milliseconds, a number above 0")
+    if not (millis > 0 and math.isfinite(millis)):
+        raise InvalidInput(
+            f"{INTERVAL_ENV}={raw!r}: expected milliseconds, a finite number above 0"
+        )
     return millis / 1000
+
+
+class MetricsExport(BaseModel):
+    """Where metrics go and how often, as the ``OTEL_*`` variables say."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    exporter: Literal["console", "otlp"]
+    interval_s: float
+
+
+def metrics_export(environ: Mapping[str, str] | None = None) -> MetricsExport | None:
+    """``OTEL_METRICS_EXPORTER`` and ``OTEL_METRIC_EXPORT_INTERVAL``, checked together: the
+    one reading of them that every metrics path uses (rollsafe's own meter provider, Temporal's
+    runtime), so a bad interval is refused whichever exporter reads it. None for ``none``
+    (nothing is exported, so nothing reads the interval)."""
+    name = exporter_name("metrics", environ)
+    if name == "none":
+        return None
+    exporter: Literal["console", "otlp"] = "console" if name == "console" else "otlp"
+    return MetricsExport(exporter=exporter, interval_s=export_interval_s(environ))
 
 
 def delta_temporality(environ: Mapping[str, str] | None = None) -> bool:

@@ -1,4 +1,6 @@
-"""The activities a workflow's history says completed, regular and local alike.
+"""What a workflow's history says: the activities that completed, regular and local alike,
+and how its workflow tasks fare (``task_progress``: the worker holding it, the newest task
+that failed or timed out).
 
 A regular activity is three events (scheduled, started with its worker's identity, completed);
 a local activity is one ``MarkerRecorded`` event (marker ``core_local_activity``) whose ``data``
@@ -14,9 +16,11 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from temporalio.api.enums.v1 import TimeoutType, WorkflowTaskFailedCause
 from temporalio.api.history.v1 import HistoryEvent
 
 LOCAL_ACTIVITY_MARKER = "core_local_activity"
+_CAUSE_PREFIX = "WORKFLOW_TASK_FAILED_CAUSE_"
 
 
 @dataclass(frozen=True)
@@ -76,3 +80,47 @@ def _local_activity(event: HistoryEvent, identity: str) -> CompletedActivity | N
 
 def _seconds(event: HistoryEvent) -> float:
     return event.event_time.seconds + event.event_time.nanos / 1e9
+
+
+@dataclass(frozen=True)
+class WorkflowTaskTrouble:
+    """The newest workflow task that did not complete: who had it, and how it ended."""
+
+    identity: str  # the worker that started it (a timed-out task names no other)
+    how: str  # "failed" | "timed out"
+    cause: str  # the failure's cause and message, or the timeout's kind
+    at: float  # unix seconds
+
+
+@dataclass(frozen=True)
+class TaskProgress:
+    """Where a workflow's history stands: the last worker that started a workflow task (the
+    park window's phases run inside one), when that task started, and the newest task that
+    failed or timed out (``None`` once a later task completed)."""
+
+    last_task_identity: str
+    last_task_started_at: float | None
+    trouble: WorkflowTaskTrouble | None
+
+
+def task_progress(events: Iterable[HistoryEvent]) -> TaskProgress:
+    """Read from a workflow's history (in order)."""
+    identity, started_at, trouble = "", None, None
+    for event in events:
+        if event.HasField("workflow_task_started_event_attributes"):
+            identity = event.workflow_task_started_event_attributes.identity
+            started_at = _seconds(event)
+        elif event.HasField("workflow_task_completed_event_attributes"):
+            trouble = None
+        elif event.HasField("workflow_task_failed_event_attributes"):
+            failed = event.workflow_task_failed_event_attributes
+            cause = WorkflowTaskFailedCause.Name(failed.cause).removeprefix(_CAUSE_PREFIX)
+            why = f"{cause}: {failed.failure.message}" if failed.failure.message else cause
+            trouble = WorkflowTaskTrouble(
+                failed.identity or identity, "failed", why, _seconds(event)
+            )
+        elif event.HasField("workflow_task_timed_out_event_attributes"):
+            kind = event.workflow_task_timed_out_event_attributes.timeout_type
+            why = TimeoutType.Name(kind).removeprefix("TIMEOUT_TYPE_").lower()
+            trouble = WorkflowTaskTrouble(identity, "timed out", why, _seconds(event))
+    return TaskProgress(identity, started_at, trouble)

@@ -146,13 +146,14 @@ class RayNode:
 
 
 class RayCluster:
-    """A head and further nodes on this machine, each its own
-        ``ray start --block`` process; started in order, stopped by pid (:meth:`stop`, also on a
-        failed start). ``root`` holds the node logs; Ray's session files go to a short temporary
-        directory (its socket paths must stay under 108 bytes), removed at :meth:`stop`: ``temp_dir``,
-    or a new one. ``ray start`` also writes its address there (``ray_current_cluster``), where
-    ``address="auto"`` looks for it when ``RAY_TMPDIR`` is that directory's parent and it is named
-    ``ray``: a cluster any process of that environment joins by default, as a plain ``ray start``."""
+    """A head and further nodes on this machine, each its own ``ray start --block`` process;
+    started in order, stopped by pid (:meth:`stop`, also on a failed start). ``root`` holds
+    the node logs; Ray's session files go to a short temporary directory (its socket paths
+    must stay under 108 bytes), removed at :meth:`stop`: ``temp_dir``, or a new one.
+    ``ray start`` also writes its address there (``ray_current_cluster``), where
+    ``address="auto"`` looks for it when ``RAY_TMPDIR`` is that directory's parent and it is
+    named ``ray``: a cluster every process of that environment joins by default, as a plain
+    ``ray start``'s."""
 
     def __init__(
         self,

@@ -27,13 +27,15 @@ def worker_process(
     cwd: Path,
     new_session: bool = True,
     fault: str | None = None,
+    release: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start ``rollsafe worker --run RUN_ID`` joining the Ray cluster at ``ray_address`` as a
     driver and Temporal at ``settings`` (address and namespace only: no TLS here), its output
     in ``log``, ``fault`` armed in it (``rollsafe.faults``). In a session of its own by
     default (a Ctrl-C meant for the caller does not reach it); ``new_session=False`` keeps it
     in the caller's, so that it dies with the node of a caller that is a Ray actor
-    (:class:`WorkerLauncher`)."""
+    (:class:`WorkerLauncher`). ``release``: a directory holding another release's
+    ``rollsafe`` package (an unpacked wheel), run instead of the installed one."""
     from rollsafe.children import PARENT_PID_ENV
     from rollsafe.faults import ENV_VAR
 
@@ -52,6 +54,8 @@ def worker_process(
     )
     if fault is not None:
         env[ENV_VAR] = fault
+    if release is not None:
+        env["PYTHONPATH"] = str(release)  # ahead of the installed (editable) rollsafe
     env[PARENT_PID_ENV] = str(os.getpid())  # it ends with its caller (rollsafe.children)
     command = [sys.executable, "-m", "rollsafe", "worker", "--run", run_id]
     with log.open("wb") as out:

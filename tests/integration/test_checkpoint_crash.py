@@ -15,6 +15,7 @@ failure; every controller actor is killed through its handle.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -43,6 +44,7 @@ from rollsafe.faults import ENV_VAR, EXIT_CODE
 from rollsafe.snapshot import SnapshotStore
 from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
+from rollsafe.temporal.history import LOCAL_ACTIVITY_MARKER
 from rollsafe.temporal.search_attributes import PHASE
 from rollsafe.testing.history import completed_attempts
 from rollsafe.testing.waiting import eventually_async
@@ -362,6 +364,19 @@ async def test_the_only_worker_dying_after_close_admission_reopens_it_by_the_lea
         status = run.status()
         assert status.gate_open and status.open_checkpoint is None
         assert status.effects[Phase.PUBLISH.value] == 0
+        # Abandoned at once: the refused phase was not retried (ABANDONING_ERRORS).
+        assert await failed_local_attempts(handle) == {Phase.RETIRE_DROPPED.value: 1}
+
+
+async def failed_local_attempts(handle: Any) -> dict[str, int]:
+    """Local activity (phase) -> the attempts it failed after, from the history's markers."""
+    failed: dict[str, int] = {}
+    async for event in handle.fetch_history_events():
+        marker = event.marker_recorded_event_attributes
+        if marker.marker_name == LOCAL_ACTIVITY_MARKER and marker.HasField("failure"):
+            data = json.loads(marker.details["data"].payloads[0].data)
+            failed[data["activity_type"]] = int(data["attempt"])
+    return failed
 
 
 async def test_a_phase_longer_than_the_lease_is_renewed_by_its_heartbeats(

@@ -176,9 +176,11 @@ async def test_a_step_committed_before_an_anchored_capture_aborts_it(harness) ->
         assert harness.store.list() == [] and harness.controller.status().gate_open
 
 
-async def test_a_trainer_snapshot_past_its_anchor_is_skipped_not_published(harness) -> None:
+async def test_a_trainer_snapshot_past_its_anchor_is_skipped_not_published(harness, caplog) -> None:
     """A checkpoint of weight version 4 while the controller is at 0 (a step committed before
-    the anchored snapshot could capture looks the same): no snapshot at the wrong version."""
+    the anchored snapshot could capture looks the same): no snapshot at the wrong version.
+    An outcome the design expects: logged as one INFO line, no traceback, no WARNING."""
+    caplog.set_level(logging.DEBUG, logger="temporalio")
     async with harness.worker():
         ckpt = await checkpointer(harness).start()
         await ckpt.trainer_checkpoint_saved(4, "/ckpt/v4")
@@ -189,6 +191,8 @@ async def test_a_trainer_snapshot_past_its_anchor_is_skipped_not_published(harne
         assert (status.state.skipped, status.state.failed, status.state.published) == (1, 0, 1)
     names = [entry.name for entry in harness.store.list()]
     assert names == ["00000002-rollout"]  # nothing of the trainer snapshot, seq 1
+    passed = [r for r in caplog.records if "AnchorPassed" in r.getMessage()]
+    assert passed and all(r.levelno <= logging.INFO and not r.exc_info for r in passed)
 
 
 async def _abort_reason(harness, seq: int) -> str | None:

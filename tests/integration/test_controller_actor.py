@@ -1,17 +1,26 @@
 """The controller as a named Ray actor: the ten phases through it, idempotent across handles,
 typed errors across the process boundary, a fault point that kills the actor's process."""
 
+import sys
+
 import pytest
 
-from rollsafe.checkpoint.actor import actor_name, get_controller_actor, start_controller_actor
+from rollsafe.activities.controllers import RayControllerClient
+from rollsafe.checkpoint.actor import (
+    NAMESPACE,
+    actor_name,
+    get_controller_actor,
+    start_controller_actor,
+)
 from rollsafe.core.config import RunConfig
 from rollsafe.core.phases import PHASES, Phase, PhaseRequest, SnapshotSpec
 from rollsafe.core.run_state import RunState
 from rollsafe.dataplane import make_dataplane
-from rollsafe.errors import CheckpointRefused, ControllerUnavailable, SnapshotLost
+from rollsafe.errors import CheckpointRefused, ControllerUnavailable, SnapshotLost, VersionSkew
 from rollsafe.evidence.scenario import row_content
 from rollsafe.faults import ENV_VAR
 from rollsafe.snapshot import SnapshotStore
+from rollsafe.versions import CONTRACT
 
 
 def config(run_id: str) -> RunConfig:
@@ -92,3 +101,70 @@ def test_an_exit_fault_kills_the_actor_and_a_new_one_cannot_publish(ray_session,
 def test_looking_up_a_run_without_an_actor(ray_session):
     with pytest.raises(ControllerUnavailable, match=actor_name("nobody")):
         get_controller_actor("nobody")
+
+
+class FutureController:
+    """A controller actor of a release two contracts ahead: its process says so."""
+
+    def __init__(self) -> None:
+        from rollsafe import versions
+
+        versions.THIS = versions.Peer(release="9.9.9", contract=versions.CONTRACT + 2)
+
+    def next_seq(self) -> int:
+        return 1
+
+
+class EarlierController:
+    """A controller actor of a release before contracts (no rollsafe.versions) whose calls
+    differ, as 85646f7's did: ``run_phase`` takes other arguments."""
+
+    def __init__(self) -> None:
+        sys.modules["rollsafe.versions"] = None  # type: ignore[assignment]
+
+    def next_seq(self) -> int:
+        return 7
+
+    def run_phase(self, request: object, lease_s: float, extra: object) -> None:
+        raise AssertionError("never called: Ray refuses the arguments first")
+
+
+def named_actor(ray, cls: type, run_id: str):
+    return ray.remote(cls).options(name=actor_name(run_id), namespace=NAMESPACE).remote()
+
+
+async def test_a_worker_asks_the_actor_once_and_refuses_one_two_contracts_apart(
+    ray_session, tmp_path
+):
+    ray = ray_session
+    this = start_controller_actor("contract-now", config("contract-now"), tmp_path)
+    future = named_actor(ray, FutureController, "contract-future")
+    try:
+        client = RayControllerClient("contract-now")
+        assert await client.next_seq() == 1 and await client.next_seq() == 1
+        assert len(client._checked) == 1  # asked once, not per call
+        with pytest.raises(VersionSkew) as skew:
+            await RayControllerClient("contract-future").next_seq()
+        assert str(skew.value).startswith(
+            "the controller actor of run 'contract-future' is rollsafe 9.9.9 "
+            f"(contract {CONTRACT + 2}); this process is rollsafe "
+        )
+        assert not skew.value.transient  # not retried without end
+    finally:
+        ray.kill(this)
+        ray.kill(future)
+
+
+async def test_an_actor_before_contracts_works_until_a_call_it_cannot_take(ray_session):
+    ray = ray_session
+    earlier = named_actor(ray, EarlierController, "contract-earlier")
+    try:
+        client = RayControllerClient("contract-earlier")
+        assert await client.next_seq() == 7  # contract 1: one apart, so it is tried
+        request = PhaseRequest(
+            spec=SnapshotSpec(run_id="contract-earlier", seq=1), phase=Phase.OPEN
+        )
+        with pytest.raises(VersionSkew, match=r"cannot take run_phase: TypeError: .*argument"):
+            await client.run_phase(request)
+    finally:
+        ray.kill(earlier)

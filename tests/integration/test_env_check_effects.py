@@ -50,17 +50,17 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     logs = tmp_path_factory.mktemp("effects")
     started: list[ServedProcess] = []
     try:
-        command = rollsafe_command("engine", "serve", "--port", "0", "--token", ENGINE_TOKEN)
-        started.append(engine := ServedProcess(command, logs / "engine"))
+        tokens = {"ROLLSAFE_ENGINE_TOKEN": ENGINE_TOKEN, "ROLLSAFE_ENV_TOKEN": ENV_TOKEN}
+        command = rollsafe_command("engine", "serve", "--port", "0")
+        started.append(engine := ServedProcess(command, logs / "engine", tokens))
         engine.wait_listening(ENGINE_BANNER.format(kind="dense"))
         envs = {}
         for name, hooks in ENVS.items():
-            args = ["env", "serve", "--hooks", hooks, "--port", "0", "--token", ENV_TOKEN]
-            args += ["--engine-url", engine.url, "--engine-token", ENGINE_TOKEN]
+            args = ["env", "serve", "--hooks", hooks, "--port", "0", "--engine-url", engine.url]
             args += ["--instance", name, "--lease-grace-s", "1"]
             args += ["--hooks-option", f"ledger={logs / name}.jsonl"]
             started.append(
-                envs.setdefault(name, ServedProcess(rollsafe_command(*args), logs / name))
+                envs.setdefault(name, ServedProcess(rollsafe_command(*args), logs / name, tokens))
             )
         for name, server in envs.items():
             server.wait_listening(ENV_BANNER.format(name=r"\S+", instance=name))

@@ -32,16 +32,16 @@ from rollsafe.testing.envs import failed_checks
 
 ENGINE_TOKEN = "conf-engine-token"
 ENV_TOKEN = "conf-env-token"
+# The servers' tokens, through their environment: never on a command line.
+TOKENS = {"ROLLSAFE_ENGINE_TOKEN": ENGINE_TOKEN, "ROLLSAFE_ENV_TOKEN": ENV_TOKEN}
 TASK = {"seed": 3, "meetings": 3, "turns": 16}
 INSTANCES = ("conf-a", "conf-b", "conf-c")
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedProcess]:
-    command = rollsafe_command(
-        "engine", "serve", "--port", "0", "--token", ENGINE_TOKEN, "--seed", "1"
-    )
-    server = ServedProcess(command, tmp_path_factory.mktemp("engine") / "engine")
+    command = rollsafe_command("engine", "serve", "--port", "0", "--seed", "1")
+    server = ServedProcess(command, tmp_path_factory.mktemp("engine") / "engine", TOKENS)
     try:
         yield server.wait_listening(ENGINE_BANNER.format(kind="dense"))
     finally:
@@ -59,10 +59,11 @@ def serve_envs(
     started: dict[str, ServedProcess] = {}
     try:
         for instance, serve_args in how.items():
-            args = ["env", "serve", *serve_args, "--port", "0", "--token", ENV_TOKEN]
-            args += ["--engine-url", engine.url, "--engine-token", ENGINE_TOKEN]
+            args = ["env", "serve", *serve_args, "--port", "0", "--engine-url", engine.url]
             args += ["--instance", instance, "--lease-grace-s", "1"]
-            started[instance] = ServedProcess(rollsafe_command(*args), logs / instance, env)
+            started[instance] = ServedProcess(
+                rollsafe_command(*args), logs / instance, {**TOKENS, **(env or {})}
+            )
         for instance, server in started.items():
             server.wait_listening(ENV_BANNER.format(name=r"\S+", instance=instance))
         yield started
@@ -183,7 +184,7 @@ def env_check(
 ) -> subprocess.CompletedProcess[str]:
     command = rollsafe_command("env-check", url, "--task", json.dumps(task), "--lease-wait-s", "5")
     command += ["--engine-url", engine.url]
-    env = {**os.environ, "ROLLSAFE_ENV_TOKEN": ENV_TOKEN, "ROLLSAFE_ENGINE_TOKEN": ENGINE_TOKEN}
+    env = {**os.environ, **TOKENS}
     return subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
 
 

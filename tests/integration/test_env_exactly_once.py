@@ -103,11 +103,11 @@ class Trio:
 
     def _spawn(self, instance: str) -> ServedProcess:
         args = ["env", "serve", "workplace", "--port", "0"]
-        args += ["--token", ENV_TOKEN, "--engine-url", self.engine.url]
-        args += ["--engine-token", ENGINE_TOKEN, "--instance", instance]
+        args += ["--engine-url", self.engine.url, "--instance", instance]
         args += ["--lease-grace-s", str(LEASE_GRACE_S)]
         logs = self.logs / f"{instance}-{self.generation}"
-        server = ServedProcess(rollsafe_command(*args), logs)
+        tokens = {"ROLLSAFE_ENV_TOKEN": ENV_TOKEN, "ROLLSAFE_ENGINE_TOKEN": ENGINE_TOKEN}
+        server = ServedProcess(rollsafe_command(*args), logs, tokens)
         self.started.append(server)
         return server
 
@@ -132,10 +132,9 @@ class Trio:
 def start_engine(logs: Path, hold: HoldRule) -> ServedProcess:
     """``rollsafe engine serve`` (MoE, seed 1) holding the calls ``hold`` names until its
     first cut; stopped (by pid) if it does not start."""
-    args = ["engine", "serve", "--port", "0", "--token", ENGINE_TOKEN, "--model", "moe"]
-    server = ServedProcess(
-        rollsafe_command(*args, "--seed", "1"), logs, env={HOLD_ENV: hold.model_dump_json()}
-    )
+    args = ["engine", "serve", "--port", "0", "--model", "moe", "--seed", "1"]
+    env = {HOLD_ENV: hold.model_dump_json(), "ROLLSAFE_ENGINE_TOKEN": ENGINE_TOKEN}
+    server = ServedProcess(rollsafe_command(*args), logs, env=env)
     return server.wait_listening(ENGINE_BANNER.format(kind="moe"))
 
 

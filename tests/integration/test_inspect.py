@@ -1,30 +1,42 @@
 """`rollsafe inspect`: what a stuck snapshot looks like to an operator, with and without a
-live worker (describe and search attributes only)."""
+live worker (describe and search attributes only); a run id the server knows nothing of is
+refused (exit 2), naming where it was looked for."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 from temporalio.client import Client
+from typer.testing import CliRunner
 
 from rollsafe.activities.controllers import LocalControllerClient
 from rollsafe.checkpoint.controller import Controller
+from rollsafe.cli.app import app
 from rollsafe.cli.inspection import RunView, inspect_run, render
 from rollsafe.core.config import RunConfig
-from rollsafe.core.ids import snapshot_workflow_id, task_queue_for
+from rollsafe.core.ids import snapshot_workflow_id, supervisor_id, task_queue_for
 from rollsafe.core.phases import Phase, SnapshotSpec
 from rollsafe.core.run_state import RunState
 from rollsafe.dataplane import make_dataplane
+from rollsafe.errors import RunNotFound
 from rollsafe.snapshot import SnapshotStore
-from rollsafe.temporal.connect import connect
+from rollsafe.temporal.connect import ConnectionSettings, connect
 from rollsafe.temporal.devserver import DevServer
 from rollsafe.testing.waiting import eventually_async, holding
 from rollsafe.workers.checkpoint import build_worker
-from rollsafe.workflows.models import PhaseOptions, SnapshotInput
+from rollsafe.workflows.models import (
+    PhaseOptions,
+    SnapshotInput,
+    SupervisorConfig,
+    SupervisorInput,
+)
 from rollsafe.workflows.snapshot import RolloutSnapshot
+from rollsafe.workflows.supervisor import SnapshotSupervisor
 
 # drain is a local activity in the park window: it shows in the search attributes once the
 # worker heartbeats its workflow task, at 80 % of the task timeout (1.6 s here).
@@ -97,6 +109,72 @@ async def test_inspect_shows_the_stuck_phase_with_and_without_a_worker(
 
 async def test_inspect_says_when_no_worker_serves_the_run(server: DevServer) -> None:
     client = await connect(server.settings())
-    view = await inspect_run(client, f"unserved-{uuid.uuid4().hex[:8]}")
+    run_id = f"unserved-{uuid.uuid4().hex[:8]}"
+    # A snapshot started with no worker: no supervisor, no search attribute yet; the run is
+    # known by its task queue (visibility is eventually consistent: until then, not found).
+    handle = await start(client, run_id, 1, REGULAR)
+
+    async def found() -> RunView | None:
+        try:
+            return await inspect_run(client, run_id)
+        except RunNotFound:
+            return None
+
+    view = await eventually_async(found, what="the unserved run known by its task queue")
     assert view.workers is not None and not view.workers.present
     assert "no checkpoint worker polls task queue 'rollsafe.unserved-" in render(view)
+    await handle.terminate("test over")
+
+
+async def test_inspect_of_a_run_nobody_knows_names_where_it_looked(server: DevServer) -> None:
+    client = await connect(server.settings())
+    run_id = f"typo-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(RunNotFound) as caught:
+        await inspect_run(client, run_id)
+    message = str(caught.value)
+    assert message.startswith(f"no run {run_id!r} in Temporal namespace {server.namespace!r}")
+    assert server.address in message
+    assert f"task queue 'rollsafe.{run_id}'" in message
+    assert "\n" not in message
+
+
+def inspect_cli(server: DevServer, run_id: str) -> Any:
+    env = {
+        "TEMPORAL_ADDRESS": server.address,
+        "TEMPORAL_NAMESPACE": server.namespace,
+        "TEMPORAL_CONFIG_FILE": "/nonexistent/temporal.toml",  # no user profile leaks in
+        "TEMPORAL_PROFILE": None,
+    }
+    return CliRunner().invoke(app, ["inspect", run_id], env=env)
+
+
+async def ended_supervisor(settings: ConnectionSettings, run_id: str) -> None:
+    """A run whose supervisor was started and terminated (describe is strongly consistent,
+    unlike visibility: the run is known at once)."""
+    client = await connect(settings)
+    handle = await client.start_workflow(
+        SnapshotSupervisor.run,
+        SupervisorInput(config=SupervisorConfig(run_id=run_id)),
+        id=supervisor_id(run_id),
+        task_queue=task_queue_for(run_id),
+    )
+    await handle.terminate("test: an ended run")
+
+
+def test_inspect_command_exits_2_for_an_unknown_run_and_0_for_a_real_one(
+    server: DevServer,
+) -> None:
+    # Synchronous: the command runs its own event loop.
+    run_id = f"real-{uuid.uuid4().hex[:8]}"
+    asyncio.run(ended_supervisor(server.settings(), run_id))
+    real = inspect_cli(server, run_id)
+    assert real.exit_code == 0, real.output
+    assert real.stdout.startswith(f"run {run_id}: supervisor TERMINATED\n")
+
+    typo = f"{run_id}x"
+    missing = inspect_cli(server, typo)
+    assert missing.exit_code == 2, missing.output
+    assert missing.stdout == ""
+    (line,) = missing.stderr.strip().splitlines()
+    assert line.startswith(f"error: no run {typo!r} in Temporal namespace {server.namespace!r}")
+    assert f"task queue 'rollsafe.{typo}'" in line and "Traceback" not in missing.output

@@ -51,11 +51,13 @@ from rollsafe.env.fleet import EnvFleet
 from rollsafe.env.protocol import EpisodeRef, EpisodeResult, RunEpisode
 from rollsafe.errors import EnvUnavailable
 from rollsafe.faults import ENV_VAR as FAULT_ENV
+from rollsafe.http.bearer import ENGINE_TOKEN_ENV, ENV_TOKEN_ENV
 from rollsafe.http.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
 from rollsafe.testing.waiting import eventually, eventually_async
 
 RUN = "with-envs"
 ENGINE_TOKEN, ENV_TOKEN = "pt-engine", "pt-env"
+TOKENS = {ENGINE_TOKEN_ENV: ENGINE_TOKEN, ENV_TOKEN_ENV: ENV_TOKEN}  # never on a command line
 INSTANCES = ("w0", "w1")
 GROUPS, GROUP_SIZE, TURNS = 4, 2, 16
 DRIVE_TIMEOUT_S = 120.0  # how long the test waits for an episode's run (admission included)
@@ -75,9 +77,10 @@ class Servers:
     def start_engine(self, env: dict[str, str], *, hold: bool = True) -> ServedProcess:
         """An engine (the same seed: the same model), holding calls two turns in until the
         first cut unless told not to."""
-        args = ["engine", "serve", "--port", "0", "--token", ENGINE_TOKEN, "--seed", "1"]
+        args = ["engine", "serve", "--port", "0", "--seed", "1"]
         held = {HOLD_ENV: TWO_TURNS_IN.model_dump_json()} if hold else {}
-        return self._start(args, ENGINE_BANNER.format(kind="dense"), "engine", {**held, **env})
+        banner = ENGINE_BANNER.format(kind="dense")
+        return self._start(args, banner, "engine", {**held, **TOKENS, **env})
 
     def _start(
         self, args: list[str], banner: str, name: str, env: dict[str, str] | None = None
@@ -88,11 +91,10 @@ class Servers:
 
     def start_envs(self) -> None:
         for name in INSTANCES:
-            args = ["env", "serve", "workplace", "--port", "0", "--token", ENV_TOKEN]
-            args += ["--engine-url", self.engine.url, "--engine-token", ENGINE_TOKEN]
+            args = ["env", "serve", "workplace", "--port", "0", "--engine-url", self.engine.url]
             args += ["--instance", name, "--lease-grace-s", "2"]
             banner = ENV_BANNER.format(name="workplace", instance=name)
-            self.envs[name] = self._start(args, banner, name)
+            self.envs[name] = self._start(args, banner, name, TOKENS)
 
     def crash_envs(self) -> None:
         for server in self.envs.values():

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from temporalio import workflow
 from temporalio.client import WorkflowHistory
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
 from rollsafe.core.phases import PhaseResult
+from rollsafe.temporal.converter import data_converter
 from rollsafe.workflows.models import SnapshotInput, SnapshotOutcome, SupervisorInput
 from rollsafe.workflows.snapshot import RolloutSnapshot, start_activity
 from rollsafe.workflows.supervisor import SnapshotSupervisor
@@ -46,7 +46,7 @@ def workflow_type(path: Path) -> str:
 
 @pytest.fixture(scope="module")
 def replayer() -> Replayer:
-    return Replayer(workflows=WORKFLOWS, data_converter=pydantic_data_converter)
+    return Replayer(workflows=WORKFLOWS, data_converter=data_converter)
 
 
 def test_every_workflow_type_has_a_golden_history() -> None:
@@ -113,15 +113,13 @@ class RolloutSnapshotWithPatchedStep(RolloutSnapshot):
 )
 async def test_an_unversioned_change_fails_replay(variant: type, path: Path) -> None:
     """The replay test can fail: the altered workflow does not replay a golden history."""
-    altered = Replayer(workflows=[variant], data_converter=pydantic_data_converter)
+    altered = Replayer(workflows=[variant], data_converter=data_converter)
     with pytest.raises(workflow.NondeterminismError, match="TMPRL1100"):
         await altered.replay_workflow(load(path))
 
 
 async def test_the_same_change_behind_a_patch_replays() -> None:
-    patched = Replayer(
-        workflows=[RolloutSnapshotWithPatchedStep], data_converter=pydantic_data_converter
-    )
+    patched = Replayer(workflows=[RolloutSnapshotWithPatchedStep], data_converter=data_converter)
     paths = [path for path in FILES if workflow_type(path) == "RolloutSnapshot"]
     assert paths
     for path in paths:

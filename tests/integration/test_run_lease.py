@@ -39,9 +39,10 @@ ROLLOUTS = tuple(f"killed-0_g{i}" for i in range(EPISODES))
 def instance(tmp_path: Path) -> Iterator[tuple[ServedProcess, Path]]:
     ledger = tmp_path / "ledger.jsonl"
     args = ["env", "serve", "--hooks", "slow_ledger:SlowLedger", "--port", "0"]
-    args += ["--token", TOKEN, "--instance", "slow", "--hooks-option", f"ledger={ledger}"]
+    args += ["--instance", "slow", "--hooks-option", f"ledger={ledger}"]
     args += ["--hooks-option", "turn_s=0.05"]
-    server = ServedProcess(rollsafe_command(*args), tmp_path / "env", {"PYTHONPATH": str(FIXTURES)})
+    env = {"PYTHONPATH": str(FIXTURES), "ROLLSAFE_ENV_TOKEN": TOKEN}  # never on a command line
+    server = ServedProcess(rollsafe_command(*args), tmp_path / "env", env)
     try:
         yield server.wait_listening(ENV_BANNER.format(name=r"\S+", instance="slow")), ledger
     finally:

@@ -75,6 +75,9 @@ async def test_a_temporal_server_killed_mid_snapshot_comes_back_and_the_snapshot
 
                 with pytest.raises(TemporalUnavailable, match=RUN):
                     await ckpt.status()
+                # docs/deploy.md section 4: a checkpoint saved during the outage is held...
+                with pytest.raises(TemporalUnavailable, match=RUN):
+                    await ckpt.trainer_checkpoint_saved(0, "/ckpt/v0")
                 with pytest.raises(TemporalUnavailable, match=RUN):
                     await ckpt.workers()
                 for command in (["doctor"], ["inspect", RUN]):
@@ -94,6 +97,9 @@ async def test_a_temporal_server_killed_mid_snapshot_comes_back_and_the_snapshot
                 lambda: published(ckpt), timeout_s=120, what="the supervisor reports it published"
             )
             assert outcome is None or outcome.checkpoint_id == last.checkpoint_id
+            await ckpt.start()  # ...and sent by the recipe's start() once the server is back
+            status = await ckpt.status()
+            assert status.supervisor is not None and status.supervisor.state.anchors == [0]
             await ckpt.stop(wait=True, timeout=60)
         assert [r.phase for r in last.phases] == list(PHASES)
         assert last.published is not None and store.select().name == last.published.name

@@ -32,12 +32,12 @@ with workflow.unsafe.imports_passed_through():
     from temporalio.api.enums.v1 import IndexedValueType
     from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
     from temporalio.client import Client, WorkflowExecutionStatus
-    from temporalio.contrib.pydantic import pydantic_data_converter
     from temporalio.worker import Worker
     from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
     from rollsafe.errors import InvalidInput, TemporalUnavailable
     from rollsafe.temporal.connect import ConnectionSettings, connect
+    from rollsafe.temporal.converter import data_converter
     from rollsafe.temporal.devserver import DevServer, find_temporal_binary
 
 # Imported as workflow code would import it: inside the sandbox this must stay importable.
@@ -132,9 +132,9 @@ async def _shutdown_pause() -> None:
 # ---- the running server ----
 
 
-async def test_client_connects_with_pydantic_converter(server: DevServer) -> None:
+async def test_client_connects_with_rollsafes_converter(server: DevServer) -> None:
     client = await connect(server.settings())
-    assert client.data_converter is pydantic_data_converter
+    assert client.data_converter is data_converter
     assert client.namespace == "default"
     assert client.service_client.config.target_host == server.address
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import socket
 import ssl
 import threading
 from collections.abc import Iterator
@@ -25,8 +26,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from typer.testing import CliRunner
 
 from rollsafe.checkpoint.controller import Controller
+from rollsafe.cli.app import app
+from rollsafe.cli.doctor import DoctorReport
+from rollsafe.cli.exits import TEMPORAL_FIX
 from rollsafe.client import Checkpointer
 from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import TemporalUnavailable
@@ -203,3 +208,121 @@ async def test_a_snapshot_runs_over_mutual_tls_and_a_client_without_the_ca_or_a_
     for refused in (no_ca, no_cert, plaintext):
         with pytest.raises(TemporalUnavailable, match=address):
             await connect(refused, timeout_s=5)
+
+
+# -- the CLI's one line for each TLS mismatch: what failed and the setting to change ------------
+
+
+TLS_VARIABLES = (
+    "TEMPORAL_TLS",
+    "TEMPORAL_TLS_SERVER_CA_CERT_PATH",
+    "TEMPORAL_TLS_SERVER_NAME",
+    "TEMPORAL_TLS_CLIENT_CERT_PATH",
+    "TEMPORAL_TLS_CLIENT_KEY_PATH",
+    "TEMPORAL_API_KEY",
+)
+
+
+def inspect_with(address: str, namespace: str, variables: dict[str, str | None]) -> Any:
+    """``rollsafe inspect`` with exactly these TLS variables (no profile, no settings file)."""
+    env: dict[str, str | None] = {
+        "TEMPORAL_ADDRESS": address,
+        "TEMPORAL_NAMESPACE": namespace,
+        "TEMPORAL_CONFIG_FILE": "/nonexistent/temporal.toml",  # no user profile leaks in
+        "TEMPORAL_PROFILE": None,
+        "ROLLSAFE_CONFIG": None,
+        **dict.fromkeys(TLS_VARIABLES),
+        **variables,
+    }
+    return CliRunner().invoke(app, ["inspect", "tls-probe"], env=env)
+
+
+def test_each_tls_mismatch_is_one_line_naming_the_setting_to_change(
+    server: Any, tls: tuple[str, Certificates, TlsTerminator], tmp_path: Path
+) -> None:
+    address, certs, _terminator = tls
+    good: dict[str, str | None] = {
+        "TEMPORAL_TLS_SERVER_CA_CERT_PATH": str(certs.ca),
+        "TEMPORAL_TLS_SERVER_NAME": "localhost",
+        "TEMPORAL_TLS_CLIENT_CERT_PATH": str(certs.client_cert),
+        "TEMPORAL_TLS_CLIENT_KEY_PATH": str(certs.client_key),
+    }
+    at = f"Temporal server at {address} (namespace {server.namespace!r})"
+    cases = {
+        "wrong server name": (
+            {**good, "TEMPORAL_TLS_SERVER_NAME": "wrong.example"},
+            f"cannot connect to {at}: TLS: the server's certificate is not valid for "
+            "'wrong.example' (it names localhost)",
+            "set TEMPORAL_TLS_SERVER_NAME to a name in the server's certificate (localhost)",
+        ),
+        "no CA": (
+            {**good, "TEMPORAL_TLS_SERVER_CA_CERT_PATH": None},
+            f"cannot connect to {at}: TLS: the server's certificate is not signed by a CA this "
+            "client trusts (UnknownIssuer)",
+            "set TEMPORAL_TLS_SERVER_CA_CERT_PATH (or the profile's tls server_ca_cert_path) "
+            "to the CA that signed the server's certificate",
+        ),
+        "no client certificate": (
+            {**good, "TEMPORAL_TLS_CLIENT_CERT_PATH": None, "TEMPORAL_TLS_CLIENT_KEY_PATH": None},
+            f"cannot connect to {at}: TLS: the server requires a client certificate and none "
+            "is configured (the server closed the connection after the handshake)",
+            "set TEMPORAL_TLS_CLIENT_CERT_PATH and TEMPORAL_TLS_CLIENT_KEY_PATH to a client "
+            "certificate and its key, signed by a CA the server trusts",
+        ),
+        "plain text against TLS": (
+            {**good, "TEMPORAL_TLS": "false"},
+            f"cannot connect to {at}: TLS is off and the server hung up at the first call "
+            "(it expects TLS)",
+            "set TEMPORAL_TLS=true",
+        ),
+    }
+    for name, (variables, what, fix) in cases.items():
+        result = inspect_with(address, server.namespace, variables)
+        assert result.exit_code == 1, (name, result.output)
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith(f"error: {what} (fix: {fix}"), (name, line)
+        assert "start a server" not in line and "tonic" not in line, (name, line)
+
+    # TLS against the dev server's own plain-text port.
+    plain = inspect_with(server.address, server.namespace, good)
+    assert plain.exit_code == 1, plain.output
+    (line,) = plain.stderr.strip().splitlines()
+    assert line.startswith(
+        f"error: cannot connect to Temporal server at {server.address} (namespace "
+        f"{server.namespace!r}): TLS is on but the server did not answer in TLS "
+        "(InvalidContentType) (fix: the server speaks plain text: unset TEMPORAL_TLS"
+    ), line
+
+    # Nobody there: still "start a server".
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = f"127.0.0.1:{probe.getsockname()[1]}"
+    nobody = inspect_with(free, server.namespace, good)
+    assert nobody.exit_code == 1, nobody.output
+    (line,) = nobody.stderr.strip().splitlines()
+    assert line == (
+        f"error: cannot reach Temporal server at {free} (namespace {server.namespace!r}): "
+        f"Connection refused (fix: {TEMPORAL_FIX})"
+    )
+
+    # `rollsafe doctor` gives its "Temporal reachable" row the same fix.
+    env = {
+        "TEMPORAL_ADDRESS": address,
+        "TEMPORAL_NAMESPACE": server.namespace,
+        "TEMPORAL_CONFIG_FILE": "/nonexistent/temporal.toml",
+        "TEMPORAL_PROFILE": None,
+        "ROLLSAFE_CONFIG": None,
+        "RAY_ADDRESS": None,
+        **dict.fromkeys(TLS_VARIABLES),
+        **good,
+        "TEMPORAL_TLS_SERVER_NAME": "wrong.example",
+    }
+    args = ["doctor", "--json", "--snapshot-root", str(tmp_path)]
+    doctor = CliRunner().invoke(app, args, env=env)
+    assert doctor.exit_code == 1, doctor.output
+    report = DoctorReport.model_validate_json(doctor.stdout)
+    (reach,) = (check for check in report.checks if check.name == "Temporal reachable")
+    assert "not valid for 'wrong.example' (it names localhost)" in reach.detail
+    assert reach.fix == (
+        "set TEMPORAL_TLS_SERVER_NAME to a name in the server's certificate (localhost)"
+    )

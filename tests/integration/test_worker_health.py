@@ -17,6 +17,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +27,15 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy
 
 from rollsafe.checkpoint.actor import start_controller_actor
+from rollsafe.cli.inspection import inspect_run, render
 from rollsafe.core.config import RunConfig
 from rollsafe.core.ids import snapshot_workflow_id, task_queue_for
 from rollsafe.core.phases import PHASES, Phase, SnapshotSpec
-from rollsafe.faults import ENV_VAR
+from rollsafe.faults import ENV_VAR, REACHED_SUFFIX
 from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
 from rollsafe.testing.waiting import eventually_async
+from rollsafe.workers.watchdog import STUCK_EXIT
 from rollsafe.workflows.models import PhaseOptions, SnapshotInput, SnapshotOutcome
 from rollsafe.workflows.snapshot import RolloutSnapshot
 
@@ -82,12 +85,13 @@ class WorkerProcess:
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, *extra: str) -> WorkerProcess:
+    def start(self, *extra: str, fault: str | None = None) -> WorkerProcess:
+        env = self.env if fault is None else {**self.env, ENV_VAR: fault}
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 [*self.command, *extra],
                 cwd=REPO,
-                env=self.env,
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -225,12 +229,13 @@ async def get(http: httpx.AsyncClient, port: int, path: str) -> httpx.Response:
 
 
 async def test_healthz_serves_while_polling_and_turns_503_while_a_sigterm_drains(
-    server: DevServer, controller: Any, run_id: str, workers: Workers
+    server: DevServer, controller: Any, run_id: str, workers: Workers, tmp_path: Path
 ) -> None:
     client: Client = await connect(server.settings())
+    leaving = tmp_path / "exit-hold"
     worker = workers.make().start(
         "--health-port", "0", "--health-host", "127.0.0.1", "--drain-timeout", "30",
-        "--log-format", "json",
+        "--log-format", "json", fault=f"worker.exit:until:{leaving}",
     )  # fmt: skip
     found = await worker.line(HEALTH_LINE)
     assert isinstance(found, re.Match)
@@ -281,6 +286,14 @@ async def test_healthz_serves_while_polling_and_turns_503_while_a_sigterm_drains
         live = await get(http, port, "/livez")
         assert live.status_code == 200 and live.json()["status"] == "draining", live.text
 
+        # Drained and stopped, its process not ended yet: the probes still answer.
+        reached = Path(f"{leaving}{REACHED_SUFFIX}")
+        await waited(reached.exists, "the worker at its exit", worker.describe)
+        assert (await get(http, port, "/healthz")).status_code == 503
+        live = await get(http, port, "/livez")
+        assert live.status_code == 200 and live.json()["status"] == "draining", live.text
+        leaving.touch()
+
     assert await worker.exited() == 0, worker.describe()
     # Drained: the phase in flight finished on the draining worker, first attempt.
     assert (await completed_by(handle))[Phase.CAPTURE.value] == (1, worker.pid)
@@ -300,3 +313,70 @@ async def test_healthz_serves_while_polling_and_turns_503_while_a_sigterm_drains
     assert outcome.status == "published", outcome
     assert [result.phase for result in outcome.phases] == list(PHASES)
     assert not any(result.replayed for result in outcome.phases), outcome.phases
+
+
+async def test_a_stuck_worker_says_so_is_named_by_inspect_and_exits_for_a_new_one(
+    server: DevServer, controller: Any, run_id: str, workers: Workers, tmp_path: Path
+) -> None:
+    """The worker's event loop stops inside the park window (drain, a local activity, held
+    on the loop's thread): its probes still answer, 503 ``stuck``; ``inspect`` names the
+    worker holding the parked snapshot and, once the workflow task times out, that it timed
+    out there; the worker exits (70) by itself and a new one finishes the snapshot."""
+    client: Client = await connect(server.settings())
+    hold = tmp_path / "drain-hold"
+    stuck = workers.make().start(
+        "--health-port", "0", "--health-host", "127.0.0.1", "--stuck-exit", "8",
+        fault=f"worker.phase.drain.before:until:{hold}",
+    )  # fmt: skip
+    found = await stuck.line(HEALTH_LINE)
+    assert isinstance(found, re.Match)
+    port = int(found.group(1))
+    await stuck.line(BANNER)
+    options = PhaseOptions(retry_initial_s=0.1, retry_maximum_s=0.5, task_timeout_s=3)
+    handle = await client.start_workflow(
+        RolloutSnapshot.run,
+        SnapshotInput(spec=SnapshotSpec(run_id=run_id, seq=1), options=options),
+        id=snapshot_workflow_id(run_id, 1),
+        task_queue=task_queue_for(run_id),
+        task_timeout=timedelta(seconds=options.task_timeout_s),
+    )
+    reached = Path(f"{hold}{REACHED_SUFFIX}")
+    await waited(reached.exists, "drain held on the worker's loop", stuck.describe)
+
+    async with httpx.AsyncClient() as http:
+
+        async def said_stuck() -> dict[str, Any] | None:
+            answers = [await get(http, port, path) for path in ("/healthz", "/livez")]
+            if all(a.status_code == 503 and a.json()["status"] == "stuck" for a in answers):
+                return answers[0].json()
+            return None
+
+        body = await waited(said_stuck, "both probes say stuck", stuck.describe)
+    assert body["stuck"].startswith("the worker's event loop has not moved for ")
+
+    view = await inspect_run(client, run_id)
+    [snap] = view.snapshots
+    assert snap.worker is not None and snap.worker.startswith(f"{stuck.pid}@")
+    assert snap.parked_since is not None  # admission closed: the window began
+    # The window's upserts reached the server with the SDK's heartbeat of the workflow task
+    # (80 % of its timeout), before it timed out: the phase the loop stopped in.
+    assert snap.phase == Phase.DRAIN.value
+
+    assert await stuck.exited() == STUCK_EXIT, stuck.describe()
+    log = stuck.log_path.read_text(errors="replace")
+    assert "has not moved for" in log and "exiting (70)" in log and "fault_point" in log
+
+    async def timed_out_there() -> str | None:
+        [snap] = (await inspect_run(client, run_id)).snapshots
+        return (
+            snap.task_trouble if snap.task_trouble and str(stuck.pid) in snap.task_trouble else None
+        )
+
+    trouble = await waited(timed_out_there, "inspect names the timed-out task", stuck.describe)
+    assert trouble == f"timed out on worker {snap.worker}: start_to_close"
+    assert f"held by worker {snap.worker}" in render(await inspect_run(client, run_id))
+
+    successor = workers.make().start()  # what the worker's supervisor does on exit 70
+    await successor.line(BANNER)
+    outcome: SnapshotOutcome = await asyncio.wait_for(handle.result(), WAIT_S)
+    assert outcome.status == "published", outcome

@@ -327,9 +327,10 @@ STATUS = f"{PREFIX}/status"
 
 @pytest.fixture(scope="module")
 def engine_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedProcess]:
-    args = ["engine", "serve", "--port", "0", "--token", ENGINE_TOKEN, "--model", "dense"]
+    args = ["engine", "serve", "--port", "0", "--model", "dense", "--seed", "1"]
     banner = ENGINE_BANNER.format(kind="dense")
-    server = start_served([*args, "--seed", "1"], banner, tmp_path_factory.mktemp("engine"))
+    logs = tmp_path_factory.mktemp("engine")
+    server = start_served(args, banner, logs, {"ROLLSAFE_ENGINE_TOKEN": ENGINE_TOKEN})
     try:
         yield server
     finally:
@@ -338,8 +339,10 @@ def engine_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedPr
 
 def start_env(engine: ServedProcess, logs: Path, **env: str) -> ServedProcess:
     args = ["env", "serve", "workplace", "--port", "0", "--instance", INSTANCE]
-    args += ["--engine-url", engine.url, "--engine-token", ENGINE_TOKEN, "--lease-grace-s", "0.5"]
-    return start_served(args, WORKPLACE_BANNER, logs, env)
+    args += ["--engine-url", engine.url, "--lease-grace-s", "0.5"]
+    return start_served(
+        args, WORKPLACE_BANNER, logs, {"ROLLSAFE_ENGINE_TOKEN": ENGINE_TOKEN, **env}
+    )
 
 
 @pytest.fixture(scope="module")

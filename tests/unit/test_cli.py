@@ -10,11 +10,12 @@ import socket
 import subprocess
 import sys
 import uuid
-from importlib.metadata import version
 from pathlib import Path
 from typing import ClassVar, get_args
 
 import pytest
+
+from rollsafe.versions import CONTRACT, THIS
 
 SCENARIOS = Path(__file__).parent.parent / "scenarios"
 
@@ -301,10 +302,10 @@ def publish(root: Path, *checkpoints: str, run: str = RUN):
     return store
 
 
-def test_version_prints_the_installed_version():
+def test_version_prints_the_release_and_its_contract():
     result = invoke("--version")
     assert result.exit_code == 0
-    assert result.stdout == f"rollsafe {version('rollsafe')}\n"
+    assert result.stdout == f"rollsafe {THIS.release} (contract {CONTRACT}: docs/upgrading.md)\n"
 
 
 # --- snapshot list / ls
@@ -407,8 +408,8 @@ def test_a_value_outside_a_choice_is_a_usage_error(args):
     ("args", "message"),
     [
         (("scenario", "run", "/"), "is a directory"),
-        (("env-check", "localhost:8400", "--token", "t"), "give http://host:port"),
-        (("env-check", "http://127.0.0.1:9", "--token", "t"), "--task is required"),
+        (("env-check", "localhost:8400"), "give http://host:port"),
+        (("env-check", "http://127.0.0.1:9"), "--task is required"),
         (("env", "serve", "workplace", "--port", "0", "--hooks-option", "a=b"), "for --hooks"),
         (("demo", "--interval-s", "0"), "interval_s: Input should be greater than 0"),
         (("demo", "--deterministic", "--sampler", "windowed"), "cannot use sampler windowed"),
@@ -424,7 +425,7 @@ def test_a_value_outside_a_choice_is_a_usage_error(args):
     ],
 )
 def test_a_bad_argument_found_by_the_command_is_a_usage_error(args, message):
-    result = invoke(*args)
+    result = invoke(*args, env={"ROLLSAFE_ENV_TOKEN": "t"})
     assert result.exit_code == 2 and message in result.output
     assert "Traceback" not in result.output and "errors.pydantic.dev" not in result.output
 
@@ -454,19 +455,21 @@ def test_the_dtypes_spelled_in_the_cli_are_the_engines():
 @pytest.mark.parametrize(
     "args",
     [
-        ("engine", "serve", "--port", "99999", "--token", "t"),
-        ("env", "serve", "workplace", "--port", "99999", "--token", "t"),
+        ("engine", "serve", "--port", "99999"),
+        ("env", "serve", "workplace", "--port", "99999"),
         ("server", "--port", "-1"),
         ("worker", "--run", RUN, "--health-port", "70000"),
     ],
 )
 def test_a_port_out_of_range_is_a_usage_error(args):
-    result = invoke(*args)
+    result = invoke(*args, env={"ROLLSAFE_ENGINE_TOKEN": "t", "ROLLSAFE_ENV_TOKEN": "t"})
     assert result.exit_code == 2
     assert "Invalid value for '--" in result.output and "port" in result.output
 
 
 # --- tokens: a variable or a file, never needed on a command line
+
+GATEWAY = ("gateway", "serve", "--port", "0", "--model", "m", "--engine-url", "http://x")
 
 
 @pytest.fixture
@@ -504,24 +507,49 @@ def test_an_empty_or_missing_token_file_is_a_usage_error(tmp_path, served_tokens
     assert served_tokens == []
 
 
+SECRET = "s3cr3t-never-echoed"
+
+
 @pytest.mark.parametrize(
-    ("args", "flag"),
+    ("args", "flag", "variable"),
     [
-        (("engine", "serve", "--port", "0", "--token", "t"), "--token"),
-        (("env", "serve", "workplace", "--port", "0", "--token", "t"), "--token"),
-        (("env-check", "http://127.0.0.1:9", "--token", "t"), "--token"),
+        (("engine", "serve", "--port", "0"), "--token", "ROLLSAFE_ENGINE_TOKEN"),
+        (("env", "serve", "workplace", "--port", "0"), "--token", "ROLLSAFE_ENV_TOKEN"),
+        (("env-check", "http://127.0.0.1:9"), "--token", "ROLLSAFE_ENV_TOKEN"),
+        (("env-check", "http://127.0.0.1:9"), "--engine-token", "ROLLSAFE_ENGINE_TOKEN"),
+        (("env", "serve", "workplace", "--port", "0"), "--engine-token", "ROLLSAFE_ENGINE_TOKEN"),
+        (GATEWAY, "--token", "ROLLSAFE_ENV_TOKEN"),
+        (GATEWAY, "--engine-token", "ROLLSAFE_ENGINE_TOKEN"),
+        (GATEWAY, "--api-token", "ROLLSAFE_GATEWAY_TOKEN"),
     ],
 )
-def test_a_token_and_a_token_file_together_are_a_usage_error(tmp_path, args, flag):
-    file = tmp_path / "token"
-    file.write_text("t2")
-    engine = ("--engine-url", "http://127.0.0.1:9", "--engine-token", "e")
-    result = invoke(*args, "--token-file", file, *(engine if args[0] != "engine" else ()))
+@pytest.mark.parametrize("spelling", ["apart", "joined"])
+def test_a_token_on_the_command_line_is_refused_naming_the_variable(
+    served_tokens, args, flag, variable, spelling
+):
+    typed = (flag, SECRET) if spelling == "apart" else (f"{flag}={SECRET}",)
+    result = invoke(*args, *typed, env={"ROLLSAFE_ENGINE_TOKEN": "e", "ROLLSAFE_ENV_TOKEN": "t"})
     assert result.exit_code == 2
-    assert f"give {flag} or {flag}-file, not both" in one_line_error(result)
-    both = invoke(*args, *engine, "--engine-token-file", file) if args[0] == "env-check" else None
-    if both is not None:
-        assert both.exit_code == 2 and "--engine-token-file, not both" in both.stderr
+    line = one_line_error(result)
+    assert line.startswith(f"error: {flag} is not accepted: ")
+    assert variable in line and f"{flag}-file" in line and "ps" in line
+    assert SECRET not in result.output
+    assert served_tokens == []
+
+
+@pytest.mark.parametrize("command", [("engine", "serve"), ("env", "serve"), ("env-check",)])
+def test_help_offers_no_token_value_flag(command):
+    shown = invoke(*command, "--help", env={"COLUMNS": "200"}).output
+    assert "--token-file" in shown
+    assert "--token " not in shown and "--engine-token " not in shown
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_token_variable_is_a_usage_error(served_tokens, value):
+    result = invoke("engine", "serve", "--port", "0", env={"ROLLSAFE_ENGINE_TOKEN": value})
+    assert result.exit_code == 2
+    assert "ROLLSAFE_ENGINE_TOKEN must not be empty" in one_line_error(result)
+    assert served_tokens == []
 
 
 def test_no_token_at_all_names_the_variable_and_the_file(served_tokens):
@@ -742,6 +770,45 @@ def test_inspect_json_is_the_view(monkeypatch):
     assert RunView.model_validate_json(result.stdout) == RunView(run_id=RUN, supervisor="absent")
 
 
+def test_inspect_says_a_run_is_parked_where_it_is_stuck_and_that_it_is_not_checkpointed():
+    from rollsafe.cli.inspection import RunView, SnapshotView, render
+    from rollsafe.workflows.models import SupervisorState, SupervisorStatus
+
+    state = SupervisorState(skipped=1, failed=2, unpublished_in_a_row=3)
+    status = SupervisorStatus(
+        run_id=RUN,
+        state=state,
+        running_seq=4,
+        running_workflow_id=f"rollsafe/{RUN}/snapshot/4",
+        queued_requests=0,
+        warning="3 snapshots in a row ended unpublished (no snapshot published yet: ...)",
+    )
+    snap = SnapshotView(
+        workflow_id=f"rollsafe/{RUN}/snapshot/4",
+        kind="rollout",
+        phase="drain",
+        running_for_s=42.0,
+        pending=[],
+        worker="41@stuck-host",
+        parked_since=0.0,
+        task_attempts=3,
+        task_trouble="timed out on worker 41@stuck-host: start_to_close",
+        reported_problems=["category=WorkflowTaskTimedOut"],
+    )
+    text = render(RunView(run_id=RUN, supervisor="RUNNING", status=status, snapshots=[snap]))
+    assert "  not being checkpointed: 3 snapshots in a row ended unpublished" in text
+    assert (
+        f"rollsafe/{RUN}/snapshot/4: phase drain, running 42.0 s, held by worker 41@stuck-host"
+        in text
+    )
+    assert "the run is parked: admission closed since 00:00:00 UTC by this snapshot" in text
+    assert (
+        "workflow task attempt 3; the last one timed out on worker 41@stuck-host: start_to_close"
+        in text
+    )
+    assert "server reports: category=WorkflowTaskTimedOut" in text
+
+
 def test_verify_of_missing_evidence_is_a_usage_error_with_nothing_on_stdout(tmp_path):
     result = invoke("verify", tmp_path / "nowhere", "--json")
     assert result.exit_code == 2 and result.stdout == ""
@@ -803,6 +870,6 @@ def test_log_settings_are_checked_before_a_worker_starts(monkeypatch) -> None:
 
 
 def test_a_hooks_option_without_a_value_is_a_usage_error() -> None:
-    serve = ("env", "serve", "--hooks", "json:loads", "--port", "0", "--token", "t")
-    result = invoke(*serve, "--hooks-option", "ab")
+    serve = ("env", "serve", "--hooks", "json:loads", "--port", "0")
+    result = invoke(*serve, "--hooks-option", "ab", env={"ROLLSAFE_ENV_TOKEN": "t"})
     assert result.exit_code == 2 and "--hooks-option 'ab': expected KEY=VALUE" in result.output

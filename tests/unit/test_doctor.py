@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 import uuid
@@ -48,23 +47,6 @@ from rollsafe.temporal.search_attributes import ALL
 KEYWORD = IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD
 TEXT = IndexedValueType.INDEXED_VALUE_TYPE_TEXT
 AS_ROOT = os.geteuid() == 0
-
-
-@pytest.fixture
-def dead_port() -> Iterator[int]:
-    """A port bound and never listened on: a connect is refused, and nobody can take it."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        yield sock.getsockname()[1]
-
-
-@pytest.fixture
-def silent_port() -> Iterator[int]:
-    """A port that accepts connections (the kernel's backlog) and never says a word."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(8)
-        yield sock.getsockname()[1]
 
 
 def doctor(*args: str, address: str) -> tuple[int, str, float]:

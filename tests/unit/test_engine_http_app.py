@@ -239,9 +239,9 @@ async def test_an_unreachable_engine_is_engine_unavailable_naming_the_url() -> N
 @pytest.mark.parametrize(
     ("args", "env", "message"),
     [
-        (["--token", " "], {}, "must not be empty"),
+        ([], {"ROLLSAFE_ENGINE_TOKEN": " "}, "must not be empty"),
         ([], {"ROLLSAFE_ENGINE_TOKEN": ""}, "token"),
-        (["--token", "t", "--model", "huge"], {}, "dense or moe"),
+        (["--model", "huge"], {"ROLLSAFE_ENGINE_TOKEN": "t"}, "dense or moe"),
     ],
 )
 def test_engine_serve_refuses_bad_arguments(

@@ -64,7 +64,8 @@ def test_a_factory_must_return_hooks() -> None:
     ],
 )
 def test_env_serve_refuses_bad_flags_before_serving(args: list[str], message: str) -> None:
-    result = CliRunner().invoke(app, ["env", "serve", "--port", "0", "--token", "t", *args])
+    args = ["env", "serve", "--port", "0", *args]
+    result = CliRunner().invoke(app, args, env={"ROLLSAFE_ENV_TOKEN": "t"})
     assert result.exit_code == 2, result.output
     assert message in result.output
 

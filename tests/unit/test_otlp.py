@@ -4,6 +4,7 @@ Temporal's SDK metrics go, and a real Temporal runtime exporting to a local coll
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 from collections.abc import Iterator
@@ -171,10 +172,60 @@ def test_headers_interval_and_temporality():
     assert otlp.delta_temporality(environ) and not otlp.delta_temporality({})
 
 
-@pytest.mark.parametrize("value", ["soon", "0", "-5", "nan"])
+@pytest.mark.parametrize("value", ["soon", "0", "-5", "nan", "inf"])
 def test_a_bad_interval_is_refused(value):
     with pytest.raises(InvalidInput, match="OTEL_METRIC_EXPORT_INTERVAL="):
         otlp.export_interval_s({"OTEL_METRIC_EXPORT_INTERVAL": value})
+
+
+@pytest.mark.parametrize("exporter", ["console", "otlp"])
+@pytest.mark.parametrize("value", ["soon", "0", "inf"])
+def test_every_metrics_path_refuses_a_bad_interval_naming_it(exporter, value, monkeypatch):
+    """rollsafe's own meter provider and Temporal's runtime read the interval through one
+    function: with either exporter both refuse it, naming the variable and its value."""
+    environ = {"OTEL_METRICS_EXPORTER": exporter, "OTEL_METRIC_EXPORT_INTERVAL": value}
+    named = re.escape(f"OTEL_METRIC_EXPORT_INTERVAL={value!r}: expected milliseconds")
+    with pytest.raises(InvalidInput, match=named):
+        otlp.metrics_export(environ)
+    with pytest.raises(InvalidInput, match=named):
+        metrics.temporal_metrics_config(environ)  # a worker's client: Temporal's runtime
+    for name, setting in environ.items():
+        monkeypatch.setenv(name, setting)
+    monkeypatch.setattr(metrics, "_configured", False)  # as in a fresh process
+    with pytest.raises(InvalidInput, match=named):
+        metrics.configure_metrics()  # a controller: rollsafe's own meter provider
+    assert not metrics._configured
+
+
+def test_the_interval_is_read_once_for_every_exporter():
+    assert otlp.metrics_export({"OTEL_METRIC_EXPORT_INTERVAL": "soon"}) is None  # none: unread
+    console = {"OTEL_METRICS_EXPORTER": "console", "OTEL_METRIC_EXPORT_INTERVAL": "250"}
+    assert otlp.metrics_export(console) == otlp.MetricsExport(exporter="console", interval_s=0.25)
+    assert otlp.metrics_export({"OTEL_METRICS_EXPORTER": "otlp"}) == otlp.MetricsExport(
+        exporter="otlp", interval_s=60.0
+    )
+
+
+def test_a_command_with_a_bad_interval_exits_2_naming_it(monkeypatch):
+    """`rollsafe inspect` connects as a worker does: the console exporter's bad interval is
+    refused before any server is dialled (none listens at the address given)."""
+    from typer.testing import CliRunner
+
+    from rollsafe.cli.app import app
+
+    monkeypatch.setattr(metrics, "_runtime_made", False)  # as in a fresh process
+    env = {
+        "OTEL_METRICS_EXPORTER": "console",
+        "OTEL_METRIC_EXPORT_INTERVAL": "soon",
+        "TEMPORAL_ADDRESS": "127.0.0.1:1",
+        "TEMPORAL_CONFIG_FILE": "/nonexistent/temporal.toml",
+        "TEMPORAL_PROFILE": None,
+    }
+    result = CliRunner().invoke(app, ["inspect", "some-run"], env=env)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        "error: OTEL_METRIC_EXPORT_INTERVAL='soon': expected milliseconds, a finite number above 0"
+    )
 
 
 # ---- Temporal's SDK metrics -------------------------------------------------------------

@@ -397,7 +397,7 @@ def test_the_reference_engine_refuses_a_directory_make_model_did_not_write(
 ) -> None:
     with pytest.raises(InvalidInput, match=f"no {MARKER}"):
         TorchEngine.for_model(tmp_path)
-    args = ["engine", "serve", "--port", "0", "--token", "t", "--model", str(tmp_path)]
-    result = CliRunner().invoke(cli, args)
+    args = ["engine", "serve", "--port", "0", "--model", str(tmp_path)]
+    result = CliRunner().invoke(cli, args, env={"ROLLSAFE_ENGINE_TOKEN": "t"})
     assert result.exit_code == 2
     assert f"is not a model directory rollsafe made (no {MARKER})" in result.output

@@ -11,10 +11,12 @@ import contextlib
 import errno
 import importlib
 import os
+import platform
 import shutil
 import socket
 import threading
 from enum import StrEnum
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,39 @@ def _ray_fix(where: str) -> str:
     )
 
 
+RAY_CLIENT_PORT = 10001  # the port `ray start --head` gives its Ray Client server by default
+
+
+def ray_client_fix(host: str, port: int) -> str:
+    """What to do when Ray Client (``ray://host:port``) cannot join: the port must be the
+    head's Ray Client server, and Ray Client needs this machine's Python (major.minor) and Ray
+    versions to be the head's."""
+    try:
+        ray_version = version("ray")
+    except PackageNotFoundError:
+        ray_version = "not installed"
+    return (
+        f"start the Ray head with its Ray Client server on {host}:{port} (`ray start --head "
+        f"--ray-client-server-port={port}`; the default port is {RAY_CLIENT_PORT}) and run the "
+        "head's Python and Ray versions here (Ray Client needs both to match; this machine has "
+        f"Python {platform.python_version()}, Ray {ray_version}), or set RAY_ADDRESS / "
+        "--ray-address to the head's GCS address (host:6379) from a machine of the cluster"
+    )
+
+
+def ray_error_cause(text: str) -> str:
+    """Ray's error text as one line: a traceback it carries (Ray Client's ``Initialization
+    failure from server:`` holds the server's) reduced to its last line, the exception; lines
+    joined; and Ray's advice about its own ``--address`` flag, which rollsafe lacks, dropped."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    start = next((i for i, line in enumerate(lines) if line.startswith("Traceback (")), None)
+    if start is not None:
+        lines = [*lines[:start], lines[-1]]
+    cause = " ".join(lines)
+    kept = [sentence for sentence in cause.split(". ") if "--address" not in sentence]
+    return ". ".join(kept) or cause or "no message"
+
+
 def check_ray(address: str | None, timeout_s: float, *, count_nodes: bool = True) -> DoctorCheck:
     """A TCP connect to the cluster (no ``ray.init``: the doctor joins nothing), then, for a
     GCS address and ``count_nodes``, the number of alive nodes from the GCS itself (a process
@@ -111,9 +146,11 @@ def check_ray(address: str | None, timeout_s: float, *, count_nodes: bool = True
             pass
     except OSError as exc:
         why = exc.strerror or str(exc) or type(exc).__name__  # a timeout has no strerror
-        return failed(
-            RAY, f"cannot reach Ray at {host}:{port}: {why}", _ray_fix(f"at {host}:{port}")
-        )
+        if scheme == "ray":
+            detail, fix = f"cannot reach Ray Client at {host}:{port}", ray_client_fix(host, port)
+        else:
+            detail, fix = f"cannot reach Ray at {host}:{port}", _ray_fix(f"at {host}:{port}")
+        return failed(RAY, f"{detail}: {why}", fix)
     if scheme == "ray":  # a Ray Client server: its port answers, nothing more to ask cheaply
         return ok(RAY, f"Ray Client at {host}:{port} accepts connections")
     if not count_nodes:

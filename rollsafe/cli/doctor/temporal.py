@@ -26,7 +26,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from rollsafe.cli.doctor.checks import DoctorCheck, Status, failed, ok, skipped
 from rollsafe.cli.exits import temporal_client_made
-from rollsafe.errors import InvalidInput, RollsafeError
+from rollsafe.errors import InvalidInput, RollsafeError, TemporalUnavailable
 from rollsafe.temporal.connect import DEFAULT_NAMESPACE, ConnectionSettings, connect
 from rollsafe.temporal.search_attributes import ALL
 
@@ -189,6 +189,8 @@ async def _reach(
             f"start the Temporal server at {settings.address} (locally: `rollsafe server`), or "
             "point TEMPORAL_ADDRESS (or the TEMPORAL_PROFILE profile) at the one that runs"
         )
+        if isinstance(exc, TemporalUnavailable) and exc.fix:  # it answered: TLS differs
+            fix = exc.fix
         return failed(REACH, str(exc), fix), None
     tls = "on" if settings.uses_tls else "off"
     version = info.server_version or "version not reported"
