@@ -53,10 +53,11 @@ $(GYM_STAMP): Makefile
 	$(GYM_VENV)/bin/python -m pip install --quiet '$(NEMO_GYM)'
 	touch $(GYM_STAMP)
 
-# Two stages, both in CI (.ci/run): the unit stage (no servers, ~2 minutes, with coverage of
-# rollsafe reported) fails fast on a broken core; the integration stage runs the real Temporal
-# server, Ray, TransferQueue, vLLM, the multi-node cluster and the demo. The cluster drill goes
-# first: it starts its own Ray cluster, which it cannot once this process joined another.
+# Two stages, both in CI (.ci/run): the unit stage (no servers, ~3 minutes, with coverage of
+# rollsafe reported and gated: pyproject's fail_under) fails fast on a broken core; the
+# integration stage runs the real Temporal server, Ray, TransferQueue, vLLM, the multi-node
+# cluster and the demo. The cluster drill goes first: it starts its own Ray cluster, which it
+# cannot once this process joined another.
 test: test-unit test-integration
 
 test-unit: setup

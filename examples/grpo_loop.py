@@ -78,7 +78,7 @@ async def episode(rollouts: rollsafe.Rollouts, group: int, sibling: int, args: A
     await rollouts.run_episode(dispatched, task, to_row)  # resumes a restored episode
 
 
-async def run(args: argparse.Namespace) -> None:
+async def run(args: argparse.Namespace) -> None:  # noqa: C901, PLR0912 (a tutorial's loop, read top to bottom)
     settings = rollsafe.Settings.load()
     controller = rollsafe.Controller.from_settings(settings)
     rollouts, ckpt = rollsafe.Rollouts(controller), rollsafe.Checkpointer(settings=settings)

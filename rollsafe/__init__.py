@@ -17,6 +17,9 @@ client, Ray, HTTP library or torch is imported until a name that needs one is to
   :class:`Completion`, :class:`PrefixRecord`;
 - the environment protocol: :class:`EnvironmentHooks`, :class:`EpisodeSession`, and what an
   episode returns, :class:`EpisodeResult`;
+- telemetry: :func:`configure_telemetry`, for a program of your own that wants rollsafe's
+  meter and tracer providers (the ``rollsafe`` commands and workers install them already; a
+  library object never does);
 - errors: the tree's roots (:class:`RollsafeError`, :class:`TransientError`,
   :class:`InvariantError`, :class:`InvalidInput`) and the module ``errors``, the whole tree.
 """
@@ -57,6 +60,7 @@ _WHERE = {
     "TransientError": "rollsafe.errors",
     "InvariantError": "rollsafe.errors",
     "InvalidInput": "rollsafe.errors",
+    "configure_telemetry": "rollsafe.observability.telemetry",
 }
 
 __all__ = [
@@ -87,6 +91,7 @@ __all__ = [
     "SyncRollouts",
     "TransientError",
     "__version__",
+    "configure_telemetry",
     "errors",
     "start_controller_actor",
 ]
@@ -109,6 +114,7 @@ if TYPE_CHECKING:
     from rollsafe.env.hooks import EnvironmentHooks, EpisodeSession
     from rollsafe.env.protocol import EpisodeResult
     from rollsafe.errors import InvalidInput, InvariantError, RollsafeError, TransientError
+    from rollsafe.observability.telemetry import configure_telemetry
     from rollsafe.rollouts import Rollouts, SyncRollouts
     from rollsafe.settings import Settings
     from rollsafe.temporal.connect import ConnectionSettings

@@ -48,7 +48,6 @@ from temporalio.client import (
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
-from rollsafe.checkpoint.loop import LoopThread
 from rollsafe.core.ids import restore_workflow_id, supervisor_id, task_queue_for, validate_run_id
 from rollsafe.core.phases import RestorePlan, RestoreRequest
 from rollsafe.errors import (
@@ -59,6 +58,7 @@ from rollsafe.errors import (
     SupervisorNotRunning,
     TemporalUnavailable,
 )
+from rollsafe.loop_thread import LoopThread
 from rollsafe.settings import Settings
 from rollsafe.temporal.connect import ConnectionSettings, connect
 from rollsafe.temporal.failures import describe_failure
@@ -129,7 +129,7 @@ class Checkpointer:
     worker_check_every_s = WORKER_CHECK_EVERY_S
     worker_seen_within_s = WORKER_SEEN_WITHIN_S  # a worker polled this recently: present
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (the SDK's options, keyword-only, each defaulted)
         self,
         run_id: str | None = None,
         *,
@@ -516,6 +516,10 @@ class SyncCheckpointer:
     @property
     def saved_checkpoints(self) -> dict[int, str]:
         return self.checkpointer.saved_checkpoints
+
+    @property
+    def workflow_id(self) -> str:
+        return self.checkpointer.workflow_id
 
     def start(self) -> Self:
         self.loop.run(self.checkpointer.start())

@@ -47,8 +47,9 @@
     │   └── InjectedInvariantFault     an armed fault point, action ``invariant``
     ├── InvalidInput                   malformed user input (scenario file, CLI argument, id)
     │   ├── AnchorPassed               an anchored snapshot found another weight version: skipped
-    │   ├── CheckpointRefused          a phase this checkpoint may not run
-    │   ├── GateHeld                   another checkpoint holds admission closed
+    │   ├── PhaseConflict              a phase that conflicts with its checkpoint's or another's
+    │   │   ├── CheckpointRefused      a phase this checkpoint may not run (aborted, resumed, ...)
+    │   │   └── GateHeld               another checkpoint holds admission closed
     │   ├── EvidenceError              an evidence file is malformed
     │   ├── ScenarioError              a scenario file is malformed, or an event cannot happen
     │   ├── ParticipantRefused         an environment participant's 409, raised on its side
@@ -316,7 +317,13 @@ class AnchorPassed(InvalidInput):
     expected = True
 
 
-class CheckpointRefused(InvalidInput):
+class PhaseConflict(InvalidInput):
+    """The phase ledger's conflicts (rollsafe.checkpoint.phase_ledger): a phase call that
+    conflicts with what its checkpoint (or another) already did. Never retried: the same call
+    meets the same conflict."""
+
+
+class CheckpointRefused(PhaseConflict):
     """A phase the checkpoint may not run: another checkpoint is open, or this one was
     already aborted or resumed. Retrying cannot help."""
 
@@ -383,7 +390,7 @@ class InjectedInvariantFault(InvariantError):
         super().__init__(f"injected invariant fault at {name}")
 
 
-class GateHeld(InvalidInput):
+class GateHeld(PhaseConflict):
     """A checkpoint tried to close the gate while another checkpoint holds it closed."""
 
     def __init__(self, holder: str, requester: str) -> None:

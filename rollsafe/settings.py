@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Self
+from typing import Any, Literal, Self
 
 import yaml
 from pydantic import (
@@ -41,7 +41,12 @@ from pydantic import (
     field_validator,
 )
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 from pydantic_settings.sources.utils import parse_env_vars
 
 from rollsafe.core.config import (
@@ -56,9 +61,6 @@ from rollsafe.errors import InvalidInput
 from rollsafe.http.bearer import ENGINE_TOKEN_ENV, ENV_TOKEN_ENV, read_token_file
 from rollsafe.temporal.connect import ConnectionSettings, config_sources
 from rollsafe.workflows.models import PhaseOptions, SupervisorConfig
-
-if TYPE_CHECKING:
-    from rollsafe.checkpoint.participants import Participants
 
 ENV_PREFIX = "ROLLSAFE_"
 NESTED = "__"
@@ -119,19 +121,10 @@ class ParticipantsSection(BaseModel):
     env_token_file: Path | None = None  # default: the variable ROLLSAFE_ENV_TOKEN
     engine_token_file: Path | None = None  # default: the variable ROLLSAFE_ENGINE_TOKEN
 
-    def connect(self, env: Mapping[str, str] | None = None) -> Participants | None:
-        """Clients of every instance and engine (None when there are none)."""
-        if not self.envs and not self.engines:
-            return None
-        from rollsafe.checkpoint.participants import Participants
-
+    def engine_token(self, env: Mapping[str, str] | None = None) -> str:
+        """The engines' bearer token (InvalidInput naming where it was sought)."""
         environ = os.environ if env is None else env
-        return Participants.connect(
-            self.envs,
-            self.engines,
-            env_token=self.env_token(environ),
-            engine_token=_token(self.engine_token_file, ENGINE_TOKEN_ENV, environ),
-        )
+        return _token(self.engine_token_file, ENGINE_TOKEN_ENV, environ)
 
     def env_token(self, env: Mapping[str, str] | None = None) -> str:
         """The environment instances' bearer token (InvalidInput naming where it was sought)."""
@@ -204,6 +197,20 @@ class Settings(BaseSettings):
     telemetry: TelemetrySection = TelemetrySection()
 
     _origins: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """``Settings(...)`` resolves as :meth:`load` does: its keywords over the environment
+        over ``ROLLSAFE_CONFIG``'s file over the defaults (no dotenv, no secrets directory).
+        :meth:`load` adds where each value came from, and errors naming it."""
+        return init_settings, env_settings, _ConfigFileSource(settings_cls)
 
     @field_validator("run_id")
     @classmethod
@@ -399,8 +406,22 @@ def _token(path: Path | None, variable: str, environ: Mapping[str, str]) -> str:
     return token
 
 
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    """The YAML file ``ROLLSAFE_CONFIG`` names, as a source of ``Settings(...)``."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ reads the whole file at once
+
+    def __call__(self) -> dict[str, Any]:
+        file = os.environ.get(CONFIG_ENV)
+        return _file_layer(Path(file)) if file else {}
+
+
 class _MappingEnvSource(EnvSettingsSource):
-    """pydantic-settings' environment source over a given mapping instead of os.environ."""
+    """pydantic-settings' environment source over a given mapping instead of os.environ
+    (:meth:`Settings.load`'s ``env``: tests, ``config show``): pydantic-settings has no public
+    way to give its source a mapping, so this replaces the one method that reads
+    os.environ."""
 
     def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
         self._environ = environ

@@ -39,6 +39,7 @@ from rollsafe.activities.snapshot import SnapshotActivities
 from rollsafe.core.ids import task_queue_for
 from rollsafe.faults import register
 from rollsafe.http.served import server_config
+from rollsafe.observability.telemetry import configure_telemetry
 from rollsafe.temporal.connect import ConnectionSettings, connect
 from rollsafe.versions import THIS
 from rollsafe.workers.watchdog import (
@@ -203,6 +204,7 @@ async def run_worker(
     to Ray has not moved for this long exits with STUCK_EXIT (0: never; the probes still say
     ``stuck``), for its supervisor to start a new one (rollsafe.workers.watchdog).
     """
+    configure_telemetry()  # an entry point: the worker process's own providers
     queue = task_queue or task_queue_for(run_id)
     health = WorkerHealth(run_id, queue)
     stop = asyncio.Event()
@@ -249,7 +251,7 @@ async def run_worker(
         await asyncio.sleep(0.1)  # sdk-python #300: let the worker's threads settle
 
 
-async def _serve(
+async def _serve(  # noqa: PLR0913 (run_worker's options, passed on)
     run_id: str,
     queue: str,
     settings: ConnectionSettings | None,

@@ -26,7 +26,6 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollsafe.checkpoint.loop import LoopThread
 from rollsafe.core.config import RestoreLevelName, RunConfig, SamplerName
 from rollsafe.core.ids import GroupId
 from rollsafe.core.phases import (
@@ -56,6 +55,7 @@ from rollsafe.evidence.files import (
     replace_lines,
     write_report,
 )
+from rollsafe.loop_thread import LoopThread
 from rollsafe.reference.rl.controller import Endpoints, ReferenceController
 from rollsafe.reference.rl.lineage import (
     EVICTED,

@@ -38,7 +38,7 @@ class _Process(Protocol):
 
 
 class RunServers:
-    def __init__(
+    def __init__(  # noqa: PLR0913 (the reference run's servers, one keyword each)
         self,
         logs: Path,
         instances: Sequence[str],

@@ -37,7 +37,7 @@ def controller_actor_class() -> Any:
     return ray.remote(Controller)
 
 
-def start_controller_actor(
+def start_controller_actor(  # noqa: PLR0913 (the actor's options, keyword-only)
     run_id: str,
     config: RunConfig,
     snapshot_root: Path | str,
@@ -89,7 +89,16 @@ def start_controller_actor(
         snapshot_cache=cache,
         start_over=start_over,
     )
+    handle.__ray_call__.remote(_configure_telemetry)  # the actor's process is ours to set up
     return handle
+
+
+def _configure_telemetry(_: Controller) -> None:
+    """Run inside the actor (``__ray_call__``): its process's telemetry, as the ``OTEL_*``
+    variables of its runtime environment say (the controller itself never installs any)."""
+    from rollsafe.observability.telemetry import configure_telemetry
+
+    configure_telemetry()
 
 
 def get_controller_actor(run_id: str, namespace: str = NAMESPACE) -> ActorHandle[Controller]:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import logging
 
+from rollsafe.core.gate import GateChange
 from rollsafe.core.phases import Phase, PhaseResult, RestorePlan, RestoreRequest, SnapshotSpec
 from rollsafe.errors import RollsafeError
+from rollsafe.observability import metrics
 
 log = logging.getLogger("rollsafe.checkpoint.controller")
 
@@ -42,6 +44,19 @@ def log_aborted(spec: SnapshotSpec, result: PhaseResult) -> None:
         spec.checkpoint_id,
         result.summary,
         extra=_fields(spec, phase="abort"),
+    )
+
+
+def log_lease_expired(run_id: str, checkpoint_id: str, change: GateChange) -> None:
+    """The admission gate's hook (called once its lock is released): the park window ended
+    by the lease."""
+    metrics.admission_reopened(run_id, change)
+    log.warning(
+        "run %s: checkpoint %s held admission closed past its lease; admission reopened "
+        "by itself and the snapshot is abandoned",
+        run_id,
+        checkpoint_id,
+        extra={"run_id": run_id, "checkpoint_id": checkpoint_id},
     )
 
 

@@ -1,6 +1,6 @@
 """A run's environments and engines in a snapshot's phases and in a restore (docs/design.md
-sections 5 and 6): the work of phases 3-7 and 9 that the controller hands over when the run
-has participants (:class:`ParticipantPhases`, on top of :class:`Participants`).
+sections 5 and 6): the work of phases 3-7 and 9 that the phase handlers
+(rollsafe.checkpoint.phases) hand over when the run has participants.
 
 The run's dispatcher sends ``/episodes/run`` calls on :attr:`Participants.loop` and records
 each in :attr:`Participants.pending` until its reply arrives; this object uses the same loop,
@@ -16,29 +16,25 @@ and staged): what a restore needs to bring the episodes back as attempt n + 1.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollsafe.checkpoint.loop import LoopThread
 from rollsafe.core.ids import EpisodeId, RolloutId
 from rollsafe.core.ledger import Retirement
-from rollsafe.core.phases import Phase, SnapshotSpec
 from rollsafe.core.run_state import (
     Changed,
     EnvironmentsRestored,
-    RestoreEnvironments,
-    RunState,
     unchanged,
 )
 from rollsafe.core.states import RestoreLevel
@@ -63,8 +59,12 @@ from rollsafe.env.fleet_rules import (
 from rollsafe.env.participant import MAX_LEASE_S
 from rollsafe.env.protocol import MAX_RUN_LEASE_S, EpisodeRef, EpisodeResult, RunEpisode, RunLease
 from rollsafe.errors import CheckpointSpent, EnvRefused, InvalidInput, TransientError
+from rollsafe.loop_thread import LoopThread
 from rollsafe.observability import metrics
 from rollsafe.snapshot import SnapshotReader
+
+if TYPE_CHECKING:
+    from rollsafe.settings import ParticipantsSection
 
 RECORD_FILE = "participants.json"
 ENVS_DIR = "envs"
@@ -118,6 +118,8 @@ class ParticipantsRecord(BaseModel):
 @dataclass
 class _Checkpoint:
     prepared: FleetPrepared | None = None
+    renewed_at: float = 0.0  # time.monotonic() of the park lease's last renewal (or prepare)
+    renewing: concurrent.futures.Future[None] | None = None
     stragglers: list[EpisodeRef] = field(default_factory=list)
     cut: StagedCut | None = None
     committed: FleetCommitted | None = None
@@ -198,6 +200,22 @@ class Participants:
         participants.loop.run(participants._keep_lease())
         return participants
 
+    @classmethod
+    def from_section(
+        cls, section: ParticipantsSection, env: Mapping[str, str] | None = None
+    ) -> Participants | None:
+        """Clients of the instances and engines the settings' ``participants:`` section names
+        (None when it names none); tokens from its files or the variables (``env``: instead
+        of os.environ)."""
+        if not section.envs and not section.engines:
+            return None
+        return cls.connect(
+            section.envs,
+            section.engines,
+            env_token=section.env_token(env),
+            engine_token=section.engine_token(env),
+        )
+
     async def _keep_lease(self) -> None:
         """Start renewing the run lease in the background (on :attr:`loop`)."""
         if self.lease is not None:
@@ -277,9 +295,43 @@ class Participants:
         # id forever. Not the run's fault: the next snapshot, under a new id, can.
         with spent_if_resumed(checkpoint_id, "an earlier prepare failed and resumed them"):
             prepared = self.loop.run(self.fleet.prepare_all(checkpoint_id, deadline))
-        self._state(checkpoint_id).prepared = prepared
+        state = self._state(checkpoint_id)
+        state.prepared, state.renewed_at = prepared, time.monotonic()
         _log_prepared(prepared)
         return prepared
+
+    def renew_park(self, checkpoint_id: str) -> concurrent.futures.Future[None] | None:
+        """Extend the park lease of ``checkpoint_id``'s instances to the park deadline from
+        now, in the background: the admission lease's heartbeats call this, so a park window
+        that outlives the park deadline holds while its snapshot's worker lives (once they
+        stop, the lease ends the park by itself). At most one renewal in flight, and one per
+        quarter of the deadline; None when none started (not parked here, or renewed
+        recently). Heartbeats race here harmlessly: at worst two renewals go out."""
+        state = self._checkpoints.get(checkpoint_id)
+        now = time.monotonic()
+        if state is None or state.prepared is None:
+            return None
+        if state.renewing is not None and not state.renewing.done():
+            return None
+        if now - state.renewed_at < self.options.park_deadline_s / 4:
+            return None
+        state.renewed_at = now
+        deadline = time.time() + self.options.park_deadline_s
+        state.renewing = self.loop.submit(self._renew_park(checkpoint_id, deadline))
+        return state.renewing
+
+    async def _renew_park(self, checkpoint_id: str, deadline_ts: float) -> None:
+        try:
+            await self.fleet.renew_all(checkpoint_id, deadline_ts)
+        except Exception as exc:  # the next heartbeat tries again; a lost lease fails commit
+            log.warning(
+                "checkpoint %s: renewing the environments' park lease failed (%s: %s); the "
+                "next heartbeat tries again",
+                checkpoint_id,
+                type(exc).__name__,
+                exc,
+                extra={"checkpoint_id": checkpoint_id},
+            )
 
     def drain(self, checkpoint_id: str, *, wait: bool = True) -> list[EpisodeRef]:
         """Phase 5: wait for the replies on the wire outside the commit scope (O(pending)).
@@ -464,36 +516,34 @@ class Participants:
 
         self.loop.run(undo())
 
-    def restorer(self, restore_id: str) -> tuple[RestoreEnvironments, list[FleetRestored]]:
-        """For ``RunState.restore(environments=...)``: restores the snapshot's committed
-        episodes. The outcomes are appended to the list returned beside it (for
-        :meth:`resume_restored` / :meth:`abandon_restore`). A snapshot taken without
-        participants restores none. If the environments fail, the fleet has already retired
-        every n + 1 attempt and resumed: those rollouts fall back to a restart from scratch
-        (as n + 2) rather than failing the restore (docs/design.md section 6)."""
-        outcomes: list[FleetRestored] = []
-
-        def restore(
-            reader: SnapshotReader, dataplane: DataPlane, changed: Changed
-        ) -> EnvironmentsRestored:
-            if RECORD_FILE not in reader.manifest.files:
-                return EnvironmentsRestored({})
-            record = reader.read_json(RECORD_FILE, ParticipantsRecord)
-            outcome, placement = self.restore(restore_id, reader.path, record, dataplane, changed)
-            outcomes.append(outcome)
-            # A stranded episode (placement.stranded) is in neither: it restarts from scratch.
-            if not outcome.ok:
-                refused = frozenset(_previous(ref) for ref in outcome.restarts)
-                return EnvironmentsRestored(
-                    {}, refused=refused, errors=outcome.errors, lost=placement.lost
-                )
-            return EnvironmentsRestored(
-                {_previous(ref): name for name, refs in outcome.restored.items() for ref in refs},
-                moved=frozenset(to_episode(ref) for ref in placement.moved),
-                lost=placement.lost,
+    def restore_snapshot(
+        self, restore_id: str, reader: SnapshotReader, dataplane: DataPlane, changed: Changed
+    ) -> tuple[EnvironmentsRestored, FleetRestored | None]:
+        """A restore's step between the journal's replay and the restart: the snapshot's
+        committed episodes restored on the instances (their staged prefixes read from
+        ``dataplane``, where the snapshot was just loaded; episodes the journal ``changed``
+        left out). Returns what became of them, and the fleet's outcome (None: a snapshot
+        taken without participants restores none) for :meth:`resume_restored` or
+        :meth:`abandon_restore`. If the environments fail, the fleet has already retired every
+        n + 1 attempt and resumed: those rollouts fall back to a restart from scratch (as
+        n + 2) rather than failing the restore (docs/design.md section 6)."""
+        if RECORD_FILE not in reader.manifest.files:
+            return EnvironmentsRestored({}), None
+        record = reader.read_json(RECORD_FILE, ParticipantsRecord)
+        outcome, placement = self.restore(restore_id, reader.path, record, dataplane, changed)
+        # A stranded episode (placement.stranded) is in neither: it restarts from scratch.
+        if not outcome.ok:
+            refused = frozenset(_previous(ref) for ref in outcome.restarts)
+            failed = EnvironmentsRestored(
+                {}, refused=refused, errors=outcome.errors, lost=placement.lost
             )
-
-        return restore, outcomes
+            return failed, outcome
+        restored = EnvironmentsRestored(
+            {_previous(ref): name for name, refs in outcome.restored.items() for ref in refs},
+            moved=frozenset(to_episode(ref) for ref in placement.moved),
+            lost=placement.lost,
+        )
+        return restored, outcome
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -647,86 +697,3 @@ def spent_if_resumed(checkpoint_id: str, why: str) -> Iterator[None]:
             f"{checkpoint_id}: the instances resumed it ({why}) and now refuse this "
             f"checkpoint id; take the snapshot again ({exc})"
         ) from exc
-
-
-Outcome = tuple[str, dict[str, int]]
-# The summaries of phases 3-7 when the run has no participants.
-NOTHING_TO_DO = {
-    Phase.RETIRE_DROPPED: "no environment instances configured: nothing to retire",
-    Phase.PREPARE_ENVS: "no environment instances configured: nothing to park",
-    Phase.DRAIN: "no environment instances configured: no replies on the wire to wait for",
-    Phase.CUT_GENERATION: "no generation engines configured: nothing to cut",
-    Phase.COMMIT_ENVS: "no environment instances configured: nothing to commit",
-}
-
-
-class ParticipantPhases:
-    """Phases 3-6 as the controller runs them, each returning its result's one-line summary
-    and counts (phase 7, commit, writes into the controller's draft and stays there). What a
-    snapshot holds follows each parked episode's restore level, read from the ledger: only
-    ``prefix`` groups' calls are cut, and only ``turn`` and ``prefix`` groups' episodes
-    committed."""
-
-    def __init__(
-        self,
-        participants: Participants,
-        barrier: threading.Lock,
-        state: Callable[[], RunState],
-    ) -> None:
-        self.participants = participants
-        self.barrier = barrier  # the controller's: held for every read of the run state
-        self.state = state  # the current one (a restore replaces it)
-
-    def run(self, spec: SnapshotSpec, phase: Phase) -> Outcome:
-        cid = spec.checkpoint_id
-        if phase is Phase.RETIRE_DROPPED:
-            return self.retire_dropped()
-        if phase is Phase.PREPARE_ENVS:
-            prepared = self.participants.prepare(cid)
-            parked = sum(len(i.parked) for i in prepared.instances.values())
-            restarts = sum(len(i.restarts) for i in prepared.instances.values())
-            summary = f"{len(prepared.instances)} instances parked {parked} episodes"
-            return f"{summary}, {restarts} to restart", {"parked": parked}
-        if phase is Phase.DRAIN:
-            # With the journal a reply that lands after the capture is sealed into it, and a
-            # restore replays it: waiting for it would only lengthen the park window.
-            journaled = self.state().journal is not None
-            stragglers = self.participants.drain(cid, wait=not journaled)
-            summary = (
-                f"{len(stragglers)} replies on the wire, not waited for (they seal into the "
-                "journal)"
-                if journaled
-                else f"{len(stragglers)} replies still out after the drain (restarted)"
-            )
-            return summary, {"stragglers": len(stragglers)}
-        if phase is Phase.CUT_GENERATION:
-            return self.cut(spec)
-        raise ValueError(f"{phase} is not a participant phase run here")
-
-    def retire_dropped(self) -> Outcome:
-        with self.barrier:
-            retirements = self.state().ledger.retirements()
-        count = self.participants.retire(retirements)
-        with self.barrier:
-            self.state().ledger.mark_retired(r.episode for r in retirements)
-        return f"{count} abandoned attempts retired", {}
-
-    def cut(self, spec: SnapshotSpec) -> Outcome:
-        dataplane = self.state().dataplane
-        cut = self.participants.cut(spec.checkpoint_id, dataplane, self.level_of)
-        metrics.record_cut(spec.run_id, cut)
-        outcomes = metrics.cut_outcomes(cut)
-        summary = (
-            f"{outcomes['cut']} calls cut and staged, {outcomes['skipped']} skipped "
-            f"(finished, not started, or a coarser restore level), {outcomes['failed']} "
-            "could not be cut (turn level)"
-        )
-        return summary, outcomes
-
-    def level_of(self, ref: EpisodeRef) -> RestoreLevel:
-        """The restore level of a parked episode's group; an episode of a group the ledger
-        does not hold is kept whole (the restore then names it as not owned by the run)."""
-        idx = to_episode(ref).rollout.group.idx
-        with self.barrier:
-            ledger = self.state().ledger
-            return ledger.level(idx) if idx in ledger else RestoreLevel.PREFIX

@@ -70,7 +70,10 @@ def main_options(
         ),
     ] = False,
 ) -> None:
-    """Options before any command."""
+    """Options before any command; the command's telemetry, as the OTEL_* variables say."""
+    from rollsafe.observability.telemetry import configure_telemetry
+
+    configure_telemetry()
 
 
 @scenario_app.command("run", epilog=EXIT_CODES)

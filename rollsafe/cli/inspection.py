@@ -246,7 +246,7 @@ async def _failure_of(client: Client, workflow_id: str) -> str | None:
     return None
 
 
-def render(view: RunView) -> str:
+def render(view: RunView) -> str:  # noqa: C901, PLR0912 (one branch per section, in order)
     """A few lines for a terminal."""
     lines = [f"run {view.run_id}: supervisor {view.supervisor}"]
     if view.supervisor_failure:

@@ -73,6 +73,10 @@ class CapturedState:
             index=(in_key_order(index[0]), index[1]),
         )
 
+    def sealed(self) -> int:
+        """How many rollouts the captured ledger holds sealed (no data plane call)."""
+        return int(np.count_nonzero(self.ledger[0]["state"] == int(AttemptState.SEALED)))
+
     def sealed_keys(self) -> list[str]:
         """The data-plane key of every sealed rollout in the captured ledger."""
         ledger = self.ledger[0]

@@ -42,7 +42,9 @@ _KEEP_EXPIRED = 64
 _EXPIRY_RECHECK_S = 0.01  # checkpoint ids whose lease expired, remembered for their late phases
 
 Clock = Callable[[], float]
-OnExpired = Callable[[str], None]  # called (under the gate's lock) with the expired holder
+# Called with the expired holder and its change (held_s: how long it held the gate), after
+# the gate's lock is released: a hook that logs or records a metric never holds up admission.
+OnExpired = Callable[[str, "GateChange"], None]
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class GateChange:
 
     changed: bool
     detail: str
+    # A reopening (by the holder or by its lease): how long the gate was closed, by its clock.
+    held_s: float | None = None
 
 
 class GateCounters(BaseModel):
@@ -73,6 +77,8 @@ class AdmissionGate:
         self._holder: str | None = None
         self._lease_s = ADMISSION_LEASE_S
         self._deadline = 0.0  # clock time the holder's lease runs out
+        self._closed_at = 0.0  # clock time the holder closed the gate
+        self._to_notify: list[tuple[str, GateChange]] = []  # expiries the hook has not seen
         self._expired: OrderedDict[str, float] = OrderedDict()  # checkpoint -> lease seconds
         self._closes = 0
         self._opens = 0
@@ -82,15 +88,13 @@ class AdmissionGate:
 
     @property
     def is_open(self) -> bool:
-        with self._lock:
-            self._expire_if_due()
+        with self._locked():
             return self._holder is None
 
     @property
     def holder(self) -> str | None:
         """The checkpoint holding the gate closed, or None when it is open."""
-        with self._lock:
-            self._expire_if_due()
+        with self._locked():
             return self._holder
 
     def close(self, checkpoint_id: str, lease_s: float = ADMISSION_LEASE_S) -> GateChange:
@@ -98,22 +102,21 @@ class AdmissionGate:
         _check_id(checkpoint_id)
         if not lease_s > 0:
             raise InvalidInput(f"admission lease must be > 0 seconds, got {lease_s!r}")
-        with self._lock:
-            self._expire_if_due()
+        with self._locked():
             if self._holder == checkpoint_id:
                 return GateChange(False, f"already closed by {checkpoint_id}")
             if self._holder is not None:
                 raise GateHeld(self._holder, checkpoint_id)
             self._holder, self._lease_s = checkpoint_id, lease_s
-            self._deadline = self._clock() + lease_s
+            self._closed_at = self._clock()
+            self._deadline = self._closed_at + lease_s
             self._closes += 1
             return GateChange(True, f"closed by {checkpoint_id} (lease {lease_s:g} s)")
 
     def renew(self, checkpoint_id: str) -> bool:
         """Extend the holder's lease by its length from now. False (and nothing changes)
         when ``checkpoint_id`` does not hold the gate: not closed yet, reopened, or expired."""
-        with self._lock:
-            self._expire_if_due()
+        with self._locked():
             if self._holder != checkpoint_id:
                 return False
             self._deadline = self._clock() + self._lease_s
@@ -122,20 +125,19 @@ class AdmissionGate:
     def expired(self, checkpoint_id: str) -> float | None:
         """The lease in seconds if ``checkpoint_id``'s lease ran out before it reopened the
         gate (so its snapshot may not go on), else None."""
-        with self._lock:
-            self._expire_if_due()
+        with self._locked():
             return self._expired.get(checkpoint_id)
 
     def open(self, checkpoint_id: str) -> GateChange:
         """Reopen the gate if ``checkpoint_id`` holds it; otherwise a no-op that says why."""
         _check_id(checkpoint_id)
-        with self._lock:
-            self._expire_if_due()
+        with self._locked():
             if self._holder == checkpoint_id:
                 self._holder = None
                 self._opens += 1
                 self._reopened.notify_all()
-                return GateChange(True, f"reopened by {checkpoint_id}")
+                held_s = self._clock() - self._closed_at
+                return GateChange(True, f"reopened by {checkpoint_id}", held_s)
             if checkpoint_id in self._expired:
                 lease = self._expired[checkpoint_id]
                 detail = f"already reopened by itself: {checkpoint_id}'s {lease:g} s lease expired"
@@ -149,22 +151,24 @@ class AdmissionGate:
         open. Woken by :meth:`open` itself; a waiter also wakes when the holder's lease is due,
         so an expiry reopens it without any other call on the gate."""
         deadline = time.monotonic() + timeout_s
-        with self._reopened:
-            while True:
-                self._expire_if_due()
-                remaining = deadline - time.monotonic()
-                if self._holder is None or remaining <= 0:
-                    return self._holder is None
-                until_expiry = max(self._deadline - self._clock(), _EXPIRY_RECHECK_S)
-                self._reopened.wait(min(remaining, until_expiry))
+        try:
+            with self._reopened:
+                while True:
+                    self._expire_if_due()
+                    remaining = deadline - time.monotonic()
+                    if self._holder is None or remaining <= 0:
+                        return self._holder is None
+                    until_expiry = max(self._deadline - self._clock(), _EXPIRY_RECHECK_S)
+                    self._reopened.wait(min(remaining, until_expiry))
+        finally:
+            self._notify_expired()
 
     @contextmanager
     def admission(self) -> Iterator[bool]:
         """Yield whether a dispatch may pass, holding the gate's lock for the block so the
         caller records the dispatch before any ``close`` can complete. Keep the block short:
         ``close`` waits for it."""
-        with self._lock:
-            self._expire_if_due()
+        with self._locked():
             admitted = self._holder is None
             if admitted:
                 self._admitted += 1
@@ -178,8 +182,7 @@ class AdmissionGate:
             return admitted
 
     def counters(self) -> GateCounters:
-        with self._lock:
-            self._expire_if_due()
+        with self._locked():
             return GateCounters(
                 closes=self._closes,
                 opens=self._opens,
@@ -188,10 +191,21 @@ class AdmissionGate:
                 refused=self._refused,
             )
 
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The gate's lock, with a lease that ran out noticed first, and the expiry hook
+        called once the lock is released."""
+        try:
+            with self._lock:
+                self._expire_if_due()
+                yield
+        finally:
+            self._notify_expired()
+
     def _expire_if_due(self) -> None:
         """Reopen the gate if the holder's lease ran out (called with the lock held)."""
-        holder = self._holder
-        if holder is None or self._clock() < self._deadline:
+        holder, now = self._holder, self._clock()
+        if holder is None or now < self._deadline:
             return
         self._holder = None
         self._expiries += 1
@@ -199,7 +213,17 @@ class AdmissionGate:
         while len(self._expired) > _KEEP_EXPIRED:
             self._expired.popitem(last=False)
         if self._on_expired is not None:
-            self._on_expired(holder)
+            change = GateChange(True, "lease expired", self._deadline - self._closed_at)
+            self._to_notify.append((holder, change))
+
+    def _notify_expired(self) -> None:
+        hook = self._on_expired
+        if hook is None:
+            return
+        with self._lock:
+            due, self._to_notify = self._to_notify, []
+        for holder, change in due:
+            hook(holder, change)
 
 
 def _check_id(checkpoint_id: str) -> None:

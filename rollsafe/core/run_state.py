@@ -14,7 +14,7 @@ group's restart rule and returns a :class:`RestorePlan` saying what is owed and 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rollsafe.core.buffer import ReplayIndex, make_sampler
@@ -110,9 +110,6 @@ class EnvironmentsRestored:
 
 # Whether the journal changed an episode's rollout after the snapshot (Replay.changed).
 Changed = Callable[[EpisodeId], bool]
-# Restores a snapshot's environment episodes, given the snapshot, the data plane it was just
-# loaded into (the staged prefixes are read from it) and the episodes the journal changed.
-RestoreEnvironments = Callable[[SnapshotReader, DataPlane, Changed], EnvironmentsRestored]
 # Brings a restored snapshot's state forward by the journal after it and attaches the journal
 # the run goes on appending to (rollsafe.journal.run.RunJournal.replayer).
 ReplayJournal = Callable[["RunState", SnapshotReader], "Replay"]
@@ -208,12 +205,24 @@ class RunState:
         return episode
 
     def seal(self, idx: int, i: int, attempt: int, row: Row) -> bool:
-        """Commit a finished rollout's row. False when this exact seal was already applied."""
+        """Commit a finished rollout's row. False when this exact seal was already applied.
+        In three steps a caller may split (the controller puts the row outside its barrier):
+        :meth:`check_seal`, the data plane's put, :meth:`mark_sealed`."""
         digest = row_digest(row)
-        if not self.ledger.check_seal(idx, i, attempt, digest):
+        if not self.check_seal(idx, i, attempt, digest):
             return False
         self.dataplane.put(ROLLOUT_PARTITION, {self.row_key(idx, i): row})
-        self.ledger.seal(idx, i, attempt, digest)
+        return self.mark_sealed(idx, i, attempt, row, digest)
+
+    def check_seal(self, idx: int, i: int, attempt: int, digest: bytes) -> bool:
+        """Would this seal apply? False when it already did; raises when it cannot."""
+        return self.ledger.check_seal(idx, i, attempt, digest)
+
+    def mark_sealed(self, idx: int, i: int, attempt: int, row: Row, digest: bytes) -> bool:
+        """The rollout's row is in the data plane: seal it in the ledger and the index and
+        journal it. False when this exact seal was already applied."""
+        if not self.ledger.seal(idx, i, attempt, digest):
+            return False
         self.index.set_sealed(idx, len(self.ledger.sealed(idx)))
         meta = {"group": int(idx), "sibling": int(i), "attempt": int(attempt)}
         self._log(RecordKind.SEAL, meta, row)
@@ -320,14 +329,14 @@ class RunState:
 
     def take_capture(self) -> Capture:
         """Take what a snapshot needs: views of the columns (copied on the run's next write)
-        and the data plane's row count; nothing else, so the caller's barrier (which keeps
-        writers out meanwhile) does not grow with the run. From here until
+        and their counts; no data plane call, so the caller's barrier (which keeps writers out
+        meanwhile) does not grow with the run or wait on a remote store. From here until
         :meth:`release_capture`, rows the run drops stay in the data plane, so the capture's
         rows can be written later; :meth:`write_capture` checks that they all agree."""
         if self._held_deletes is not None:
             raise InvalidInput("a capture is taken and not written yet: one at a time")
         state = self.capture()
-        counts = {**state.counts(), "sealed_rollouts": self.dataplane.count(ROLLOUT_PARTITION)}
+        counts = {**state.counts(), "sealed_rollouts": state.sealed()}
         journal_id = None
         if self.journal is not None:  # the records this snapshot covers (docs/journal.md)
             counts[JOURNAL_POSITION] = self.journal.last_id
@@ -337,17 +346,19 @@ class RunState:
 
     def write_capture(self, draft: SnapshotDraft, capture: Capture) -> Captured:
         """Write ``capture`` into ``draft``: its state files in key order, once the ledger,
-        the index and the rows counted at the capture agree (else LedgerInvariantViolation,
-        and nothing is published); then the data plane's rows of its sealed rollouts (rows
-        sealed since are left out; rows dropped since are still there) and every row of the
-        other partitions (the staged prefixes). Needs no barrier: it reads the capture's views
+        the index and the data plane's rows of its sealed rollouts agree (else
+        LedgerInvariantViolation, and nothing is published); then those rows (rows sealed
+        since are left out; rows dropped since are still there) and every row of the other
+        partitions (the staged prefixes). Needs no barrier: it reads the capture's views
         and rows the run cannot delete before :meth:`release_capture`, which the caller runs
         afterwards, whatever happened."""
         state = capture.state.in_key_order()
-        check_agreement(state, capture.counts["sealed_rollouts"])
+        sealed = state.sealed_keys()
+        listed = set(self.dataplane.list(ROLLOUT_PARTITION))  # after resume: off the park
+        check_agreement(state, sum(key in listed for key in sealed))
         state.write(draft)
         fault_point(CAPTURE_MID)
-        keys = {ROLLOUT_PARTITION: state.sealed_keys()}
+        keys = {ROLLOUT_PARTITION: sealed}
         exported = self.dataplane.export(draft.path / "dataplane", keys)
         draft.write_json("dataplane.json", exported)
         draft.record_hashed(
@@ -400,34 +411,33 @@ class RunState:
         config: RunConfig,
         store: SnapshotStore,
         dataplane: DataPlane,
-        restored_episodes: Mapping[EpisodeId, str] | None = None,
         accept: Callable[[SnapshotManifest], str | None] | None = None,
-        environments: RestoreEnvironments | None = None,
+        environments: EnvironmentsRestored | None = None,
         journal: ReplayJournal | None = None,
     ) -> tuple[RunState, RestorePlan]:
-        """Restore from the newest snapshot that verifies into ``dataplane`` (empty).
+        """Restore from the newest snapshot that verifies into ``dataplane`` (empty): load it
+        (:meth:`load_newest`), replay ``journal`` after it, restart (:meth:`restart_from`).
+        ``environments``: what the run's environments restored (a controller restores them
+        between the replay and the restart: rollsafe.checkpoint.restore). The new state is
+        returned only if every check passed; on any error the snapshot directory is unchanged
+        and ``dataplane`` (which may hold imported rows) is discarded by the caller."""
+        state, reader = cls.load_newest(config, store, dataplane, accept)
+        replayed = journal(state, reader) if journal is not None else None
+        restored = environments if environments is not None else EnvironmentsRestored({})
+        return state, state.restart_from(reader, restored, replayed)
 
-        ``restored_episodes`` maps each episode an environment restored to its instance;
-        ``environments`` restores them itself (``rollsafe.checkpoint.participants``) once the
-        rows verified and ``journal`` (if given) replayed the journal after the snapshot.
-        The new controller is returned only if every check passed; on any error the snapshot
-        directory is unchanged and ``dataplane`` (which may hold imported rows) is discarded
-        by the caller.
-        """
-        controller, reader = cls._load_newest(config, store, dataplane, accept)
-        replayed = journal(controller, reader) if journal is not None else None
-        changed = replayed.changed if replayed is not None else unchanged
-        envs = EnvironmentsRestored(dict(restored_episodes or {}))
-        if environments is not None:  # after the rows verified: the envs need their prefixes
-            envs = environments(reader, controller.dataplane, changed)
-            envs = replace(envs, episodes={**(restored_episodes or {}), **envs.episodes})
-        released, partial = controller.restart(envs)
-        if replayed is not None:  # replaying this restore later must decide the same
-            controller._log(RecordKind.RESTART, _restart_meta(envs, replayed.rolled_back))
-        return controller, controller._plan(reader, envs, released, partial)
+    def restart_from(
+        self, reader: SnapshotReader, envs: EnvironmentsRestored, replayed: Replay | None
+    ) -> RestorePlan:
+        """A restore's last step: :meth:`restart`, journaled when the journal was replayed
+        (replaying this restore later must decide the same), and the plan."""
+        released, partial = self.restart(envs)
+        if replayed is not None:
+            self._log(RecordKind.RESTART, _restart_meta(envs, replayed.rolled_back))
+        return self._plan(reader, envs, released, partial)
 
     @classmethod
-    def _load_newest(
+    def load_newest(
         cls,
         config: RunConfig,
         store: SnapshotStore,

@@ -125,7 +125,7 @@ class _Server(uvicorn.Server):
         log.info("environment instance %s stopped", self.instance)
 
 
-async def serve(
+async def serve(  # noqa: PLR0913 (the serve command's options, passed on)
     hooks: EnvironmentHooks,
     *,
     host: str,

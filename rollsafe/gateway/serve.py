@@ -102,7 +102,7 @@ class _Server(uvicorn.Server):
                 log.info("%s", line)
 
 
-async def serve(
+async def serve(  # noqa: PLR0913 (the serve command's options, passed on)
     hooks: GatewayHooks,
     *,
     host: str,

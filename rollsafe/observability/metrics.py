@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -64,11 +63,9 @@ SECONDS_BUCKETS: tuple[float, ...] = (
     *(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
     *(1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0),
 )
-_KEEP_PARKS = 64  # closed gates remembered; more means reopens were lost (process restarts)
 
 _lock = threading.Lock()
 _configured = False
-_parks: OrderedDict[tuple[str, str], float] = OrderedDict()  # (run, checkpoint) -> closed at
 
 # Instruments from the API's global meter: no-ops until a provider is installed, then they
 # delegate to it (instruments made before the provider are proxies that pick it up).
@@ -197,25 +194,11 @@ def temporal_runtime() -> Runtime | None:
 # ---- recording (called by the controller) -----------------------------------------------
 
 
-def admission_closed(run_id: str, checkpoint_id: str, change: GateChange) -> None:
-    """The park window starts (only when this call really closed the gate)."""
-    if not change.changed:
-        return
-    with _lock:
-        _parks[(run_id, checkpoint_id)] = time.monotonic()
-        _parks.move_to_end((run_id, checkpoint_id))
-        while len(_parks) > _KEEP_PARKS:
-            _parks.popitem(last=False)
-
-
-def admission_reopened(run_id: str, checkpoint_id: str, change: GateChange) -> None:
-    """The park window ends: record it (resume or abort; only when the gate really reopened)."""
-    if not change.changed:
-        return
-    with _lock:
-        closed_at = _parks.pop((run_id, checkpoint_id), None)
-    if closed_at is not None:  # None: closed by an earlier process (the gate was new here)
-        record_park(run_id, time.monotonic() - closed_at)
+def admission_reopened(run_id: str, change: GateChange) -> None:
+    """The park window ended (resume, abort or its lease): record how long it lasted, by the
+    gate's own clock; nothing when the gate did not really reopen here."""
+    if change.changed and change.held_s is not None:
+        record_park(run_id, change.held_s)
 
 
 def record_park(run_id: str, seconds: float) -> None:

@@ -111,7 +111,7 @@ class DevServer:
     state dir is refused instead of failing on a locked database.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (the dev server's flags, keyword-only)
         self,
         state_dir: Path,
         *,

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from rollsafe.checkpoint.loop import LoopThread
 from rollsafe.checkpoint.participants import ParticipantOptions, Participants
 from rollsafe.dataplane import make_dataplane
 from rollsafe.engine.http import EngineClient
@@ -28,6 +27,7 @@ from rollsafe.env.protocol import EpisodeRef, ParkedEpisode
 from rollsafe.errors import TransientError
 from rollsafe.http.bearer import ENGINE_TOKEN_ENV, ENV_TOKEN_ENV
 from rollsafe.http.served import ENV_BANNER, start_served
+from rollsafe.loop_thread import LoopThread
 
 pytestmark = pytest.mark.timeout(120)
 

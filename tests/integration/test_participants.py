@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 
 from rollsafe.checkpoint.controller import Controller
-from rollsafe.checkpoint.loop import LoopThread
 from rollsafe.checkpoint.participants import (
     RECORD_FILE,
     ParticipantOptions,
@@ -53,6 +52,7 @@ from rollsafe.errors import EnvUnavailable
 from rollsafe.faults import ENV_VAR as FAULT_ENV
 from rollsafe.http.bearer import ENGINE_TOKEN_ENV, ENV_TOKEN_ENV
 from rollsafe.http.served import ENGINE_BANNER, ENV_BANNER, ServedProcess, start_served
+from rollsafe.loop_thread import LoopThread
 from rollsafe.testing.waiting import eventually, eventually_async
 
 RUN = "with-envs"

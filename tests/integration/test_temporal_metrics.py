@@ -73,6 +73,11 @@ SCRIPT = textwrap.dedent(
     from rollsafe.workflows.snapshot import RolloutSnapshot
 
     async def main(root: Path) -> None:
+        # A program that embeds a controller asks for rollsafe's providers (docs/operations.md,
+        # "Traces and metrics"): the controller itself never installs one.
+        from rollsafe import configure_telemetry
+
+        assert configure_telemetry().metrics
         async with DevServer(root / "temporal") as dev:
             client = await connect(dev.settings())
             assert client.service_client.config.runtime is temporal_runtime() is not None

@@ -11,7 +11,7 @@ import rollsafe.snapshot._fs as fs_module
 import rollsafe.snapshot.select as select_module
 from rollsafe.core.config import RunConfig
 from rollsafe.core.ids import snapshot_dir_name
-from rollsafe.core.run_state import ROLLOUT_PARTITION, RunState
+from rollsafe.core.run_state import ROLLOUT_PARTITION, EnvironmentsRestored, RunState
 from rollsafe.core.states import AttemptState, GroupState
 from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import (
@@ -235,7 +235,10 @@ def test_turn_level_restore_resumes_on_the_same_instance(tmp_path):
     episode = run.dispatch(0, 1, owner="env-2")
     run.checkpoint(store, "ck-1")
     restored, plan = RunState.restore(
-        config(restore_level="turn"), store, make_dataplane("memory"), {episode: "env-2"}
+        config(restore_level="turn"),
+        store,
+        make_dataplane("memory"),
+        environments=EnvironmentsRestored({episode: "env-2"}),
     )
     assert plan.partial[0].model_dump() == {"restored": [0], "resumed": [1], "regenerate": []}
     assert restored.dispatch(0, 1, owner="env-2").key == "ctl-0_g1-a1"
@@ -247,7 +250,10 @@ def test_restored_episode_the_run_does_not_own_is_refused(tmp_path):
     stranger = RunState(config(), make_dataplane("memory")).ledger.rollout_id(9, 0).episode(0)
     with pytest.raises(LedgerInvariantViolation, match="not owned"):
         RunState.restore(
-            config(restore_level="turn"), store, make_dataplane("memory"), {stranger: "env-1"}
+            config(restore_level="turn"),
+            store,
+            make_dataplane("memory"),
+            environments=EnvironmentsRestored({stranger: "env-1"}),
         )
 
 

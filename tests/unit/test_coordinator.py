@@ -13,6 +13,7 @@ from rollsafe.core.phases import PHASES, Phase, PhaseRequest, SnapshotSpec
 from rollsafe.core.run_state import ROLLOUT_PARTITION, RunState
 from rollsafe.core.states import AttemptState
 from rollsafe.dataplane import make_dataplane
+from rollsafe.dataplane.memory import MemoryDataPlane
 from rollsafe.errors import (
     CheckpointRefused,
     EnvUnavailable,
@@ -420,3 +421,30 @@ def test_admission_reopens_even_when_the_environments_cannot_be_resumed(tmp_path
     assert flaky.resumes == [SPEC.checkpoint_id] * 2
     ops.abort(SnapshotSpec(run_id=RUN, seq=2))
     assert flaky.resumes[-1] == SnapshotSpec(run_id=RUN, seq=2).checkpoint_id
+
+
+class ListingDataPlane(MemoryDataPlane):
+    """A memory data plane that counts the calls whose cost grows with its rows (a remote
+    listing, for TransferQueue)."""
+
+    listings = 0
+
+    def list(self, partition: str) -> list[str]:
+        self.listings += 1
+        return super().list(partition)
+
+    def count(self, partition: str) -> int:
+        self.listings += 1
+        return super().count(partition)
+
+
+def test_the_park_window_never_lists_the_data_plane(tmp_path):
+    """The capture counts sealed rollouts from the ledger; the rows are checked against the
+    data plane after resume, in publish."""
+    dataplane = ListingDataPlane()
+    ops = busy(Controller.from_parts(RunState(config(), dataplane), SnapshotStore(tmp_path, RUN)))
+    for phase in PHASES[: PHASES.index(Phase.RESUME) + 1]:
+        result = run(ops, phase)
+    assert dataplane.listings == 0 and result.phase is Phase.RESUME
+    assert run(ops, Phase.PUBLISH).counts["sealed_rollouts"] == 5
+    assert dataplane.listings >= 1  # the agreement check, off the park window

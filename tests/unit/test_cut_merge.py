@@ -7,7 +7,6 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from rollsafe.checkpoint.loop import LoopThread
 from rollsafe.checkpoint.participants import ParticipantOptions, Participants, merge_cuts
 from rollsafe.dataplane import make_dataplane
 from rollsafe.engine.protocol import (
@@ -22,6 +21,7 @@ from rollsafe.engine.staging import StagedCut, load_prefixes
 from rollsafe.env.fleet_rules import FleetPrepared, InstanceInventory
 from rollsafe.env.protocol import EpisodeRef, ParkedEpisode
 from rollsafe.errors import EngineUnavailable
+from rollsafe.loop_thread import LoopThread
 
 
 def cut(staged: dict[str, int], **reasons: str) -> StagedCut:

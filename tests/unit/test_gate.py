@@ -105,7 +105,7 @@ class FakeClock:
 
 def test_a_lease_not_renewed_reopens_the_gate_by_itself():
     clock, expired = FakeClock(), []
-    gate = AdmissionGate(clock, on_expired=expired.append)
+    gate = AdmissionGate(clock, on_expired=lambda holder, _: expired.append(holder))
     assert "lease 10 s" in gate.close("ck-1", lease_s=10).detail
     clock.now += 9.9
     assert not gate.admit() and gate.holder == "ck-1" and gate.expired("ck-1") is None
@@ -134,7 +134,7 @@ def test_renewals_keep_the_gate_closed_and_stop_once_it_expired():
 
 def test_after_an_expiry_the_next_checkpoint_closes_the_gate():
     clock, expired = FakeClock(), []
-    gate = AdmissionGate(clock, on_expired=expired.append)
+    gate = AdmissionGate(clock, on_expired=lambda holder, _: expired.append(holder))
     gate.close("ck-1", lease_s=5)
     clock.now += 5
     assert gate.close("ck-2", lease_s=5).changed  # ck-1's lease was noticed first
@@ -176,3 +176,27 @@ def test_wait_open_sees_the_lease_run_out_without_another_call():
     clock.now += 6  # the lease is due: the waiter notices it by itself
     assert gate.wait_open(60) is True
     assert gate.expired("ck-1") == 5
+
+
+def test_the_expiry_hook_runs_outside_the_gates_lock_and_is_told_how_long_it_held():
+    """The hook logs and records a metric: it may read the gate (under the lock this would
+    deadlock) and never holds up admission."""
+    clock, seen = FakeClock(), []
+    gate = AdmissionGate(
+        clock, on_expired=lambda holder, change: seen.append((holder, change.held_s, gate.is_open))
+    )
+    gate.close("ck-1", lease_s=5)
+    clock.now += 2
+    assert gate.renew("ck-1")
+    clock.now += 5
+    assert gate.admit()
+    assert seen == [("ck-1", 7.0, True)]
+
+
+def test_a_reopening_says_how_long_the_gate_was_closed():
+    clock = FakeClock()
+    gate = AdmissionGate(clock)
+    gate.close("ck-1", lease_s=10)
+    clock.now += 3.5
+    assert gate.open("ck-1").held_s == 3.5
+    assert gate.open("ck-1").held_s is None  # a repeat reopens nothing

@@ -169,7 +169,7 @@ def _ray_resources(where: str, params: Any) -> list[str]:
     return []
 
 
-def raycluster_errors(doc: Doc, version: str) -> list[str]:
+def raycluster_errors(doc: Doc, version: str) -> list[str]:  # noqa: C901, PLR0912 (one check per schema rule)
     """The structural check of a RayCluster (no CRD schema available offline)."""
     errors: list[str] = []
     if doc.get("apiVersion") != RAY_API or doc.get("kind") != "RayCluster":

@@ -156,7 +156,7 @@ def test_a_restore_that_moved_an_episode_off_a_lost_instance_replays_the_same_wa
     run.journal = RunJournal.for_store(run.store, flush_ms=None)
     run.state, plan = RunState.restore(
         turn, run.store, make_dataplane("memory"),
-        environments=lambda *_: moved, journal=run.journal.replayer(None),
+        environments=moved, journal=run.journal.replayer(None),
     )  # fmt: skip
     run.journal.resume()
     assert plan.partial[0].resumed == [1] and plan.environments_lost == {"w-lost": "gone"}
@@ -331,11 +331,8 @@ class FailingEnvironments:
     def instance_for(self, placement: int) -> str:
         return "w0"
 
-    def restorer(self, restore_id: str):
-        def restore(reader, dataplane, changed):
-            raise LedgerInvariantViolation("w0 restored an episode the run does not own")
-
-        return restore, []
+    def restore_snapshot(self, restore_id: str, reader, dataplane, changed):
+        raise LedgerInvariantViolation("w0 restored an episode the run does not own")
 
 
 def test_a_restore_failing_after_the_replay_writes_nothing(tmp_path):

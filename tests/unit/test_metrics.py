@@ -254,9 +254,9 @@ class FakeParticipants:
     def resume(self, checkpoint_id: str) -> str:
         return "1 instance resumed"
 
-    def restorer(self, restore_id: str):
+    def restore_snapshot(self, restore_id: str, reader, dataplane, changed):
         episode = EpisodeId(GroupId(self.run_id, 2).rollout(1), 0)
-        return (lambda reader, dataplane, changed: EnvironmentsRestored({episode: "w0"})), []
+        return EnvironmentsRestored({episode: "w0"}), None
 
 
 def test_participant_phases_record_cuts_drain_and_resumed_rollouts(tmp_path):

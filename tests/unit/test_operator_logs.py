@@ -20,7 +20,6 @@ from temporalio.testing import ActivityEnvironment
 from rollsafe.activities.snapshot import SnapshotActivities
 from rollsafe.checkpoint import participants as participants_module
 from rollsafe.checkpoint.controller import Controller
-from rollsafe.checkpoint.loop import LoopThread
 from rollsafe.checkpoint.participants import ParticipantOptions, Participants
 from rollsafe.core.config import RunConfig
 from rollsafe.core.phases import (
@@ -51,6 +50,7 @@ from rollsafe.errors import (
 )
 from rollsafe.evidence.scenario import row_content
 from rollsafe.faults import ENV_VAR, arm, disarm_all
+from rollsafe.loop_thread import LoopThread
 
 TOKEN = "secret-bearer-token"
 

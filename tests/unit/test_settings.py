@@ -213,3 +213,22 @@ def test_the_admission_lease_must_outlast_a_takeover(field: str) -> None:
             **{"heartbeat_timeout_s": 1, "task_timeout_s": 1, field: 5}, admission_lease_s=5
         )
     assert PhaseOptions(admission_lease_s=5.5, heartbeat_timeout_s=5, task_timeout_s=5)
+
+
+def test_the_constructor_resolves_as_load_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Settings(...)`` and ``Settings.load(...)``: the same sources in the same order
+    (keywords or mapping, then the environment, then ROLLSAFE_CONFIG's file)."""
+    path = tmp_path / "train.yaml"
+    path.write_text(NEMO_STYLE)
+    monkeypatch.setenv("ROLLSAFE_CONFIG", str(path))
+    monkeypatch.setenv("ROLLSAFE_SNAPSHOTS__INTERVAL_S", "30")
+    built = Settings(run_id="from-mapping")
+    loaded = Settings.load({"run_id": "from-mapping"})
+    assert built.model_dump() == loaded.model_dump()  # (load also records the origins)
+    assert (built.run_id, built.snapshots.interval_s, built.run.group_size) == (
+        "from-mapping",
+        30,
+        8,
+    )

@@ -4,12 +4,14 @@ clients.
 The controller's checkpoint phases are synchronous (Ray runs actor calls on threads), while the
 environment and engine clients are asyncio (httpx), and an httpx client must stay on the loop
 it was created on. So the controller's participants live on one long-lived loop, and each phase
-hands it a coroutine and waits.
+hands it a coroutine and waits; the synchronous SDK (rollsafe.client's SyncCheckpointer) drives
+its asynchronous twin the same way. Neutral ground: no rollsafe import.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -43,6 +45,10 @@ class LoopThread:
         except TimeoutError:
             future.cancel()
             raise
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coroutine`` on the loop without waiting for it."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
 
     def close(self) -> None:
         """Stop the loop after the work already handed to it; idempotent."""

@@ -1,0 +1,110 @@
+"""The ten phases of a rollout snapshot (docs/design.md section 5), one module each, named
+after its phase; :data:`HANDLERS` maps each :class:`~rollsafe.core.phases.Phase` to its handler,
+and the checkpoint activities (rollsafe.activities.snapshot) are registered under the same
+names.
+
+:func:`run_once` is the one entry point: the phase ledger answers a repeated call with the
+stored result; else :func:`run_handler` runs what every phase shares (the admission lease
+checked, resume aside; for a phase that runs while admission is closed, the open draft required
+and the lease renewed) and then the phase's handler, between the ``phase.<name>.before`` and
+``.after`` fault points.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+
+from rollsafe.checkpoint.outcomes import log_aborted, log_phase, log_phase_failure
+from rollsafe.checkpoint.phase_ledger import ABORT
+from rollsafe.checkpoint.phases.capture import capture
+from rollsafe.checkpoint.phases.close_admission import close_admission
+from rollsafe.checkpoint.phases.commit_envs import commit_envs
+from rollsafe.checkpoint.phases.context import PhaseContext
+from rollsafe.checkpoint.phases.cut_generation import cut_generation
+from rollsafe.checkpoint.phases.drain import drain
+from rollsafe.checkpoint.phases.open import open_draft
+from rollsafe.checkpoint.phases.prepare_envs import prepare_envs
+from rollsafe.checkpoint.phases.publish import publish
+from rollsafe.checkpoint.phases.resume import abort, resume
+from rollsafe.checkpoint.phases.retire_dropped import retire_dropped
+from rollsafe.core.phases import Phase, PhaseResult, holds_admission
+from rollsafe.errors import AdmissionLeaseExpired
+from rollsafe.faults import fault_point
+from rollsafe.observability import metrics
+
+__all__ = ["HANDLERS", "PhaseContext", "abort_once", "run_once"]
+
+Handler = Callable[[PhaseContext], PhaseResult]
+
+HANDLERS: Mapping[Phase, Handler] = MappingProxyType(
+    {
+        Phase.OPEN: open_draft,
+        Phase.CLOSE_ADMISSION: close_admission,
+        Phase.RETIRE_DROPPED: retire_dropped,
+        Phase.PREPARE_ENVS: prepare_envs,
+        Phase.DRAIN: drain,
+        Phase.CUT_GENERATION: cut_generation,
+        Phase.COMMIT_ENVS: commit_envs,
+        Phase.CAPTURE: capture,
+        Phase.RESUME: resume,
+        Phase.PUBLISH: publish,
+    }
+)
+
+
+def run_once(ctx: PhaseContext) -> PhaseResult:
+    spec, phase, record = ctx.spec, ctx.phase, ctx.record
+    with record.locks[phase]:
+        if (stored := ctx.ledger.stored(record, phase)) is not None:
+            log_phase(spec, stored, 0.0)
+            return stored
+        fault_point(f"phase.{phase}.before")
+        started = time.monotonic()
+        try:
+            with metrics.timed_phase(spec.run_id, phase):
+                result = run_handler(ctx)
+        except Exception as exc:
+            log_phase_failure(spec, phase, exc, time.monotonic() - started)
+            raise
+        log_phase(spec, result, time.monotonic() - started)
+        fault_point(f"phase.{phase}.after")
+        record.results[phase] = result
+        return result
+
+
+def abort_once(ctx: PhaseContext) -> PhaseResult:
+    """:func:`abort`, once per checkpoint: a repeated call gets the first one's result."""
+    record = ctx.record
+    with record.locks[ABORT]:
+        if record.aborted is not None:
+            return record.aborted.model_copy(update={"replayed": True})
+        record.aborted = abort(ctx)
+        log_aborted(ctx.spec, record.aborted)
+        return record.aborted
+
+
+def run_handler(ctx: PhaseContext) -> PhaseResult:
+    if ctx.phase is not Phase.RESUME:
+        check_lease(ctx)
+    if holds_admission(ctx.phase):
+        ctx.drafts.require(ctx.spec)
+        ctx.gate.renew(ctx.checkpoint_id)
+    return HANDLERS[ctx.phase](ctx)
+
+
+def check_lease(ctx: PhaseContext) -> None:
+    """Refuse every phase but resume of a checkpoint whose admission lease expired,
+    discarding its draft first (it can never be published)."""
+    lease_s = ctx.gate.expired(ctx.checkpoint_id)
+    if lease_s is None:
+        return
+    entry = ctx.drafts.entry(ctx.checkpoint_id)
+    if entry is not None:
+        ctx.drafts.abandon(entry)
+    raise AdmissionLeaseExpired(
+        f"checkpoint {ctx.checkpoint_id}: admission stayed closed past its {lease_s:g} s "
+        "lease with no phase renewing it (no worker left?) and reopened by itself; the "
+        "snapshot is abandoned, nothing of it is published: take the next one"
+    )
