@@ -42,11 +42,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -55,6 +55,7 @@ from rollsafe.checkpoint.outcomes import log_lease_expired
 from rollsafe.checkpoint.participants import Participants
 from rollsafe.checkpoint.phase_ledger import ABORT, PhaseLedger
 from rollsafe.checkpoint.phases import PhaseContext, abort_once, run_once
+from rollsafe.checkpoint.previous import keep_previous_helpers
 from rollsafe.checkpoint.restore import Restores
 from rollsafe.checkpoint.run_service import OwedRollout, RunService
 from rollsafe.core.config import KEEP_LATEST_K, RunConfig
@@ -384,37 +385,10 @@ class Controller:
 
 
 def _context(controller: Controller, request: PhaseRequest) -> PhaseContext:
-    """What a phase handler gets (a function, not a method: see :data:`PREVIOUS_HELPERS`)."""
+    """What a phase handler gets (a function, not a method: rollsafe.checkpoint.previous)."""
     record = controller.ledger.record(request.spec, pinned=controller.drafts.open_id())
     drafts, run = controller.drafts, controller.run
     return PhaseContext(request, record, controller.ledger, drafts, run, controller.store)
 
 
-# A driver pickles the actor class with every function it has, by qualified name, private ones
-# included, and the actor's process resolves each on its own release's class
-# (docs/upgrading.md): so this class has exactly the previous release's functions, new code
-# lives in functions and in the controller's parts (properties are not pickled), and the
-# previous release's helpers, moved into those parts by this release, still resolve here.
-# None of them is called.
-PREVIOUS_HELPERS = (
-    "_run", "_participant_phase", "_resume_participants", "_open_draft", "_capture",
-    "_write_capture", "_publish", "_compact_journal", "_find_published", "_restore",
-    "_check_fence", "_check_anchor", "_check_lease", "_abandon", "_discard", "_discard_locked",
-    "_end_capture", "_drop_staged", "_admission_expired", "_record", "_entry", "_require_open",
-    "_check_usable", "_effect", "_placed",
-)  # fmt: skip
-
-
-def _moved(name: str) -> Callable[..., NoReturn]:
-    """A stub under a previous helper's name, which pickles by the same qualified name (so a
-    process of either release resolves it on its own class)."""
-
-    def moved(self: Controller, *args: object, **kwargs: object) -> NoReturn:
-        raise NotImplementedError(f"Controller.{name}: a previous release's helper, moved")
-
-    moved.__name__, moved.__qualname__ = name, f"Controller.{name}"
-    return moved
-
-
-for _name in PREVIOUS_HELPERS:
-    setattr(Controller, _name, _moved(_name))
+keep_previous_helpers(Controller)  # see rollsafe.checkpoint.previous

@@ -17,6 +17,7 @@ from temporalio.api.common.v1 import Payload
 
 from rollsafe import versions
 from rollsafe.checkpoint import controller
+from rollsafe.checkpoint.previous import PREVIOUS_HELPERS
 from rollsafe.errors import VersionSkew
 from rollsafe.temporal.converter import CONTRACT_KEY, data_converter, written_by
 from rollsafe.versions import CONTRACT, Peer, check_peer
@@ -157,7 +158,7 @@ def test_the_controller_actor_has_the_previous_releases_functions() -> None:
         ), name
     for name, before in previous.items():
         if name not in now:
-            assert name in controller.PREVIOUS_HELPERS, f"{name} vanished"
+            assert name in PREVIOUS_HELPERS, f"{name} vanished"
             continue
         after = now[name]
         old_names = [a.arg for a in [*before.posonlyargs, *before.args]]
