@@ -79,6 +79,7 @@ lint: setup
 	$(BIN)/ruff format --check rollsafe workflows activities workers reference examples tests bench
 	$(BIN)/mypy
 	$(BIN)/mypy examples
+	$(BIN)/mypy --explicit-package-bases tests bench
 
 # The reference RL run on every real part, with three faults, restored and verified
 # (docs/demo.md). Evidence files land in demo-out/.

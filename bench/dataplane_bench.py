@@ -39,11 +39,9 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
-from env_bench import table  # the same aligned-table printer
-from snapshot_bench import baseline_write  # the same plain write + fsync baseline
 
 from rollsafe.dataplane import DataPlane
 from rollsafe.dataplane.protocol import row_digest
@@ -57,6 +55,13 @@ from rollsafe.engine.staging import (
     row_to_record,
     stage_prefixes,
 )
+
+if TYPE_CHECKING:  # mypy reads bench/ as a package; run, bench/ is on sys.path
+    from bench.env_bench import table
+    from bench.snapshot_bench import baseline_write
+else:
+    from env_bench import table  # the same aligned-table printer
+    from snapshot_bench import baseline_write  # the same plain write + fsync baseline
 
 PARTITION = "rollouts"
 PUT_ROWS = 1_000  # rows generated and put at a time (the plane batches them by BATCH_ROWS)

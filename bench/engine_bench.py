@@ -27,6 +27,7 @@ import os
 import platform
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -217,7 +218,10 @@ async def main() -> None:
     sizes = [10, 100] if args.quick else [int(s) for s in args.sizes.split(",")]
     repeats = 1 if args.quick else args.repeats
     if args.backend == "vllm":  # its own sections: bench/engine_bench_vllm.py
-        from engine_bench_vllm import main as vllm_main
+        if TYPE_CHECKING:  # mypy reads bench/ as a package; run, bench/ is on sys.path
+            from bench.engine_bench_vllm import main as vllm_main
+        else:
+            from engine_bench_vllm import main as vllm_main
 
         await vllm_main(args.model, sizes, repeats, min(args.calls, 32))
         return

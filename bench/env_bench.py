@@ -35,15 +35,18 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from snapshot_bench import baseline_write  # the same plain write + fsync baseline
+from typing import TYPE_CHECKING, Any
 
 from rollsafe.env import protocol as wire
 from rollsafe.env.drain import PendingReplies
 from rollsafe.env.hooks import EnvironmentHooks, EpisodeSession
 from rollsafe.env.participant import Participant
 from rollsafe.env.protocol import EpisodeRef, EpisodeResult, RunEpisode
+
+if TYPE_CHECKING:  # mypy reads bench/ as a package; run, bench/ is on sys.path
+    from bench.snapshot_bench import baseline_write
+else:
+    from snapshot_bench import baseline_write  # the same plain write + fsync baseline
 
 GROUP = 8
 

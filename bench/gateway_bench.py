@@ -30,11 +30,14 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollsafe.testing.waiting import eventually_async
 
-MESSAGES = [
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
+
+MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "You book meetings. Answer in one sentence."},
     {"role": "user", "content": "Book a meeting with Carlos on Friday at ten for thirty minutes."},
 ]
@@ -52,7 +55,7 @@ async def agent(base_url: str, task: dict[str, Any]) -> dict[str, Any]:
             await model.chat.completions.create(
                 model="bench",
                 messages=MESSAGES,
-                max_tokens=int(task["max_tokens"]),  # type: ignore[arg-type]
+                max_tokens=int(task["max_tokens"]),
             )
             seconds.append(time.perf_counter() - start)
     return {"reward": 0.0, "seconds": seconds}

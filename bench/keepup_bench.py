@@ -30,7 +30,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from temporalio.client import WorkflowHandle
 
@@ -45,7 +45,10 @@ from rollsafe.workflows.models import SupervisorConfig, SupervisorInput
 from rollsafe.workflows.supervisor import SnapshotSupervisor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from orchestration_bench import RUN_ID, build
+if TYPE_CHECKING:  # mypy reads bench/ as a package; run, bench/ is on sys.path
+    from bench.orchestration_bench import RUN_ID, build
+else:
+    from orchestration_bench import RUN_ID, build
 
 
 @dataclass

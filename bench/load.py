@@ -27,16 +27,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from rollsafe.core.run_state import ROLLOUT_PARTITION
 from rollsafe.errors import InvariantError
+from rollsafe.http.served import ServedProcess
 from rollsafe.reference.rl.controller import ReferenceController
 from rollsafe.reference.rl.run import RunSettings, run_config
 from rollsafe.reference.rl.servers import RunServers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run_bench import RUN_ID, Workload, snapshot  # a sibling script, not a package
+if TYPE_CHECKING:  # mypy reads bench/ as a package; run, bench/ is on sys.path
+    from bench.run_bench import RUN_ID, Workload, snapshot
+else:
+    from run_bench import RUN_ID, Workload, snapshot  # a sibling script, not a package
 
 INSTANCES = tuple(f"w{n}" for n in range(8))
 KEEP = 2  # snapshots retained
@@ -77,7 +81,8 @@ def load(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     try:
         endpoints = servers.start()
         pids = {"bench": os.getpid()}
-        pids |= {Path(s.out).parent.name: s.proc.pid for s in servers.started}
+        started = cast("list[ServedProcess]", servers.started)  # no NeMo Gym: all served
+        pids |= {Path(s.out).parent.name: s.proc.pid for s in started}
         snaps = root / "snapshots"
         run = ReferenceController(
             run_config(settings), snaps, endpoints, args.turns, keep_latest_k=KEEP
@@ -93,6 +98,7 @@ def load(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 def _run(
     run: ReferenceController, args: argparse.Namespace, pids: dict[str, int], snaps: Path
 ) -> dict[str, Any]:
+    assert run.participants is not None
     work = Workload(run, args.episodes // args.group_size)
     work.start(args.ramp)
     try:

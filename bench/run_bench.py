@@ -24,11 +24,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from rollsafe.core.phases import PHASES, Phase, PhaseRequest, SnapshotSpec
 from rollsafe.core.states import GroupState
 from rollsafe.errors import TransientError
+from rollsafe.http.served import ServedProcess
 from rollsafe.reference.rl.controller import ReferenceController
 from rollsafe.reference.rl.run import RunSettings, run_config
 from rollsafe.reference.rl.servers import RunServers
@@ -262,7 +263,8 @@ def bench(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
     servers = RunServers(logs, names, seed=0, engine_token="e", env_token="v", max_tokens=tokens)
     try:
         endpoints = servers.start()
-        args.pids = [os.getpid(), *(server.proc.pid for server in servers.started)]
+        started = cast("list[ServedProcess]", servers.started)  # no NeMo Gym: all served
+        args.pids = [os.getpid(), *(server.proc.pid for server in started)]
         config, snaps = run_config(settings), root / "snapshots"
         run = ReferenceController(config, snaps, endpoints, args.turns, keep_latest_k=2)
         try:

@@ -185,6 +185,10 @@ def measure(rollouts: int, repeats: int, root: Path, profile: Path | None) -> di
     fsync_dir(root)
     baseline_write(base_dir / "warm-up", data)  # untimed, like the real path's warm-up
     (base_dir / "warm-up").unlink()
+    ckpt: list[float]
+    rest: list[float]
+    twice: list[float]
+    sweep: list[float]
     ckpt, rest, twice, bw, br, sweep = [], [], [], [], [], []
     for r in range(repeats):
         for real in (r % 2 == 1, r % 2 == 0):  # alternate which one goes first

@@ -39,7 +39,7 @@ import queue
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Generic, Literal, TypeVar
@@ -203,7 +203,7 @@ class EngineLoop(Generic[CallT]):
 
     # Async generator methods, not functions returning one: Ray's actor (ray_actor.py) streams
     # a method only if it is one.
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamEvent]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[StreamEvent, None]:
         sink = Sink(asyncio.get_running_loop())
         await self._handoff(lambda: self._admit(request, sink, None))
         # aclosing: a caller that closes this stream frees the call now, not at GC.
@@ -213,7 +213,7 @@ class EngineLoop(Generic[CallT]):
 
     async def resume(
         self, request: GenerateRequest, prefix: PrefixRecord
-    ) -> AsyncIterator[StreamEvent]:
+    ) -> AsyncGenerator[StreamEvent, None]:
         prefix.check_request(request, self.fingerprint)
         sink = Sink(asyncio.get_running_loop())
         await self._handoff(lambda: self._admit(request, sink, prefix))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Literal
@@ -19,7 +18,10 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
+from rollsafe.checkpoint.controller import Controller
+from rollsafe.checkpoint.phases import take_snapshot
 from rollsafe.core.config import RestoreLevelName, RunConfig, SamplerName
+from rollsafe.core.phases import SnapshotSpec
 from rollsafe.core.run_state import ROLLOUT_PARTITION, RunState
 from rollsafe.core.states import AttemptState, GroupState
 from rollsafe.dataplane import DataPlane
@@ -199,8 +201,7 @@ class ScenarioRunner:
         # folder holds) or by a restore: a scenario that restores first writes nothing before
         # its restore succeeded (a start-over record would make the journal unrestorable).
         self.journal: RunJournal | None = None
-        self.checkpoint_nonce = uuid.uuid4().hex[:8]
-        self.checkpoints = 0
+        self._controller: Controller | None = None  # over the live state, for checkpoints
         self.crashed_at: int | None = None
 
     def run(self) -> ScenarioReport:
@@ -259,11 +260,18 @@ class ScenarioRunner:
         elif isinstance(event, WeightVersion):
             run.set_weight_version(event.version)
         elif isinstance(event, Checkpoint):
-            self.checkpoints += 1
-            checkpoint_id = f"scenario-{self.checkpoint_nonce}-{self.checkpoints}"
-            run.checkpoint(self.store, checkpoint_id=checkpoint_id)
-            if self.journal is not None:
-                self.journal.compact(self.store)
+            self._checkpoint(run)
+
+    def _checkpoint(self, run: RunState) -> None:
+        """A snapshot through the controller's ten phases, as a worker runs them (capture in
+        the park window, the write after resume, the run's deletions held meanwhile); the
+        journal stays the runner's (it makes each event durable itself)."""
+        controller = self._controller
+        if controller is None or controller.state is not run:  # a restore made a new state
+            controller = self._controller = Controller.from_parts(run, self.store, start_over=True)
+        take_snapshot(controller, SnapshotSpec(run_id=SCENARIO_RUN_ID, seq=controller.next_seq()))
+        if self.journal is not None:
+            self.journal.compact(self.store)
 
     def _commit(self, run: RunState, event: Commit) -> None:
         for i in event.rollouts:

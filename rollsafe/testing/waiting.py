@@ -16,7 +16,7 @@ import inspect
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import TypeVar, overload
 
 from rollsafe import faults
 
@@ -26,7 +26,7 @@ DEFAULT_TIMEOUT_S = 30.0  # a deadline for a failure message, never for synchron
 
 
 def eventually(
-    condition: Callable[[], T], timeout_s: float = DEFAULT_TIMEOUT_S, what: str = ""
+    condition: Callable[[], T | None], timeout_s: float = DEFAULT_TIMEOUT_S, what: str = ""
 ) -> T:
     """Return ``condition()``'s first truthy value; fail (AssertionError naming ``what``) if
     none came within ``timeout_s`` seconds."""
@@ -40,8 +40,20 @@ def eventually(
         time.sleep(POLL_S)
 
 
+@overload
 async def eventually_async(
-    condition: Callable[[], Awaitable[T] | T],
+    condition: Callable[[], Awaitable[T | None]],
+    timeout_s: float = ...,
+    what: str = ...,
+) -> T: ...
+@overload
+async def eventually_async(
+    condition: Callable[[], T | None],
+    timeout_s: float = ...,
+    what: str = ...,
+) -> T: ...
+async def eventually_async(
+    condition: Callable[[], Awaitable[T | None] | T | None],
     timeout_s: float = DEFAULT_TIMEOUT_S,
     what: str = "",
 ) -> T:

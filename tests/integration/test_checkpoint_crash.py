@@ -286,10 +286,14 @@ async def capture_holder(handle: WorkflowHandle[Any, Any]) -> int:
         return int(identity.split("@")[0])
 
     try:
-        return await eventually_async(holder, WAIT_S, what="capture mid-call on a worker")
+        pid: int | None = await eventually_async(
+            holder, WAIT_S, what="capture mid-call on a worker"
+        )
     except AssertionError as exc:
         exc.add_note(f"last description: {seen}")
         raise
+    assert pid is not None
+    return pid
 
 
 async def test_two_workers_on_one_queue_the_survivor_finishes_a_killed_capture(
@@ -334,7 +338,11 @@ async def gate_reopened(run: Run) -> ControllerStatus:
         status = run.status()
         return status if status.gate_open else None
 
-    return await eventually_async(reopened, WAIT_S, what="admission reopened by the lease")
+    status: ControllerStatus | None = await eventually_async(
+        reopened, WAIT_S, what="admission reopened by the lease"
+    )
+    assert status is not None
+    return status
 
 
 async def test_the_only_worker_dying_after_close_admission_reopens_it_by_the_lease(

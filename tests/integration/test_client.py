@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 from temporalio.client import (
@@ -28,17 +28,28 @@ from rollsafe.errors import (
 )
 from rollsafe.faults import arm, disarm_all
 from rollsafe.settings import Settings
+from rollsafe.temporal.devserver import DevServer
 from rollsafe.testing.waiting import eventually_async, holding
-from rollsafe.workflows.models import PhaseOptions, SnapshotOutcome, SupervisorInput
+from rollsafe.workflows.models import (
+    PhaseOptions,
+    SnapshotOutcome,
+    SupervisorInput,
+    SupervisorStatus,
+)
 from rollsafe.workflows.snapshot import TRAINER_STATE_CHANGED, RolloutSnapshot
 from rollsafe.workflows.supervisor import SnapshotSupervisor
+
+if TYPE_CHECKING:
+    from tests.integration.conftest import WorkflowHarness
 
 # As the harness's (conftest.FAST_RETRY): the update and query reach a held local-activity
 # phase at the workflow task's heartbeat, 80 % of task_timeout_s.
 FAST = PhaseOptions(retry_initial_s=0.05, retry_maximum_s=0.2, retry_attempts=3, task_timeout_s=2.0)
 
 
-def checkpointer(harness, max_consecutive_failures: int = 3, client=None) -> Checkpointer:
+def checkpointer(
+    harness: WorkflowHarness, max_consecutive_failures: int = 3, client: Client | None = None
+) -> Checkpointer:
     return Checkpointer(
         harness.run_id,
         client=client or harness.client,
@@ -70,17 +81,18 @@ class CountingCalls(Interceptor):
 
 def counted(client: Client) -> tuple[Client, CountingCalls]:
     counter = CountingCalls()
-    return Client(**{**client.config(), "interceptors": [counter]}), counter
+    return Client(**(client.config() | {"interceptors": [counter]})), counter
 
 
-async def test_start_twice_attaches_and_snapshot_now_publishes(harness) -> None:
+async def test_start_twice_attaches_and_snapshot_now_publishes(harness: WorkflowHarness) -> None:
     async with harness.worker():
         ckpt = await checkpointer(harness).start()
         first = await harness.client.get_workflow_handle(ckpt.workflow_id).describe()
         restarted = await checkpointer(harness, max_consecutive_failures=5).start()
         again = await harness.client.get_workflow_handle(ckpt.workflow_id).describe()
         assert again.run_id == first.run_id  # the restarted trainer attached, no new run
-        assert await restarted.train_step_committed(3) is None
+        # cast: mypy refuses the value of a call typed to return None, which this checks.
+        assert cast(object, await restarted.train_step_committed(3)) is None
         # The controller is at weight version 0: a checkpoint of it anchors a snapshot.
         await restarted.trainer_checkpoint_saved(0, "/ckpt/v0")
         assert restarted.saved_checkpoints == {0: "/ckpt/v0"}
@@ -99,7 +111,7 @@ async def test_start_twice_attaches_and_snapshot_now_publishes(harness) -> None:
         await ckpt.status()
 
 
-async def supervisor_status(ckpt: Checkpointer) -> Any:
+async def supervisor_status(ckpt: Checkpointer) -> SupervisorStatus:
     # status() asks the supervisor only once the server lists a worker's poll, which it does
     # a moment after the worker starts (CI once asked before).
     await eventually_async(lambda: _present(ckpt), what="the supervisor present")
@@ -112,13 +124,15 @@ async def _published(ckpt: Checkpointer, count: int) -> bool:
     return (await supervisor_status(ckpt)).state.published >= count
 
 
-async def _steps_noted(harness, seq: int) -> list[int]:
+async def _steps_noted(harness: WorkflowHarness, seq: int) -> list[int]:
     handle = harness.client.get_workflow_handle(harness.snapshot_workflow_id(seq))
     noted: list[int] = (await handle.query(RolloutSnapshot.status)).steps_committed
     return noted
 
 
-async def test_a_step_committed_before_capture_is_in_the_rollout_snapshot(harness) -> None:
+async def test_a_step_committed_before_capture_is_in_the_rollout_snapshot(
+    harness: WorkflowHarness,
+) -> None:
     """The capture, under the barrier, records the state after the step: the snapshot is not
     thrown away (issue 35: under load, none would ever publish). A step committed after
     capture changes nothing either."""
@@ -155,7 +169,9 @@ async def test_a_step_committed_before_capture_is_in_the_rollout_snapshot(harnes
         assert status.state.last_committed_step == 2
 
 
-async def test_a_step_committed_before_an_anchored_capture_aborts_it(harness) -> None:
+async def test_a_step_committed_before_an_anchored_capture_aborts_it(
+    harness: WorkflowHarness,
+) -> None:
     """An anchored snapshot captures at its anchor's weight version or not at all: a step
     before its capture aborts it at once instead of failing in capture."""
     async with harness.worker():
@@ -176,7 +192,9 @@ async def test_a_step_committed_before_an_anchored_capture_aborts_it(harness) ->
         assert harness.store.list() == [] and harness.controller.status().gate_open
 
 
-async def test_a_trainer_snapshot_past_its_anchor_is_skipped_not_published(harness, caplog) -> None:
+async def test_a_trainer_snapshot_past_its_anchor_is_skipped_not_published(
+    harness: WorkflowHarness, caplog: pytest.LogCaptureFixture
+) -> None:
     """A checkpoint of weight version 4 while the controller is at 0 (a step committed before
     the anchored snapshot could capture looks the same): no snapshot at the wrong version.
     An outcome the design expects: logged as one INFO line, no traceback, no WARNING."""
@@ -195,12 +213,13 @@ async def test_a_trainer_snapshot_past_its_anchor_is_skipped_not_published(harne
     assert passed and all(r.levelno <= logging.INFO and not r.exc_info for r in passed)
 
 
-async def _abort_reason(harness, seq: int) -> str | None:
+async def _abort_reason(harness: WorkflowHarness, seq: int) -> str | None:
     handle = harness.client.get_workflow_handle(harness.snapshot_workflow_id(seq))
-    return (await handle.query(RolloutSnapshot.status)).abort_reason
+    reason: str | None = (await handle.query(RolloutSnapshot.status)).abort_reason
+    return reason
 
 
-async def _signalled(harness, seq: int, signal: str) -> bool:
+async def _signalled(harness: WorkflowHarness, seq: int, signal: str) -> bool:
     """Whether snapshot ``seq``'s history holds ``signal``: it is then handled before anything
     that comes after it (an activity completing once released)."""
     handle = harness.client.get_workflow_handle(harness.snapshot_workflow_id(seq))
@@ -211,7 +230,7 @@ async def _signalled(harness, seq: int, signal: str) -> bool:
     return False
 
 
-async def test_persistent_failures_surface_as_snapshots_failed(harness) -> None:
+async def test_persistent_failures_surface_as_snapshots_failed(harness: WorkflowHarness) -> None:
     arm("phase.capture.before", "raise")
     async with harness.worker():
         ckpt = await checkpointer(harness, max_consecutive_failures=2).start()
@@ -233,7 +252,9 @@ async def test_persistent_failures_surface_as_snapshots_failed(harness) -> None:
     assert harness.controller.status().gate_open
 
 
-async def test_snapshot_now_timeout_raises_and_the_snapshot_goes_on(harness) -> None:
+async def test_snapshot_now_timeout_raises_and_the_snapshot_goes_on(
+    harness: WorkflowHarness,
+) -> None:
     async with harness.worker():
         ckpt = await checkpointer(harness).start()
         with pytest.raises(CheckpointTimeout, match=r"within 0\.001 s"):
@@ -247,7 +268,7 @@ async def test_snapshot_now_timeout_raises_and_the_snapshot_goes_on(harness) -> 
         await ckpt.stop()
 
 
-async def test_a_call_without_a_supervisor_says_to_call_start(harness) -> None:
+async def test_a_call_without_a_supervisor_says_to_call_start(harness: WorkflowHarness) -> None:
     never_started = Checkpointer(harness.run_id)
     with pytest.raises(SupervisorNotRunning, match=r"start\(\) first"):
         await never_started.status()
@@ -258,7 +279,7 @@ async def test_a_call_without_a_supervisor_says_to_call_start(harness) -> None:
             await checkpointer(harness).train_step_committed(bad)  # type: ignore[arg-type]
 
 
-async def test_without_a_worker_calls_answer_instead_of_hanging(harness) -> None:
+async def test_without_a_worker_calls_answer_instead_of_hanging(harness: WorkflowHarness) -> None:
     ckpt = checkpointer(harness)
     ckpt.worker_timeout_s = 0.5
     async with harness.worker():
@@ -272,7 +293,9 @@ async def test_without_a_worker_calls_answer_instead_of_hanging(harness) -> None
     await ckpt.train_step_committed(2)  # a signal: no worker needed
 
 
-async def test_a_run_no_worker_serves_is_reported_once_and_in_status(harness, caplog) -> None:
+async def test_a_run_no_worker_serves_is_reported_once_and_in_status(
+    harness: WorkflowHarness, caplog: pytest.LogCaptureFixture
+) -> None:
     ckpt = checkpointer(harness)
     ckpt.worker_check_every_s = 0.0  # every step looks (the default: every 30 s)
     with caplog.at_level(logging.WARNING, logger="rollsafe.client"):
@@ -297,7 +320,7 @@ async def _present(ckpt: Checkpointer) -> bool:
     return (await ckpt.workers()).present
 
 
-async def test_train_step_committed_is_one_signal(harness) -> None:
+async def test_train_step_committed_is_one_signal(harness: WorkflowHarness) -> None:
     client, counter = counted(harness.client)
     async with harness.worker():
         ckpt = await checkpointer(harness, client=client).start()
@@ -308,14 +331,16 @@ async def test_train_step_committed_is_one_signal(harness) -> None:
     assert counter.calls == {"signal": 6}  # no describe, no worker waited for
 
 
-async def test_restore_without_a_snapshot_raises_restore_failed(harness) -> None:
+async def test_restore_without_a_snapshot_raises_restore_failed(harness: WorkflowHarness) -> None:
     ckpt = Checkpointer(harness.run_id, client=harness.client, task_queue=harness.task_queue)
     async with harness.worker():
         with pytest.raises(RestoreFailed, match="NoValidSnapshot: no snapshot under"):
             await ckpt.restore("first")
 
 
-async def test_the_sync_sdk_makes_the_same_calls_with_the_same_errors(harness, server) -> None:
+async def test_the_sync_sdk_makes_the_same_calls_with_the_same_errors(
+    harness: WorkflowHarness, server: DevServer
+) -> None:
     """SyncCheckpointer, configured from one settings mapping (run id, Temporal, phases), as
     a synchronous training loop holds it; called from threads here, because the harness's
     worker runs on this test's event loop."""
@@ -344,7 +369,9 @@ async def test_the_sync_sdk_makes_the_same_calls_with_the_same_errors(harness, s
             await asyncio.to_thread(ckpt.stop)
 
 
-async def test_a_waited_trainer_checkpoint_is_one_snapshot_at_its_version(harness) -> None:
+async def test_a_waited_trainer_checkpoint_is_one_snapshot_at_its_version(
+    harness: WorkflowHarness,
+) -> None:
     """trainer_checkpoint_saved(wait=True) answers with the anchored snapshot itself: no
     second snapshot is needed to be sure of one at the checkpoint's weight version; stop with
     wait returns once the supervisor has ended."""
@@ -361,7 +388,7 @@ async def test_a_waited_trainer_checkpoint_is_one_snapshot_at_its_version(harnes
         assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
 
 
-async def test_a_notice_that_starts_the_supervisor_is_not_lost(harness) -> None:
+async def test_a_notice_that_starts_the_supervisor_is_not_lost(harness: WorkflowHarness) -> None:
     """A signal delivered with the supervisor's start (signal-with-start, as a restarted
     trainer's held anchors are) is handled before run() begins: the supervisor's state must
     already exist then, or run() would overwrite what the signal did."""

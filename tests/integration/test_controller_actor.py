@@ -2,6 +2,7 @@
 typed errors across the process boundary, a fault point that kills the actor's process."""
 
 import sys
+from typing import Any
 
 import pytest
 
@@ -13,7 +14,7 @@ from rollsafe.checkpoint.actor import (
     start_controller_actor,
 )
 from rollsafe.core.config import RunConfig
-from rollsafe.core.phases import PHASES, Phase, PhaseRequest, SnapshotSpec
+from rollsafe.core.phases import PHASES, Phase, PhaseRequest, PhaseResult, SnapshotSpec
 from rollsafe.core.run_state import RunState
 from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import CheckpointRefused, ControllerUnavailable, SnapshotLost, VersionSkew
@@ -27,7 +28,7 @@ def config(run_id: str) -> RunConfig:
     return RunConfig(run_id=run_id, group_size=2, groups_per_step=2)
 
 
-def phases(handle, spec: SnapshotSpec, ray) -> list:
+def phases(handle: Any, spec: SnapshotSpec, ray: Any) -> list[PhaseResult]:
     return [ray.get(handle.run_phase.remote(PhaseRequest(spec=spec, phase=p))) for p in PHASES]
 
 
@@ -129,7 +130,7 @@ class EarlierController:
         raise AssertionError("never called: Ray refuses the arguments first")
 
 
-def named_actor(ray, cls: type, run_id: str):
+def named_actor(ray: Any, cls: type, run_id: str) -> Any:
     return ray.remote(cls).options(name=actor_name(run_id), namespace=NAMESPACE).remote()
 
 

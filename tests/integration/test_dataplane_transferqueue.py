@@ -53,7 +53,7 @@ def awkward_rows() -> dict[str, dict[str, np.ndarray]]:
         "f": {
             "mask": np.array([True, False]),
             "u": np.array([1, 2**63], np.uint64),
-            "h": np.float16([1.5, -0.0]),
+            "h": np.array([1.5, -0.0], np.float16),
             "nan": np.array([np.nan, -np.inf], np.float32),
         },
         "ключ/🙂": {"tokens": np.arange(2, dtype=np.int64)},

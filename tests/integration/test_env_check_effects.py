@@ -54,7 +54,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         command = rollsafe_command("engine", "serve", "--port", "0")
         started.append(engine := ServedProcess(command, logs / "engine", tokens))
         engine.wait_listening(ENGINE_BANNER.format(kind="dense"))
-        envs = {}
+        envs: dict[str, ServedProcess] = {}
         for name, hooks in ENVS.items():
             args = ["env", "serve", "--hooks", hooks, "--port", "0", "--engine-url", engine.url]
             args += ["--instance", name, "--lease-grace-s", "1"]

@@ -22,6 +22,7 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -91,7 +92,7 @@ async def test_every_check_passes_on_three_instances(
     servers: dict[str, ServedProcess], engine: ServedProcess
 ) -> None:
     lines: list[str] = []
-    with_engine = {"engine_url": engine.url, "engine_token": ENGINE_TOKEN}
+    with_engine: dict[str, Any] = {"engine_url": engine.url, "engine_token": ENGINE_TOKEN}
     reports = await asyncio.gather(
         *(
             run_conformance(

@@ -98,7 +98,8 @@ async def status(client: httpx.AsyncClient) -> dict[str, Any]:
 
 
 async def _phase_is(client: httpx.AsyncClient, phase: str) -> bool:
-    return (await status(client))["phase"] == phase
+    current: str = (await status(client))["phase"]
+    return current == phase
 
 
 def later() -> float:
@@ -139,8 +140,8 @@ async def test_full_checkpoint_over_http(tmp_path: Path) -> None:
         assert done.status_code == 200, done.text
         manifest = wire.CommitReply.model_validate_json(done.content).participants[0]
         line = json.loads((tmp_path / manifest.file).read_text())
-        parked = {"turn": 1, "activity": "boundary", "model_call_id": None}
-        record = {"episode": A.model_dump(), "state": {"turn": 1}, "parked": parked}
+        parked_at = {"turn": 1, "activity": "boundary", "model_call_id": None}
+        record = {"episode": A.model_dump(), "state": {"turn": 1}, "parked": parked_at}
         assert line == {**record, "effects": []}  # the toy makes none
         assert (await status(http))["phase"] == "committed" and not run.done()
 

@@ -88,7 +88,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def example_task() -> dict[str, Any]:
     rows = (gym_site_packages(gym_python()) / RESOURCES_DIR / "data" / "example.jsonl").read_text()
-    return json.loads(rows.splitlines()[0])
+    task: dict[str, Any] = json.loads(rows.splitlines()[0])
+    return task
 
 
 class Stack:

@@ -62,7 +62,9 @@ async def stuck_in_drain(client: Client, run_id: str) -> RunView:
         return view if view.snapshots and view.snapshots[0].phase == "drain" else None
 
     # Visibility (list by search attribute) is eventually consistent on the server.
-    return await eventually_async(listed, what="the snapshot listed in drain")
+    view: RunView | None = await eventually_async(listed, what="the snapshot listed in drain")
+    assert view is not None
+    return view
 
 
 async def test_inspect_shows_the_stuck_phase_with_and_without_a_worker(
@@ -120,7 +122,10 @@ async def test_inspect_says_when_no_worker_serves_the_run(server: DevServer) -> 
         except RunNotFound:
             return None
 
-    view = await eventually_async(found, what="the unserved run known by its task queue")
+    view: RunView | None = await eventually_async(
+        found, what="the unserved run known by its task queue"
+    )
+    assert view is not None
     assert view.workers is not None and not view.workers.present
     assert "no checkpoint worker polls task queue 'rollsafe.unserved-" in render(view)
     await handle.terminate("test over")

@@ -33,6 +33,7 @@ from rollsafe import __version__
 from rollsafe.dataplane.tq_runtime import RAY_ENV
 from rollsafe.faults import EXIT_CODE
 from rollsafe.snapshot import EntryState, SnapshotStore
+from rollsafe.temporal.devserver import DevServer
 from rollsafe.testing.workers import stop_process, wait_worker_ready, worker_process
 
 pytestmark = pytest.mark.timeout(300)
@@ -54,12 +55,12 @@ def previous(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def start_trainer(
-    release: Path | None, run_id: str, root: Path, out: Path, log: Path, server: object
+    release: Path | None, run_id: str, root: Path, out: Path, log: Path, server: DevServer
 ) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TEMPORAL_", "RAY_"))}
     env.update(
-        TEMPORAL_ADDRESS=server.address,  # type: ignore[attr-defined]
-        TEMPORAL_NAMESPACE=server.namespace,  # type: ignore[attr-defined]
+        TEMPORAL_ADDRESS=server.address,
+        TEMPORAL_NAMESPACE=server.namespace,
         TEMPORAL_CONFIG_FILE=str(log.parent / "no-temporal-config.toml"),
         **RAY_ENV,  # as the workers' (rollsafe.testing.workers): no Ray token to share
     )
@@ -105,7 +106,7 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
     ids=["upgrade", "rollback"],
 )
 def test_a_run_of_two_releases_rolls_its_workers_mid_snapshot(
-    server,
+    server: DevServer,
     tmp_path: Path,
     previous: Path,
     processes: list[subprocess.Popen[bytes]],

@@ -284,7 +284,11 @@ def test_servers_end_with_a_starter_killed_from_outside(tmp_path: Path) -> None:
         starter.kill()
         starter.wait()
     for pid in pids:
-        eventually(lambda pid=pid: not _running(pid), timeout_s=30, what=f"server {pid} to end")
+
+        def ended(pid: int = pid) -> bool:
+            return not _running(pid)
+
+        eventually(ended, timeout_s=30, what=f"server {pid} to end")
 
 
 def _running(pid: int) -> bool:

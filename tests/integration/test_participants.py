@@ -32,6 +32,7 @@ from rollsafe.checkpoint.participants import (
     to_ref,
 )
 from rollsafe.core.config import RunConfig
+from rollsafe.core.ids import EpisodeId
 from rollsafe.core.phases import (
     PHASES,
     Phase,
@@ -146,7 +147,7 @@ class Run:
         instance = self.instance(idx, i)
         # dispatch returns None while admission is closed (a snapshot is open): retried until
         # the gate admits it, as a trainer's dispatcher does, for as long as the test waits.
-        episode = await eventually_async(
+        episode: EpisodeId | None = await eventually_async(
             lambda: asyncio.to_thread(self.service.dispatch, idx, i, instance),
             timeout_s=DRIVE_TIMEOUT_S,
             what=f"admission of rollout {i} of group {idx}",

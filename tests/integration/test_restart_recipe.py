@@ -12,7 +12,7 @@ anchors), then ``start``; the run's own calls go through ``SyncRollouts`` over t
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from rollsafe.rollouts import SyncRollouts
 from rollsafe.settings import Settings
 from rollsafe.snapshot import EntryState, SnapshotStore
 from rollsafe.temporal.connect import connect
+from rollsafe.temporal.devserver import DevServer
 from rollsafe.workers.checkpoint import build_worker
 from rollsafe.workflows.models import PhaseOptions
 
@@ -78,7 +79,11 @@ def crash(rollouts: SyncRollouts) -> None:
 
 @pytest.mark.parametrize("start_over", [False, True], ids=["recipe", "start-over"])
 async def test_the_restart_recipe_restores_every_owed_group(
-    server, ray_session, tmp_path: Path, snapshot_tree, start_over: bool
+    server: DevServer,
+    ray_session: Any,
+    tmp_path: Path,
+    snapshot_tree: Callable[[Path], dict[str, str]],
+    start_over: bool,
 ) -> None:
     client = await connect(server.settings())
     run_id = f"restart-{uuid.uuid4().hex[:8]}"
@@ -133,7 +138,7 @@ async def test_the_restart_recipe_restores_every_owed_group(
 
 
 async def test_an_anchored_restore_finds_its_snapshot_after_many_newer_ones(
-    server, ray_session, tmp_path: Path
+    server: DevServer, ray_session: Any, tmp_path: Path
 ) -> None:
     """The trainer checkpoints weight version 2; snapshots at versions 3-6 follow (twice the
     retention's keep_latest_k); after a crash the restore anchored to version 2 still has its

@@ -87,6 +87,7 @@ def test_a_killed_trainers_episodes_make_no_effect_once_its_run_lease_ran_out(
         trainer.wait()
     killed = time.time()
     stopped = eventually(lambda: stopped_effects(server.url), what="its episodes stopped")
+    assert stopped is not None
     expires = stopped.leases[holder]
     applied = [e for rollout in stopped.rollouts for e in rollout.applied]
     assert all(len(r.applied) < TURNS for r in stopped.rollouts)  # stopped, not finished

@@ -37,7 +37,7 @@ import pytest
 
 from rollsafe.cli.doctor.checks import Status, check_storage
 from rollsafe.errors import InvalidInput, NoValidSnapshot
-from rollsafe.snapshot import SnapshotKind
+from rollsafe.snapshot import PublishedSnapshot, SnapshotKind
 from rollsafe.snapshot import _objects as objects
 from rollsafe.snapshot.remote import RemoteSnapshotStore
 from rollsafe.testing.race import all_at_once
@@ -256,11 +256,15 @@ def url(server: Server, options: dict[str, object]) -> str:
     return f"{server.backend.scheme}://{bucket}/snapshots"
 
 
-def store_at(url: str, cache: Path, options: dict[str, object], **kw: object):
+def store_at(
+    url: str, cache: Path, options: dict[str, object], **kw: object
+) -> RemoteSnapshotStore:
     return RemoteSnapshotStore(url, RUN, cache, storage_options=options, **kw)  # type: ignore[arg-type]
 
 
-def publish(store: RemoteSnapshotStore, checkpoint_id: str, seq: int | None = None):
+def publish(
+    store: RemoteSnapshotStore, checkpoint_id: str, seq: int | None = None
+) -> PublishedSnapshot:
     draft = store.begin(SnapshotKind.ROLLOUT, checkpoint_id, seq)
     draft.write_bytes("state.bin", checkpoint_id.encode() * 100)
     (draft.path / "envs" / "inst-0").mkdir(parents=True)

@@ -4,11 +4,11 @@ this process (the Ray actor and killed-worker tests live in test_checkpoint_cras
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError
 
 from rollsafe.core.ids import restore_workflow_id, supervisor_id
 from rollsafe.core.phases import PHASES, Phase, RestoreRequest
@@ -16,6 +16,7 @@ from rollsafe.core.run_state import RunState
 from rollsafe.dataplane import make_dataplane
 from rollsafe.evidence.scenario import row_content
 from rollsafe.faults import arm
+from rollsafe.temporal.devserver import DevServer
 from rollsafe.temporal.history import completed_activities
 from rollsafe.testing.waiting import eventually_async, holding
 from rollsafe.workflows.models import PhaseOptions, SupervisorStatus
@@ -23,8 +24,11 @@ from rollsafe.workflows.restore import RestoreRun
 from rollsafe.workflows.snapshot import PARK_WINDOW, RolloutSnapshot
 from rollsafe.workflows.supervisor import SnapshotSupervisor
 
+if TYPE_CHECKING:
+    from tests.integration.conftest import WorkflowHarness
 
-async def test_a_snapshot_runs_the_ten_phases_once_and_publishes(harness) -> None:
+
+async def test_a_snapshot_runs_the_ten_phases_once_and_publishes(harness: WorkflowHarness) -> None:
     async with harness.worker():
         outcome = await harness.snapshot()
     assert outcome.status == "published", outcome.reason
@@ -39,7 +43,7 @@ async def test_a_snapshot_runs_the_ten_phases_once_and_publishes(harness) -> Non
     assert plan.checkpoint_id == outcome.checkpoint_id and plan.ready == [0]
 
 
-async def test_a_transient_phase_failure_is_retried(harness) -> None:
+async def test_a_transient_phase_failure_is_retried(harness: WorkflowHarness) -> None:
     arm("phase.capture.before", "raise", times=2)
     async with harness.worker():
         outcome = await harness.snapshot()
@@ -48,7 +52,7 @@ async def test_a_transient_phase_failure_is_retried(harness) -> None:
 
 
 async def test_a_persistent_failure_fails_the_snapshot_and_reopens_admission(
-    harness,
+    harness: WorkflowHarness,
 ) -> None:
     arm("phase.capture.before", "raise")
     async with harness.worker():
@@ -60,7 +64,7 @@ async def test_a_persistent_failure_fails_the_snapshot_and_reopens_admission(
     assert harness.store.list() == []
 
 
-async def test_abort_before_capture_skips_and_after_is_too_late(harness) -> None:
+async def test_abort_before_capture_skips_and_after_is_too_late(harness: WorkflowHarness) -> None:
     async with harness.worker():
         with holding("phase.drain.before") as drain:
             handle = await harness.start_snapshot(1)
@@ -82,7 +86,7 @@ async def test_abort_before_capture_skips_and_after_is_too_late(harness) -> None
         assert (await handle.result()).status == "published"
 
 
-async def test_supervisor_counts_consecutive_failures_then_fails(harness) -> None:
+async def test_supervisor_counts_consecutive_failures_then_fails(harness: WorkflowHarness) -> None:
     arm("phase.capture.before", "raise")
     async with harness.worker():
         handle = await harness.start_supervisor(max_consecutive_failures=2)
@@ -100,7 +104,9 @@ async def test_supervisor_counts_consecutive_failures_then_fails(harness) -> Non
     assert harness.controller.status().gate_open
 
 
-async def test_supervisor_snapshot_now_publishes_and_resets_the_count(harness) -> None:
+async def test_supervisor_snapshot_now_publishes_and_resets_the_count(
+    harness: WorkflowHarness,
+) -> None:
     arm("phase.capture.before", "raise", times=3)  # the first snapshot's 3 attempts
     async with harness.worker():
         handle = await harness.start_supervisor()
@@ -113,7 +119,9 @@ async def test_supervisor_snapshot_now_publishes_and_resets_the_count(harness) -
         await handle.result()
 
 
-async def test_snapshots_unpublished_in_a_row_warn_and_set_a_gauge(harness, server, caplog) -> None:
+async def test_snapshots_unpublished_in_a_row_warn_and_set_a_gauge(
+    harness: WorkflowHarness, server: DevServer, caplog: pytest.LogCaptureFixture
+) -> None:
     """Two failed snapshots (of ten allowed) with warn_unpublished_after=2: the second is a
     WARNING naming the count, the status says so, the gauge reads 2; a published one clears
     all three. The gauge is read from a metric buffer on the worker's own Temporal runtime."""
@@ -145,7 +153,9 @@ async def test_snapshots_unpublished_in_a_row_warn_and_set_a_gauge(harness, serv
         assert status.warning is not None and status.warning.startswith(
             "2 snapshots in a row ended unpublished (no snapshot published yet"
         )
-        warned = [r for r in caplog.records if "in a row ended unpublished" in r.getMessage()]
+        warned: list[Any] = [
+            r for r in caplog.records if "in a row ended unpublished" in r.getMessage()
+        ]
         assert [r.unpublished_in_a_row for r in warned] == [2]  # not at 1: below the threshold
         assert gauge(UNPUBLISHED_GAUGE) == 2
         assert (await handle.execute_update(SnapshotSupervisor.snapshot_now)).status == "published"
@@ -172,7 +182,7 @@ class GaugeReader:
 
 
 async def test_restore_workflow_brings_the_run_back_from_its_newest_snapshot(
-    harness,
+    harness: WorkflowHarness,
 ) -> None:
     async with harness.worker():
         assert (await harness.snapshot()).status == "published"
@@ -200,7 +210,7 @@ async def test_restore_workflow_brings_the_run_back_from_its_newest_snapshot(
     assert harness.controller.state.ledger.sealed(2) == []
 
 
-async def test_restore_without_a_snapshot_fails_naming_it(harness) -> None:
+async def test_restore_without_a_snapshot_fails_naming_it(harness: WorkflowHarness) -> None:
     async with harness.worker():
         with pytest.raises(WorkflowFailureError) as failed:
             await harness.client.execute_workflow(
@@ -209,12 +219,15 @@ async def test_restore_without_a_snapshot_fails_naming_it(harness) -> None:
                 id=restore_workflow_id(harness.run_id, "r0"),
                 task_queue=harness.task_queue,
             )
+    assert isinstance(failed.value.cause, ActivityError)
     cause = failed.value.cause.cause  # WorkflowFailure -> ActivityError -> ApplicationError
     assert isinstance(cause, ApplicationError) and cause.type == "NoValidSnapshot"
     assert cause.non_retryable and "no snapshot" in str(cause)
 
 
-async def test_periodic_snapshots_continue_as_new_carrying_their_state(harness) -> None:
+async def test_periodic_snapshots_continue_as_new_carrying_their_state(
+    harness: WorkflowHarness,
+) -> None:
     async with harness.worker():
         handle = await harness.start_supervisor(interval_s=0.2, snapshots_per_run=2)
         first_run = handle.first_execution_run_id or handle.result_run_id
@@ -223,7 +236,10 @@ async def test_periodic_snapshots_continue_as_new_carrying_their_state(harness) 
             status = await handle.query(SnapshotSupervisor.status)
             return status if status.state.published >= 3 else None
 
-        status = await eventually_async(three_published, what="three periodic snapshots")
+        status: SupervisorStatus | None = await eventually_async(
+            three_published, what="three periodic snapshots"
+        )
+        assert status is not None
         latest = await harness.client.get_workflow_handle(supervisor_id(harness.run_id)).describe()
         await handle.signal(SnapshotSupervisor.stop)
     assert latest.run_id != first_run  # continued as new after 2 snapshots
@@ -234,7 +250,7 @@ async def test_periodic_snapshots_continue_as_new_carrying_their_state(harness) 
     assert len(kept) == 2 and kept[0] is not None and kept[0] >= 3
 
 
-async def test_an_invariant_failure_fails_the_supervisor_at_once(harness) -> None:
+async def test_an_invariant_failure_fails_the_supervisor_at_once(harness: WorkflowHarness) -> None:
     arm("phase.capture.before", "invariant")
     async with harness.worker():
         handle = await harness.start_supervisor(max_consecutive_failures=3)
@@ -249,7 +265,7 @@ async def test_an_invariant_failure_fails_the_supervisor_at_once(harness) -> Non
     assert harness.controller.status().gate_open and harness.store.list() == []
 
 
-async def test_the_park_windows_phases_run_as_local_activities(harness) -> None:
+async def test_the_park_windows_phases_run_as_local_activities(harness: WorkflowHarness) -> None:
     async with harness.worker():
         handle = await harness.start_snapshot(1)
         outcome = await handle.result()
@@ -263,7 +279,9 @@ async def test_the_park_windows_phases_run_as_local_activities(harness) -> None:
     assert {a.name for a in done if a.local} == {p.value for p in PARK_WINDOW}
 
 
-async def test_with_the_option_off_every_phase_is_a_regular_activity(harness) -> None:
+async def test_with_the_option_off_every_phase_is_a_regular_activity(
+    harness: WorkflowHarness,
+) -> None:
     options = PhaseOptions(retry_initial_s=0.05, retry_maximum_s=0.2, local_park_window=False)
     async with harness.worker():
         handle = await harness.start_snapshot(1, options=options)
@@ -272,7 +290,9 @@ async def test_with_the_option_off_every_phase_is_a_regular_activity(harness) ->
     assert [a.name for a in done if not a.local] == [p.value for p in PHASES]
 
 
-async def test_a_cancelled_snapshot_still_resumes_and_discards_its_draft(harness) -> None:
+async def test_a_cancelled_snapshot_still_resumes_and_discards_its_draft(
+    harness: WorkflowHarness,
+) -> None:
     async with harness.worker():
         with holding("phase.drain.before") as drain:
             handle = await harness.start_snapshot(1)
@@ -307,7 +327,9 @@ def _lines(caplog: pytest.LogCaptureFixture, logger: str, **fields: object) -> l
 _MISSING = object()
 
 
-async def test_each_phase_and_the_outcome_are_logged_once(harness, caplog) -> None:
+async def test_each_phase_and_the_outcome_are_logged_once(
+    harness: WorkflowHarness, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="temporalio")
     async with harness.worker():
         outcome = await harness.snapshot()
@@ -323,7 +345,9 @@ async def test_each_phase_and_the_outcome_are_logged_once(harness, caplog) -> No
     assert done.temporal_workflow["workflow_type"] == "RolloutSnapshot"
 
 
-async def test_failures_are_logged_with_their_type_and_transience(harness, caplog) -> None:
+async def test_failures_are_logged_with_their_type_and_transience(
+    harness: WorkflowHarness, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="temporalio")
     arm("phase.capture.before", "raise")
     async with harness.worker():
@@ -342,7 +366,9 @@ async def test_failures_are_logged_with_their_type_and_transience(harness, caplo
     assert gave_up.levelno == logging.ERROR and "the supervisor stops" in gave_up.getMessage()
 
 
-async def test_a_restore_is_logged_by_its_workflow(harness, caplog) -> None:
+async def test_a_restore_is_logged_by_its_workflow(
+    harness: WorkflowHarness, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="temporalio")
     async with harness.worker():
         assert (await harness.snapshot()).status == "published"

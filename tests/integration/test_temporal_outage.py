@@ -93,9 +93,10 @@ async def test_a_temporal_server_killed_mid_snapshot_comes_back_and_the_snapshot
             except TemporalUnavailable:  # the call in flight saw the outage: ask again
                 outcome = None
             # The restarted server knows the worker once its pollers (in backoff) come back.
-            last = await eventually_async(
+            last: SnapshotOutcome | None = await eventually_async(
                 lambda: published(ckpt), timeout_s=120, what="the supervisor reports it published"
             )
+            assert last is not None
             assert outcome is None or outcome.checkpoint_id == last.checkpoint_id
             await ckpt.start()  # ...and sent by the recipe's start() once the server is back
             status = await ckpt.status()

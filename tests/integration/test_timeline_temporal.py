@@ -4,6 +4,9 @@ histories after real snapshot and restore workflows ran."""
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rollsafe.core.ids import restore_workflow_id
 from rollsafe.core.phases import RestoreRequest
@@ -18,8 +21,13 @@ from rollsafe.observability.timeline import (
 from rollsafe.testing.waiting import eventually_async
 from rollsafe.workflows.restore import RestoreRun
 
+if TYPE_CHECKING:
+    from tests.integration.conftest import WorkflowHarness
 
-async def _listed(read, count: int, timeout_s: float = 10.0) -> list[Span]:
+
+async def _listed(
+    read: Callable[[], Awaitable[list[Span]]], count: int, timeout_s: float = 10.0
+) -> list[Span]:
     """Visibility (list by search attribute) is eventually consistent on the server: the
     spans once at least ``count`` are listed."""
 
@@ -27,10 +35,16 @@ async def _listed(read, count: int, timeout_s: float = 10.0) -> list[Span]:
         spans = await read()
         return spans if len(spans) >= count else None
 
-    return await eventually_async(listed, timeout_s, what=f"{count} span(s) listed")
+    spans: list[Span] | None = await eventually_async(
+        listed, timeout_s, what=f"{count} span(s) listed"
+    )
+    assert spans is not None
+    return spans
 
 
-async def test_snapshot_and_park_spans_from_workflow_histories(harness, tmp_path) -> None:
+async def test_snapshot_and_park_spans_from_workflow_histories(
+    harness: WorkflowHarness, tmp_path: Path
+) -> None:
     t0 = time.time()
     async with harness.worker():
         published = await harness.snapshot(1)
@@ -70,7 +84,9 @@ async def test_snapshot_and_park_spans_from_workflow_histories(harness, tmp_path
     assert out.read_bytes().startswith(b"\x89PNG")
 
 
-async def test_only_the_runs_own_snapshots_are_listed(harness, tmp_path) -> None:
+async def test_only_the_runs_own_snapshots_are_listed(
+    harness: WorkflowHarness, tmp_path: Path
+) -> None:
     other = type(harness)(harness.client, tmp_path / "other")  # a second run, same server
     async with harness.worker(), other.worker():
         await harness.snapshot(1)

@@ -22,6 +22,7 @@ from rollsafe.engine.protocol import GenerateRequest, SamplingParams
 from rollsafe.env import protocol as wire
 from rollsafe.env.participant import Participant
 from rollsafe.env.router import participant_app
+from rollsafe.http.served import ServedProcess
 from rollsafe.reference.envs.workplace.faults import FaultSwitches
 from rollsafe.reference.rl.servers import RunServers
 from rollsafe.testing.envs import Idle
@@ -176,6 +177,7 @@ def test_no_endpoint_takes_a_missing_or_wrong_token_and_no_token_is_in_argv_or_l
     endpoints = servers.start()
     engine_url, env_url = endpoints.engine_url, endpoints.envs["w0"]
     for server in servers.current:  # through the environment, never argv (`ps` shows argv)
+        assert isinstance(server, ServedProcess)  # a workplace run's: no NeMo Gym processes
         argv = Path(f"/proc/{server.proc.pid}/cmdline").read_bytes()
         assert minted.engine.encode() not in argv and minted.env.encode() not in argv
 

@@ -25,7 +25,7 @@ from rollsafe.dataplane.transferqueue import TransferQueueDataPlane
 from rollsafe.engine.protocol import SamplingParams, prompt_digest, seal_prefix
 from rollsafe.engine.staging import PrefixReader, prefix_key, stage_prefixes
 from rollsafe.errors import DataPlaneKeyMissing
-from rollsafe.snapshot import SnapshotStore
+from rollsafe.snapshot import SnapshotManifest, SnapshotStore
 
 pytestmark = pytest.mark.usefixtures("transferqueue")
 
@@ -120,13 +120,14 @@ def test_capture_under_a_hammering_writer_restores_every_row_intact(
     published = service.store.list()
     assert len(published) == SNAPSHOTS
     for entry in published:
+
+        def accept(m: SnapshotManifest, seq: int | None = entry.seq) -> str | None:
+            return None if m.seq == seq else "not this one"
+
         plane = TransferQueueDataPlane()  # a clean namespace, as after a crash
         try:
             restored, _ = RunState.restore(
-                service.state.config,
-                service.store,
-                plane,
-                accept=lambda m, seq=entry.seq: None if m.seq == seq else "not this one",
+                service.state.config, service.store, plane, accept=accept
             )
             sealed = {
                 restored.row_key(idx, i): (idx, i)

@@ -88,7 +88,7 @@ async def cut_each_after(
 ) -> Completion | PrefixRecord:
     """Read ``count`` tokens, then cut this call alone (the engine may have made a few more):
     its prefix record, or its completion if it finished first."""
-    stream: AsyncIterator = engine.generate(request)
+    stream: AsyncIterator[StreamEvent] = engine.generate(request)
     events = []
     async for event in stream:
         events.append(event)
@@ -225,7 +225,7 @@ async def test_refusals_name_their_reason_and_leave_the_engine_serving(
             "constrained": "constrained_decoding",
             "never-started": "not_admitted",
         }
-        await stream.aclose()  # type: ignore[attr-defined]
+        await stream.aclose()
         for tokens, problem in (((3, VOCAB), "outside"), ((-1,), "outside")):
             with pytest.raises(InvalidInput, match=problem):
                 await completed(engine, request.model_copy(update={"prompt_tokens": tokens}))

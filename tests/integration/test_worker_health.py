@@ -54,7 +54,7 @@ OPTIONS = PhaseOptions(
 
 
 async def waited(
-    condition: Callable[[], Awaitable[Any]], what: str, context: Callable[[], str]
+    condition: Callable[[], Awaitable[Any] | Any], what: str, context: Callable[[], str]
 ) -> Any:
     """``condition``'s first truthy value within WAIT_S; a failure notes ``context()`` (the
     worker's log tail, the workflow's last description)."""
@@ -125,7 +125,10 @@ class WorkerProcess:
                 raise AssertionError(f"exited without printing {pattern!r}")
             return None
 
-        return await waited(printed, f"the worker printed {pattern!r}", self.describe)
+        found: re.Match[str] | str = await waited(
+            printed, f"the worker printed {pattern!r}", self.describe
+        )
+        return found
 
     async def exited(self) -> int:
         assert self.proc is not None
@@ -348,7 +351,8 @@ async def test_a_stuck_worker_says_so_is_named_by_inspect_and_exits_for_a_new_on
         async def said_stuck() -> dict[str, Any] | None:
             answers = [await get(http, port, path) for path in ("/healthz", "/livez")]
             if all(a.status_code == 503 and a.json()["status"] == "stuck" for a in answers):
-                return answers[0].json()
+                said: dict[str, Any] = answers[0].json()
+                return said
             return None
 
         body = await waited(said_stuck, "both probes say stuck", stuck.describe)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from rollsafe.engine.protocol import (
     TokenEvent,
 )
 from rollsafe.engine.torch_engine import TorchEngine
+from rollsafe.env.hooks import Apply
 from rollsafe.env.participant import Participant
 from rollsafe.env.protocol import (
     EPISODES_RUN,
@@ -79,7 +80,7 @@ class Session:
         prefixes: dict[str, PrefixRecord] | None = None,
     ) -> None:
         self.env, self.episode, self.restored, self.park_at = env, episode, restored, park_at
-        self.prefixes = dict(prefixes or {})
+        self.prefixes: Mapping[str, PrefixRecord] = dict(prefixes or {})
         self._unused = dict(self.prefixes)
         self.resumed: dict[str, int] = {}
         self.boundaries: list[int] = []
@@ -112,6 +113,9 @@ class Session:
     @contextmanager
     def tool(self) -> Iterator[None]:
         yield
+
+    async def effect(self, turn: int, name: str, apply: Apply, *, args: Any = None) -> Any:
+        raise AssertionError("the workplace environment applies no effects")
 
 
 class CuttingEngine:
@@ -429,7 +433,10 @@ async def test_checkpoint_mid_generation_restores_over_http(
             cut = await engine.cut(calls)
             return cut if cut.prefixes else None
 
-        cut = await eventually_async(one_cut, 10, what="a call of the episode cut mid-generation")
+        cut: CutReport | None = await eventually_async(
+            one_cut, 10, what="a call of the episode cut mid-generation"
+        )
+        assert cut is not None
         (prefix,) = cut.prefixes
         prepared = await control(
             env_http,

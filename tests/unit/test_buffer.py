@@ -6,7 +6,7 @@ from rollsafe.core.states import GroupState as G
 from rollsafe.errors import IllegalTransition, InvalidInput, SnapshotCorrupt, UnknownGroup
 
 
-def index_with(groups: dict[int, tuple[G, int]], size=2) -> ReplayIndex:
+def index_with(groups: dict[int, tuple[G, int]], size: int = 2) -> ReplayIndex:
     """groups: idx -> (state, start version); builds them through real transitions."""
     index = ReplayIndex(size)
     for idx, (state, version) in sorted(groups.items()):

@@ -10,12 +10,19 @@ import socket
 import subprocess
 import sys
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
-from typing import ClassVar, get_args
+from typing import TYPE_CHECKING, Any, ClassVar, get_args
 
 import pytest
 
 from rollsafe.versions import CONTRACT, THIS
+
+if TYPE_CHECKING:
+    from typer.testing import Result
+
+    from rollsafe.snapshot import SnapshotStore
+    from rollsafe.workflows.models import SnapshotOutcome
 
 SCENARIOS = Path(__file__).parent.parent / "scenarios"
 
@@ -30,12 +37,12 @@ def rollsafe(*args: str | Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def write(path: Path, scenario: dict) -> Path:
+def write(path: Path, scenario: dict[str, Any]) -> Path:
     path.write_text(json.dumps(scenario))
     return path
 
 
-def scenario(*events: dict, **fields) -> dict:
+def scenario(*events: dict[str, Any], **fields: Any) -> dict[str, Any]:
     return {
         "name": "t",
         "sampler": "windowed",
@@ -267,7 +274,7 @@ NO_PROFILE = {  # Temporal found from these variables alone: no user profile lea
 }
 
 
-def invoke(*args: str | Path, env: dict[str, str | None] | None = None):
+def invoke(*args: str | Path, env: Mapping[str, str | None] | None = None) -> "Result":
     from typer.testing import CliRunner
 
     from rollsafe.cli.app import app
@@ -275,7 +282,7 @@ def invoke(*args: str | Path, env: dict[str, str | None] | None = None):
     return CliRunner().invoke(app, [str(arg) for arg in args], env=env)
 
 
-def one_line_error(result) -> str:
+def one_line_error(result: "Result") -> str:
     """The failure's stderr, checked to be one line and no traceback."""
     assert "Traceback" not in result.output, result.output
     lines = result.stderr.strip().splitlines()
@@ -291,7 +298,7 @@ def dead_port():
         yield sock.getsockname()[1]
 
 
-def publish(root: Path, *checkpoints: str, run: str = RUN):
+def publish(root: Path, *checkpoints: str, run: str = RUN) -> "SnapshotStore":
     from rollsafe.snapshot import SnapshotKind, SnapshotStore
 
     store = SnapshotStore(root, run)
@@ -358,8 +365,10 @@ def test_object_storage_is_verified_one_snapshot_at_a_time(tmp_path, monkeypatch
     def recorded(description, total=None):
         seen["total"] = total
 
-        def advance():
-            seen["advanced"] += 1
+        def advance() -> None:
+            advanced = seen["advanced"]
+            assert advanced is not None
+            seen["advanced"] = advanced + 1
 
         yield advance
 
@@ -473,7 +482,7 @@ GATEWAY = ("gateway", "serve", "--port", "0", "--model", "m", "--engine-url", "h
 
 
 @pytest.fixture
-def served_tokens(monkeypatch) -> list[str]:
+def served_tokens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """`engine serve` with the engine and the server replaced: the token it would serve with."""
     tokens: list[str] = []
 
@@ -640,7 +649,7 @@ class FakeCheckpointer:
     plan = None
     error: Exception | None = None
     workers_present = True
-    asked: ClassVar[list] = []
+    asked: ClassVar[list[tuple[object, ...]]] = []
 
     def __init__(self, run_id, *, client):
         self.run_id = run_id
@@ -675,7 +684,7 @@ def checkpointer(monkeypatch):
     return fake
 
 
-def outcome(status: str, reason: str = ""):
+def outcome(status: str, reason: str = "") -> "SnapshotOutcome":
     from rollsafe.core.phases import PublishedSnapshotInfo
     from rollsafe.workflows.models import SnapshotOutcome
 
@@ -815,7 +824,9 @@ def test_verify_of_missing_evidence_is_a_usage_error_with_nothing_on_stdout(tmp_
     one_line_error(result)
 
 
-def test_config_show_names_each_value_and_its_source(tmp_path: Path, monkeypatch) -> None:
+def test_config_show_names_each_value_and_its_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from typer.testing import CliRunner
 
     from rollsafe.cli.app import app
@@ -856,7 +867,7 @@ def test_long_running_commands_take_log_flags_with_choices(command: list[str]) -
     assert wrong.exit_code == 2 and "xml" in wrong.output
 
 
-def test_log_settings_are_checked_before_a_worker_starts(monkeypatch) -> None:
+def test_log_settings_are_checked_before_a_worker_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
     from rollsafe.cli.app import app

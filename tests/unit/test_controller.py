@@ -2,6 +2,7 @@
 
 import hashlib
 import types
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import rollsafe.snapshot._fs as fs_module
 import rollsafe.snapshot.select as select_module
 from rollsafe.core.config import RunConfig
 from rollsafe.core.ids import snapshot_dir_name
+from rollsafe.core.phases import RestorePlan
 from rollsafe.core.run_state import ROLLOUT_PARTITION, EnvironmentsRestored, RunState
 from rollsafe.core.states import AttemptState, GroupState
 from rollsafe.dataplane import make_dataplane
@@ -30,7 +32,7 @@ from rollsafe.snapshot import SnapshotStore
 RUN = "ctl"
 
 
-def config(**overrides) -> RunConfig:
+def config(**overrides: Any) -> RunConfig:
     return RunConfig(**{"run_id": RUN, "group_size": 2, "groups_per_step": 2, **overrides})
 
 
@@ -41,7 +43,7 @@ def commit(run: RunState, idx: int, i: int, owner: str | None = None) -> None:
     run.seal(idx, i, attempt, row_content(idx, i, attempt))
 
 
-def busy_run(**overrides) -> RunState:
+def busy_run(**overrides: Any) -> RunState:
     """Groups 0-1 ready, 2 half done, 3 never dispatched; one step committed."""
     run = RunState(config(**overrides), make_dataplane("memory"))
     run.handout([0, 1, 2, 3, 4])
@@ -54,7 +56,7 @@ def busy_run(**overrides) -> RunState:
     return run
 
 
-def restore(store, **overrides):
+def restore(store: SnapshotStore, **overrides: Any) -> tuple[RunState, RestorePlan]:
     return RunState.restore(config(**overrides), store, make_dataplane("memory"))
 
 
@@ -130,20 +132,20 @@ def test_a_restore_hashes_each_byte_of_the_snapshot_once(tmp_path, monkeypatch):
     assert hashed == [files + (snapshot / "manifest.json").stat().st_size]
 
 
-def count_hashed_bytes(monkeypatch) -> list[int]:
+def count_hashed_bytes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the bytes every sha256 of the snapshot and data-plane readers is fed."""
     total = [0]
 
     class Counted:
-        def __init__(self, data=b""):
+        def __init__(self, data: bytes | memoryview = b"") -> None:
             self._hash = hashlib.sha256()
             self.update(data)
 
-        def update(self, data):
+        def update(self, data: bytes | memoryview) -> None:
             total[0] += len(data)
             self._hash.update(data)
 
-        def hexdigest(self):
+        def hexdigest(self) -> str:
             return self._hash.hexdigest()
 
     counting = types.SimpleNamespace(sha256=Counted)

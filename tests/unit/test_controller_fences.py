@@ -3,6 +3,8 @@ that has published snapshots awaits its restore (docs/design.md invariant 8), an
 past its lease reopens by itself and abandons its snapshot (invariant 6). A fake clock moves
 the lease; nothing sleeps."""
 
+from pathlib import Path
+
 import pytest
 
 from rollsafe.checkpoint.controller import Controller
@@ -12,6 +14,7 @@ from rollsafe.core.phases import (
     SKIPPING_ERRORS,
     Phase,
     PhaseRequest,
+    PhaseResult,
     RestoreRequest,
     SnapshotSpec,
 )
@@ -33,12 +36,12 @@ class FakeClock:
         return self.now
 
 
-def run(ops: Controller, phase: Phase, seq: int = 1):
+def run(ops: Controller, phase: Phase, seq: int = 1) -> PhaseResult:
     spec = SnapshotSpec(run_id=RUN, seq=seq)
     return ops.run_phase(PhaseRequest(spec=spec, phase=phase, admission_lease_s=LEASE_S))
 
 
-def publish_one(root) -> str:
+def publish_one(root: Path) -> str:
     """The run before the crash: one published snapshot of a busy controller."""
     ops = Controller.from_parts(busy_run(RUN, make_dataplane("memory")), SnapshotStore(root, RUN))
     published = [run(ops, phase) for phase in PHASES][-1].published
@@ -120,7 +123,7 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def leased(tmp_path, clock) -> tuple[Controller, SnapshotStore]:
+def leased(tmp_path: Path, clock: FakeClock) -> tuple[Controller, SnapshotStore]:
     store = SnapshotStore(tmp_path, RUN)
     return Controller.from_parts(busy_run(RUN, make_dataplane("memory")), store, clock=clock), store
 

@@ -3,13 +3,15 @@ memory data plane and snapshot store."""
 
 import re
 import threading
+from pathlib import Path
 
 import pytest
 
 from rollsafe.checkpoint.controller import ABORT, Controller
+from rollsafe.checkpoint.participants import Participants
 from rollsafe.core.config import RunConfig
 from rollsafe.core.ids import checkpoint_id_for
-from rollsafe.core.phases import PHASES, Phase, PhaseRequest, SnapshotSpec
+from rollsafe.core.phases import PHASES, Phase, PhaseRequest, PhaseResult, SnapshotSpec
 from rollsafe.core.run_state import ROLLOUT_PARTITION, RunState
 from rollsafe.core.states import AttemptState
 from rollsafe.dataplane import make_dataplane
@@ -65,15 +67,15 @@ def busy(service: Controller) -> Controller:
 
 
 @pytest.fixture
-def ops(tmp_path) -> Controller:
+def ops(tmp_path: Path) -> Controller:
     return busy(Controller(config(), tmp_path))
 
 
-def run(ops: Controller, phase: Phase, spec: SnapshotSpec = SPEC):
+def run(ops: Controller, phase: Phase, spec: SnapshotSpec = SPEC) -> PhaseResult:
     return ops.run_phase(PhaseRequest(spec=spec, phase=phase))
 
 
-def run_all(ops: Controller, spec: SnapshotSpec = SPEC):
+def run_all(ops: Controller, spec: SnapshotSpec = SPEC) -> list[PhaseResult]:
     return [run(ops, phase, spec) for phase in PHASES]
 
 
@@ -197,7 +199,8 @@ def test_dispatch_waits_at_a_closed_gate(ops):
     episode = ops.dispatch(3, 0)
     assert episode is not None and episode.attempt == 0  # the refusal spent no attempt
     # The snapshot holds the state at capture: group 3 not dispatched.
-    assert run(ops, Phase.PUBLISH).published.counts == EXPECTED_COUNTS
+    info = run(ops, Phase.PUBLISH).published
+    assert info is not None and info.counts == EXPECTED_COUNTS
 
 
 def test_abort_discards_the_draft_and_refuses_the_checkpoint_afterwards(ops):
@@ -215,7 +218,8 @@ def test_abort_discards_the_draft_and_refuses_the_checkpoint_afterwards(ops):
             run(ops, phase)
     assert not run(ops, Phase.RESUME).replayed  # resume is always allowed
     second = SnapshotSpec(run_id=RUN, seq=2)
-    assert run_all(ops, second)[-1].published.name == "00000002-rollout"
+    info = run_all(ops, second)[-1].published
+    assert info is not None and info.name == "00000002-rollout"
 
 
 def test_abort_of_a_checkpoint_never_opened(ops):
@@ -314,7 +318,7 @@ def test_a_slow_fsync_at_publish_holds_nothing_of_the_run_and_the_snapshot_publi
     and rollouts dispatch and seal meanwhile; once the disk answers, the snapshot publishes."""
     for phase in PHASES[: PHASES.index(Phase.RESUME) + 1]:
         run(ops, phase)
-    outcome: list[object] = []
+    outcome: list[PhaseResult] = []
     with holding("store.before_manifest") as slow:
         publishing = threading.Thread(target=lambda: outcome.append(run(ops, Phase.PUBLISH)))
         publishing.start()
@@ -326,7 +330,8 @@ def test_a_slow_fsync_at_publish_holds_nothing_of_the_run_and_the_snapshot_publi
         assert not outcome  # (listing the store waits: publish holds its directory lock)
     publishing.join(timeout=30)
     assert published(ops.store) == ["00000001-rollout"]
-    assert outcome and outcome[0].published.counts == EXPECTED_COUNTS  # the capture, not later
+    assert outcome and outcome[0].published is not None
+    assert outcome[0].published.counts == EXPECTED_COUNTS  # the capture, not later
 
 
 def test_the_run_goes_on_between_capture_and_publish_and_the_snapshot_is_the_capture(ops):
@@ -368,9 +373,9 @@ def test_a_checkpoint_of_another_run_is_refused(ops):
 def test_concurrent_duplicates_take_effect_once(ops):
     """Temporal may run an attempt beside its retry; Ray may run them on two threads."""
     for phase in PHASES:
-        results: list = []
+        results: list[PhaseResult] = []
 
-        def attempt(p: Phase = phase, out: list = results) -> None:
+        def attempt(p: Phase = phase, out: list[PhaseResult] = results) -> None:
             out.append(run(ops, p))
 
         threads = [threading.Thread(target=attempt) for _ in range(4)]
@@ -410,7 +415,8 @@ class FlakyParticipants:
 
 def test_admission_reopens_even_when_the_environments_cannot_be_resumed(tmp_path):
     flaky = FlakyParticipants()
-    ops = busy(Controller(config(), tmp_path, participants=flaky))
+    fake: Participants = flaky  # type: ignore[assignment]  # only the calls these phases make
+    ops = busy(Controller(config(), tmp_path, participants=fake))
     run(ops, Phase.OPEN)
     run(ops, Phase.CLOSE_ADMISSION)
     with pytest.raises(EnvUnavailable):

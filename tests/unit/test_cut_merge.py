@@ -25,7 +25,7 @@ from rollsafe.loop_thread import LoopThread
 
 
 def cut(staged: dict[str, int], **reasons: str) -> StagedCut:
-    refused = tuple(CutRefusal(call_id=c, reason=r) for c, r in reasons.items())  # type: ignore[arg-type]
+    refused = tuple(CutRefusal(call_id=c, reason=r) for c, r in reasons.items())
     return StagedCut(staged=staged, refused=refused, handoffs=1)
 
 

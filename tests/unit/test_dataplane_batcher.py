@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import math
 import threading
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from pydantic import ValidationError
 
 from rollsafe.dataplane.batcher import BatcherStats, ReadBatcher
 from rollsafe.dataplane.memory import MemoryDataPlane
+from rollsafe.dataplane.protocol import DataPlaneManifest, Row
 from rollsafe.errors import DataPlaneKeyMissing, DataPlaneUnavailable, InvalidInput
 from rollsafe.testing.waiting import eventually_async
 
@@ -44,7 +47,7 @@ class CountingPlane:
         self.gate: threading.Event | None = None  # when set up, the first read waits on it
         self.entered = threading.Event()
 
-    def put(self, partition: str, rows: dict[str, dict[str, np.ndarray]]) -> None:
+    def put(self, partition: str, rows: Mapping[str, Row]) -> None:
         self.inner.put(partition, rows)
 
     def get(self, partition: str, keys: Iterable[str]) -> dict[str, dict[str, np.ndarray]]:
@@ -68,6 +71,31 @@ class CountingPlane:
     def sizes(self) -> list[int]:
         return [len(call) for call in self.calls]
 
+    # The rest of the DataPlane protocol, passed straight to the inner plane.
+
+    def list(self, partition: str) -> builtins.list[str]:
+        return self.inner.list(partition)
+
+    def count(self, partition: str) -> int:
+        return self.inner.count(partition)
+
+    def delete(self, partition: str, keys: Iterable[str]) -> None:
+        self.inner.delete(partition, keys)
+
+    def clear(self, partition: str | None = None) -> None:
+        self.inner.clear(partition)
+
+    def partitions(self) -> builtins.list[str]:
+        return self.inner.partitions()
+
+    def export(
+        self, directory: Path, keys: Mapping[str, Collection[str]] | None = None
+    ) -> DataPlaneManifest:
+        return self.inner.export(directory, keys)
+
+    def import_(self, directory: Path, manifest: DataPlaneManifest) -> None:
+        self.inner.import_(directory, manifest)
+
 
 def assert_row(got: object, i: int) -> None:
     assert isinstance(got, dict), got
@@ -78,7 +106,9 @@ def assert_row(got: object, i: int) -> None:
         np.testing.assert_array_equal(got[field], array)
 
 
-async def read_all(batcher: ReadBatcher, keys: Iterable[str]) -> list[object]:
+async def read_all(
+    batcher: ReadBatcher, keys: Iterable[str]
+) -> list[dict[str, np.ndarray] | BaseException]:
     return await asyncio.gather(*(batcher.read(k) for k in keys), return_exceptions=True)
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,7 +34,10 @@ def mixed_rows() -> dict[str, dict[str, np.ndarray]]:
             "done": np.array(True),
         },
         "a/b/c": {"tokens": np.arange(5, dtype=np.int32), "mask": np.array([True, False, True])},
-        "ключ-🙂": {"tokens": np.zeros((2, 3), dtype=np.int32), "half": np.float16([1.5, -0.0])},
+        "ключ-🙂": {
+            "tokens": np.zeros((2, 3), dtype=np.int32),
+            "half": np.array([1.5, -0.0], np.float16),
+        },
         "empty-arrays": {"tokens": np.zeros(0, np.int64), "grid": np.zeros((3, 0), np.float64)},
         "scalars": {"reward": np.array(0.25, np.float64), "step": np.array(-3, np.int64)},
         "no-fields": {},
@@ -41,7 +46,9 @@ def mixed_rows() -> dict[str, dict[str, np.ndarray]]:
     }
 
 
-def assert_same_rows(got: dict[str, dict[str, np.ndarray]], want: dict[str, dict[str, np.ndarray]]):
+def assert_same_rows(
+    got: dict[str, dict[str, np.ndarray]], want: dict[str, dict[str, np.ndarray]]
+) -> None:
     assert sorted(got) == sorted(want)
     for key, row in want.items():
         assert sorted(got[key]) == sorted(row), key
@@ -53,7 +60,9 @@ def assert_same_rows(got: dict[str, dict[str, np.ndarray]], want: dict[str, dict
         assert row_digest(got[key]) == row_digest(row), key
 
 
-def loaded(rows: dict[str, dict[str, np.ndarray]], **partitions: dict) -> MemoryDataPlane:
+def loaded(
+    rows: dict[str, dict[str, np.ndarray]], **partitions: dict[str, dict[str, np.ndarray]]
+) -> MemoryDataPlane:
     plane = MemoryDataPlane()
     plane.put("rollouts", rows)
     for name, more in partitions.items():
@@ -61,7 +70,9 @@ def loaded(rows: dict[str, dict[str, np.ndarray]], **partitions: dict) -> Memory
     return plane
 
 
-def rewrite(directory: Path, manifest: DataPlaneManifest, path: str, data: bytes):
+def rewrite(
+    directory: Path, manifest: DataPlaneManifest, path: str, data: bytes
+) -> DataPlaneManifest:
     """Replace one exported file and re-sign it in the manifest: only the decoder can object."""
     (directory / path).write_bytes(data)
     files = [
@@ -73,7 +84,9 @@ def rewrite(directory: Path, manifest: DataPlaneManifest, path: str, data: bytes
     return manifest.model_copy(update={"files": files})
 
 
-def retensor(directory: Path, path: str, change) -> bytes:
+def retensor(
+    directory: Path, path: str, change: Callable[[dict[str, np.ndarray]], object]
+) -> bytes:
     tensors, metadata = read_tensors((directory / path).read_bytes(), path)
     tensors = {name: np.array(array) for name, array in tensors.items()}
     change(tensors)
@@ -85,8 +98,11 @@ def retensor(directory: Path, path: str, change) -> bytes:
     return data
 
 
+Exported = tuple[Path, DataPlaneManifest]  # the export directory and its manifest
+
+
 @pytest.fixture
-def exported(tmp_path: Path):
+def exported(tmp_path: Path) -> Exported:
     plane = loaded(mixed_rows(), prefixes={"p1": {"ids": np.arange(4, dtype=np.int32)}})
     directory = tmp_path / "export"
     return directory, plane.export(directory)
@@ -236,7 +252,7 @@ def test_row_digest_tells_a_scalar_from_a_one_element_vector():
 # -- export and import ---------------------------------------------------------------------------
 
 
-def test_round_trip_is_exact(tmp_path: Path):
+def test_round_trip_is_exact(tmp_path: Path) -> None:
     rows = mixed_rows()
     prefixes = {"p1": {"ids": np.arange(4, dtype=np.int32)}, "p/2": {"ids": np.array(9)}}
     plane = loaded(rows, prefixes=prefixes)
@@ -269,7 +285,7 @@ def test_manifest_lists_every_file_with_its_hash(exported):
     assert all(p.endswith((".json", ".safetensors")) for p in on_disk)
 
 
-def test_export_is_columnar_not_one_tensor_per_row(tmp_path: Path):
+def test_export_is_columnar_not_one_tensor_per_row(tmp_path: Path) -> None:
     plane = MemoryDataPlane()
     rows = {
         f"r{i}": {"tokens": np.full(10, i, np.int32), "r": np.array(i * 0.5)} for i in range(500)
@@ -284,13 +300,13 @@ def test_export_is_columnar_not_one_tensor_per_row(tmp_path: Path):
     assert_same_rows(other.get("p", rows), rows)
 
 
-def test_export_is_deterministic(tmp_path: Path):
+def test_export_is_deterministic(tmp_path: Path) -> None:
     plane = loaded(mixed_rows())
     first, second = plane.export(tmp_path / "a"), plane.export(tmp_path / "b")
     assert first == second
 
 
-def test_shards_split_large_partitions(tmp_path: Path):
+def test_shards_split_large_partitions(tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
     rows = {
         f"k{i:03d}": {"a": rng.integers(0, 9, 40, dtype=np.int64), "b": rng.random(i % 5)}
@@ -308,7 +324,7 @@ def test_shards_split_large_partitions(tmp_path: Path):
     assert_same_rows(other.get("p", rows), rows)
 
 
-def test_empty_plane_round_trips(tmp_path: Path):
+def test_empty_plane_round_trips(tmp_path: Path) -> None:
     manifest = MemoryDataPlane().export(tmp_path / "x")
     assert manifest.files == [] and manifest.partitions == {}
     other = MemoryDataPlane()
@@ -316,7 +332,7 @@ def test_empty_plane_round_trips(tmp_path: Path):
     assert other.partitions() == []
 
 
-def test_export_refuses_a_non_empty_target(tmp_path: Path):
+def test_export_refuses_a_non_empty_target(tmp_path: Path) -> None:
     plane = loaded(mixed_rows())
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
@@ -329,7 +345,7 @@ def test_export_refuses_a_non_empty_target(tmp_path: Path):
     plane.export(tmp_path / "empty")
 
 
-def test_export_sees_rows_as_they_were(tmp_path: Path):
+def test_export_sees_rows_as_they_were(tmp_path: Path) -> None:
     plane = loaded({"a": {"x": np.zeros(2)}})
     manifest = plane.export(tmp_path / "x")
     plane.put("rollouts", {"a": {"x": np.ones(2)}, "b": {}})
@@ -427,7 +443,7 @@ def test_symlink_is_refused(exported):
     refused(directory, manifest, SnapshotCorrupt)
 
 
-def test_listed_file_replaced_by_a_symlink_is_refused(exported, tmp_path: Path):
+def test_listed_file_replaced_by_a_symlink_is_refused(exported: Exported, tmp_path: Path) -> None:
     directory, manifest = exported
     path = directory / manifest.files[0].path
     outside = tmp_path / "outside"
@@ -465,12 +481,12 @@ def test_foreign_manifest_is_a_schema_mismatch(exported, update):
     refused(directory, manifest.model_copy(update=update), SchemaMismatch)
 
 
-def test_missing_directory_is_refused(tmp_path: Path, exported):
+def test_missing_directory_is_refused(tmp_path: Path, exported: Exported) -> None:
     _, manifest = exported
     refused(tmp_path / "nowhere", manifest, SnapshotCorrupt)
 
 
-def index_with(directory: Path, change) -> bytes:
+def index_with(directory: Path, change: Callable[[dict[str, Any]], object]) -> bytes:
     index = json.loads((directory / "rollouts/index.json").read_bytes())
     change(index)
     return json.dumps(index).encode()
@@ -504,8 +520,10 @@ def test_unreadable_index_is_refused(exported):
     assert "rollouts/index.json" in refused(directory, manifest, SnapshotCorrupt)
 
 
-def _set(part: str, value):
-    def change(tensors, chunk):
+def _set(
+    part: str, value: Callable[[np.ndarray], np.ndarray]
+) -> Callable[[dict[str, np.ndarray], str], None]:
+    def change(tensors: dict[str, np.ndarray], chunk: str) -> None:
         tensors[f"{chunk}.{part}"] = value(tensors[f"{chunk}.{part}"])
 
     return change

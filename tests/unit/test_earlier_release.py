@@ -14,24 +14,25 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 from typer.testing import CliRunner
 
 from rollsafe.cli.app import app
 from rollsafe.dataplane import make_dataplane
-from rollsafe.evidence.scenario import SCENARIO_RUN_ID, Scenario, ScenarioRunner
+from rollsafe.evidence.scenario import SCENARIO_RUN_ID, Scenario, ScenarioReport, ScenarioRunner
 from rollsafe.journal.head import read_head
 from rollsafe.journal.segments import read_journal
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "release-5e93865"
 
 
-def scenario(events: list[dict]) -> Scenario:
+def scenario(events: list[dict[str, Any]]) -> Scenario:
     raw = json.loads((FIXTURE / "scenario.json").read_text())
     return Scenario.model_validate({**raw, "events": events})
 
 
-def run(events: list[dict], root: Path):
+def run(events: list[dict[str, Any]], root: Path) -> ScenarioReport:
     runner = ScenarioRunner(scenario(events), root, lambda: make_dataplane("memory"))
     return runner.run()
 

@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +133,7 @@ class Submitter(EnvironmentHooks):
         self.turn: dict[str, int] = {}
         self.inside: dict[tuple[str, int], asyncio.Event] = {}  # (key, turn) -> entered
         self.gates: dict[tuple[str, int], asyncio.Event] = {}  # (key, turn) -> release
-        self.value = lambda turn: turn * 10
+        self.value: Callable[[int], int] = lambda turn: turn * 10
 
     def hold_effect(self, ep: EpisodeRef, turn: int) -> None:
         self.inside[(ep.key, turn)], self.gates[(ep.key, turn)] = asyncio.Event(), asyncio.Event()

@@ -13,7 +13,9 @@ def test_close_and_open_are_idempotent_per_checkpoint():
     assert gate.is_open and gate.holder is None
     assert gate.close("ck-1").changed
     assert not gate.close("ck-1").changed  # a retried close_admission
-    assert (gate.is_open, gate.holder) == (False, "ck-1")
+    # Re-read after close(): mypy would otherwise keep the narrowing from the first assert.
+    state: tuple[bool, str | None] = (gate.is_open, gate.holder)
+    assert state == (False, "ck-1")
     assert gate.open("ck-1").changed
     again = gate.open("ck-1")
     assert not again.changed and "already open" in again.detail

@@ -31,7 +31,7 @@ from typing import Any
 import jsonschema  # type: ignore[import-untyped]
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
-import yaml  # type: ignore[import-untyped]
+import yaml
 
 from rollsafe.temporal.search_attributes import ALL
 

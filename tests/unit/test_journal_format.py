@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -104,7 +105,9 @@ def test_a_record_out_of_sequence_is_corrupt() -> None:
         (lambda d: d[:8] + b"\x03\x00" + d[10:], r"format version 3; this rollsafe reads \(1, 2\)"),
     ],
 )
-def test_a_header_that_is_not_this_formats_is_refused_by_name(mangle, named: str) -> None:
+def test_a_header_that_is_not_this_formats_is_refused_by_name(
+    mangle: Callable[[bytes], bytes], named: str
+) -> None:
     data, _ = segment()
     with pytest.raises(JournalCorrupt, match=named):
         decode_header(mangle(data), "seg-1")

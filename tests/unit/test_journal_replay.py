@@ -9,6 +9,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import fsspec
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 from rollsafe.checkpoint.controller import Controller
 from rollsafe.core.columns import in_key_order
 from rollsafe.core.config import RunConfig
-from rollsafe.core.phases import RestoreRequest
+from rollsafe.core.phases import RestorePlan, RestoreRequest
 from rollsafe.core.run_state import ROLLOUT_PARTITION, EnvironmentsRestored, RunState
 from rollsafe.core.states import GroupState
 from rollsafe.dataplane import make_dataplane
@@ -59,7 +60,7 @@ class Run:
         self.durable()  # everything acknowledged was durable
         self.journal.close()
 
-    def restore(self, weight_version: int | None = None):
+    def restore(self, weight_version: int | None = None) -> RestorePlan:
         self.journal = RunJournal.for_store(self.store, flush_ms=None)
         state, plan = RunState.restore(
             config(),
@@ -76,7 +77,7 @@ class Run:
         return self.store.run_dir / JOURNAL_DIR
 
 
-def picture(run: RunState) -> tuple:
+def picture(run: RunState) -> tuple[object, ...]:
     """Everything a restore must bring back: ledger, index, loader, rows."""
     ledger = in_key_order(run.ledger.capture()[0])
     index = in_key_order(run.index.capture()[0])
@@ -331,7 +332,9 @@ class FailingEnvironments:
     def instance_for(self, placement: int) -> str:
         return "w0"
 
-    def restore_snapshot(self, restore_id: str, reader, dataplane, changed):
+    def restore_snapshot(
+        self, restore_id: str, reader: object, dataplane: object, changed: object
+    ) -> NoReturn:
         raise LedgerInvariantViolation("w0 restored an episode the run does not own")
 
 

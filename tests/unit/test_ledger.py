@@ -1,10 +1,11 @@
 import hashlib
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from rollsafe.core.columns import in_key_order
-from rollsafe.core.ledger import AttemptState, Ledger, RestoreLevel, seal_digest
+from rollsafe.core.ledger import AttemptState, Ledger, RestartOutcome, RestoreLevel, seal_digest
 from rollsafe.core.states import ATTEMPT_TRANSITIONS
 from rollsafe.errors import (
     IllegalTransition,
@@ -22,7 +23,9 @@ def digest(text: str) -> bytes:
     return hashlib.sha256(text.encode()).digest()
 
 
-def ledger(level=RestoreLevel.SIBLING, groups=(7,), size=2) -> Ledger:
+def ledger(
+    level: RestoreLevel = RestoreLevel.SIBLING, groups: tuple[int, ...] = (7,), size: int = 2
+) -> Ledger:
     led = Ledger("run", size)
     for idx in groups:
         led.reserve_group(idx, level)
@@ -99,17 +102,18 @@ def test_abandoning_a_reserved_attempt_retires_nothing():
 
 @pytest.mark.parametrize("current", list(A))
 @pytest.mark.parametrize("target", list(A))
-def test_transition_table_is_enforced(current, target):
+def test_transition_table_is_enforced(current: AttemptState, target: AttemptState) -> None:
     allowed = target in ATTEMPT_TRANSITIONS[current]
     led = ledger()
     led._table.column("state")[led._slot(7), 0] = int(current)
-    move = {
+    moves: dict[AttemptState, Callable[[], object]] = {
         A.RESERVED: lambda: led.refuse(7, 0) if current == A.DISPATCHED else led.retry(7, 0),
         A.DISPATCHED: lambda: led.dispatch(7, 0),
         A.SEALED: lambda: led._move(7, 0, A.SEALED, "seal"),
         A.FAILED: lambda: led.fail(7, 0),
         A.ABANDONED: lambda: led.abandon(7, 0),
-    }[target]
+    }
+    move = moves[target]
     if allowed:
         move()
         assert led.state(7, 0) == target
@@ -131,7 +135,9 @@ def test_unknown_group_and_sibling_are_named():
         led.reserve_group(7, RestoreLevel.SIBLING)
 
 
-def _half_done(level, restored=None):
+def _half_done(
+    level: RestoreLevel, restored: dict[int, str] | None = None
+) -> tuple[Ledger, RestartOutcome]:
     led = ledger(level, size=3)
     led.dispatch(7, 0, owner="env-1")
     led.seal(7, 0, 0, digest("a"))

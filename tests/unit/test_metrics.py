@@ -14,6 +14,7 @@ import sys
 import textwrap
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +26,26 @@ from rollsafe.checkpoint.controller import Controller
 from rollsafe.checkpoint.participants import ENVS_DIR, ParticipantsRecord
 from rollsafe.core.config import RunConfig
 from rollsafe.core.ids import EpisodeId, GroupId
-from rollsafe.core.phases import PHASES, Phase, PhaseRequest, RestoreRequest, SnapshotSpec
-from rollsafe.core.run_state import EnvironmentsRestored
+from rollsafe.core.ledger import Retirement
+from rollsafe.core.phases import (
+    PHASES,
+    Phase,
+    PhaseRequest,
+    PhaseResult,
+    RestoreRequest,
+    SnapshotSpec,
+)
+from rollsafe.core.run_state import Changed, EnvironmentsRestored
+from rollsafe.dataplane import DataPlane
 from rollsafe.engine.protocol import CutRefusal
 from rollsafe.engine.staging import StagedCut
 from rollsafe.env.fleet_rules import FleetCommitted, FleetPrepared
+from rollsafe.env.protocol import EpisodeRef
 from rollsafe.errors import InjectedFault, InvalidInput
 from rollsafe.evidence.scenario import row_content
 from rollsafe.faults import ENV_VAR, arm, disarm_all
 from rollsafe.observability import metrics
-from rollsafe.snapshot import verify_snapshot
+from rollsafe.snapshot import SnapshotReader, verify_snapshot
 
 READER = InMemoryMetricReader()
 GROUP_SIZE = 2
@@ -78,7 +89,7 @@ def make_ops(tmp_path: Path, run_id: str, participants: Any = None) -> Controlle
     return busy(Controller(config, tmp_path, participants=participants))
 
 
-def run_phases(ops: Controller, run_id: str, seq: int = 1):
+def run_phases(ops: Controller, run_id: str, seq: int = 1) -> list[PhaseResult]:
     spec = SnapshotSpec(run_id=run_id, seq=seq)
     return [ops.run_phase(PhaseRequest(spec=spec, phase=phase)) for phase in PHASES]
 
@@ -228,20 +239,22 @@ class FakeParticipants:
             handoffs=1,
         )
 
-    def retire(self, retirements) -> int:
+    def retire(self, retirements: Sequence[Retirement]) -> int:
         return len(retirements)
 
     def prepare(self, checkpoint_id: str) -> FleetPrepared:
         return FleetPrepared(checkpoint_id=checkpoint_id, deadline_ts=time.time(), instances={})
 
-    def drain(self, checkpoint_id: str, *, wait: bool = True) -> list:
+    def drain(self, checkpoint_id: str, *, wait: bool = True) -> list[EpisodeRef]:
         time.sleep(self.DRAIN_S)
         return []
 
-    def cut(self, checkpoint_id: str, dataplane, *level_of) -> StagedCut:
+    def cut(self, checkpoint_id: str, dataplane: DataPlane, *level_of: object) -> StagedCut:
         return self.cut_result
 
-    def commit(self, checkpoint_id: str, snapshot_dir: Path, *level_of) -> ParticipantsRecord:
+    def commit(
+        self, checkpoint_id: str, snapshot_dir: Path, *level_of: object
+    ) -> ParticipantsRecord:
         (snapshot_dir / ENVS_DIR).mkdir()
         (snapshot_dir / ENVS_DIR / "w0.json").write_bytes(b'{"episodes": []}' * 10)
         return ParticipantsRecord(
@@ -254,7 +267,9 @@ class FakeParticipants:
     def resume(self, checkpoint_id: str) -> str:
         return "1 instance resumed"
 
-    def restore_snapshot(self, restore_id: str, reader, dataplane, changed):
+    def restore_snapshot(
+        self, restore_id: str, reader: SnapshotReader, dataplane: DataPlane, changed: Changed
+    ) -> tuple[EnvironmentsRestored, None]:
         episode = EpisodeId(GroupId(self.run_id, 2).rollout(1), 0)
         return EnvironmentsRestored({episode: "w0"}), None
 

@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 from temporalio.exceptions import ApplicationError
@@ -54,6 +54,13 @@ from rollsafe.loop_thread import LoopThread
 
 TOKEN = "secret-bearer-token"
 
+if TYPE_CHECKING:
+
+    class Line(logging.LogRecord):
+        """A record whose ``extra`` fields (set at runtime) are read as attributes."""
+
+        def __getattr__(self, name: str) -> Any: ...
+
 
 @pytest.fixture(autouse=True)
 def _no_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
@@ -69,8 +76,8 @@ def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
     return caplog
 
 
-def records(caplog: pytest.LogCaptureFixture, logger: str) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == logger]
+def records(caplog: pytest.LogCaptureFixture, logger: str) -> list[Line]:
+    return cast("list[Line]", [r for r in caplog.records if r.name == logger])
 
 
 def controller(tmp_path: Path, keep_latest_k: int = 3) -> Controller:
@@ -91,7 +98,9 @@ def snapshot(ops: Controller, seq: int) -> SnapshotSpec:
     return spec
 
 
-def test_each_phase_outcome_is_one_line_with_its_fields(tmp_path, logs):
+def test_each_phase_outcome_is_one_line_with_its_fields(
+    tmp_path: Path, logs: pytest.LogCaptureFixture
+) -> None:
     ops = controller(tmp_path)
     spec = snapshot(ops, 1)
     snapshot(ops, 1)  # a replayed workflow: every phase answers from its stored result
@@ -219,7 +228,9 @@ def test_participants_log_stragglers_lost_cuts_unexported_and_restarts(logs):
         assert [lv for message, lv in lines.items() if text in message] == [level], text
 
 
-def test_each_failing_instance_is_one_line_without_its_token(logs):
+def test_each_failing_instance_is_one_line_without_its_token(
+    logs: pytest.LogCaptureFixture,
+) -> None:
     instances = Instances({name: EnvClient(f"http://{name}", TOKEN) for name in ("w0", "w1")})
     error = instances.summary(
         "prepare", {"w0": EnvNotReady("not ready: tool running"), "w1": EnvUnavailable("refused")}

@@ -326,7 +326,7 @@ def test_a_temporal_runtime_exports_to_the_collector(collector):
 
 
 def test_one_runtime_per_process_made_lazily(monkeypatch):
-    made: list[object] = []
+    made: list[TelemetryConfig] = []
 
     class FakeRuntime:
         def __init__(self, telemetry: TelemetryConfig) -> None:
@@ -339,7 +339,7 @@ def test_one_runtime_per_process_made_lazily(monkeypatch):
     first = metrics.temporal_runtime()
     assert metrics.temporal_runtime() is first and isinstance(first, FakeRuntime)
     [telemetry] = made
-    assert telemetry.metric_prefix == metrics.TEMPORAL_PREFIX  # type: ignore[attr-defined]
+    assert telemetry.metric_prefix == metrics.TEMPORAL_PREFIX
 
     monkeypatch.setattr(metrics, "_runtime", None)
     monkeypatch.setattr(metrics, "_runtime_made", False)

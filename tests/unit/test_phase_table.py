@@ -5,7 +5,9 @@ stored result per checkpoint and phase) on its own."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio import activity
@@ -40,7 +42,7 @@ def test_every_phase_has_its_module_its_handler_and_its_activity() -> None:
     assert {phase.value for phase in PHASES} <= names
 
 
-def definition_of(fn: object) -> str | None:
+def definition_of(fn: Callable[..., Any]) -> str | None:
     """The name an activity is registered under (the SDK keeps it on the function; its
     reader is private, the attribute is what the worker reads)."""
     return activity._Definition.must_from_callable(fn).name

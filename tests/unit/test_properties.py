@@ -301,7 +301,7 @@ class RunMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.live() and self.groups_with(RESERVED))
     @rule(data=st.data())
-    def dispatch(self, data) -> None:
+    def dispatch(self, data: st.DataObject) -> None:
         """Dispatch without sealing: the attempt is in flight when a checkpoint comes."""
         idx = data.draw(st.sampled_from(self.groups_with(RESERVED)), label="group")
         siblings = self.model.groups[idx].siblings_in(RESERVED)
@@ -310,7 +310,7 @@ class RunMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.live() and self.groups_with(DISPATCHED))
     @rule(data=st.data())
-    def seal(self, data) -> None:
+    def seal(self, data: st.DataObject) -> None:
         idx = data.draw(st.sampled_from(self.groups_with(DISPATCHED)), label="group")
         siblings = self.model.groups[idx].siblings_in(DISPATCHED)
         for i in data.draw(st.lists(st.sampled_from(siblings), min_size=1, unique=True)):
@@ -318,7 +318,7 @@ class RunMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.live() and self.groups_with(RESERVED, DISPATCHED))
     @rule(data=st.data())
-    def commit(self, data) -> None:
+    def commit(self, data: st.DataObject) -> None:
         """The scenario format's commit: dispatch when reserved, then seal."""
         idx = data.draw(st.sampled_from(self.groups_with(RESERVED, DISPATCHED)), label="group")
         siblings = self.model.groups[idx].siblings_in(RESERVED, DISPATCHED)
@@ -334,7 +334,7 @@ class RunMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.live() and self.model.in_states(GroupState.READY))
     @rule(data=st.data())
-    def claim(self, data) -> None:
+    def claim(self, data: st.DataObject) -> None:
         ready = self.model.in_states(GroupState.READY)
         groups = data.draw(st.lists(st.sampled_from(ready), min_size=1, unique=True))
         self.run.claim(groups, step=self.model.weight_version)
@@ -358,7 +358,7 @@ class RunMachine(RuleBasedStateMachine):
         lambda self: self.live() and self.model.in_states(GroupState.READY, GroupState.CLAIMED)
     )
     @rule(data=st.data())
-    def train(self, data) -> None:
+    def train(self, data: st.DataObject) -> None:
         trainable = self.model.in_states(GroupState.READY, GroupState.CLAIMED)
         self._train(data.draw(st.lists(st.sampled_from(trainable), min_size=1, unique=True)))
 
@@ -390,7 +390,7 @@ class RunMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.live() and self.evictable())
     @rule(data=st.data())
-    def evict(self, data) -> None:
+    def evict(self, data: st.DataObject) -> None:
         evictable = self.evictable()
         idx = data.draw(st.sampled_from(evictable), label="group")
         self.run.evict(idx)
@@ -432,7 +432,7 @@ class RunMachine(RuleBasedStateMachine):
         lambda self: len(self.snapshots) >= 2 and not any(s.corrupted for s in self.snapshots)
     )
     @rule(data=st.data())
-    def corrupt_newest_snapshot(self, data) -> None:
+    def corrupt_newest_snapshot(self, data: st.DataObject) -> None:
         """Damage one file of the newest snapshot: restore must fall back to an older one."""
         newest = self.snapshots[-1]
         path = self.store.snapshots_dir / newest.name
@@ -582,5 +582,6 @@ def test_random_runs_keep_invariants_1_to_3(
     # Parametrized rather than drawn, so that every sampler meets every level on each run.
     backend = dataplane_factory().name
     run_state_machine_as_test(
-        lambda: RunMachine(sampler, first_level, dataplane_factory), settings=SETTINGS[backend]
+        lambda: RunMachine(sampler, first_level, dataplane_factory),  # type: ignore[arg-type]  # hypothesis types a class, documents any factory
+        settings=SETTINGS[backend],
     )

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from rollsafe.checkpoint.preview import preview_restore
 from rollsafe.cli.app import app
 from rollsafe.core.config import RunConfig
+from rollsafe.core.phases import RestorePlan
 from rollsafe.core.run_state import JOURNAL_POSITION, RunState
 from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import (
@@ -65,7 +66,7 @@ class Run:
         self.journal.wait_durable(self.journal.last_id)
         self.journal.close()
 
-    def restore(self, *, accept_loss: bool = False):
+    def restore(self, *, accept_loss: bool = False) -> RestorePlan:
         self.journal = RunJournal.for_store(self.store, flush_ms=None, mirror_every_s=None)
         try:
             self.state, plan = RunState.restore(

@@ -24,6 +24,7 @@ import hashlib
 import shutil
 import threading
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -225,7 +226,9 @@ def _nothing_overwritten(mutation: Mutation, root: Path, before: dict[str, bytes
         )
 
 
-def test_every_mutant_is_refused_by_name_fell_back_stopped_or_identical(pristine) -> None:
+def test_every_mutant_is_refused_by_name_fell_back_stopped_or_identical(
+    pristine: tuple[Path, Path, tuple[Any, ...]],
+) -> None:
     root, foreign, reference = pristine
     work = root.parent / "mutants"
     counts: collections.Counter[str] = collections.Counter()
@@ -253,7 +256,7 @@ def walk_the_cli(mutation: Mutation, root: Path) -> None:
         ("restore", "plan", RUN, "--root", str(root)),
         ("restore", "plan", RUN, "--root", str(root), "--json", "--accept-journal-loss"),
     ):
-        result = within(HANG_S, lambda args=args: runner.invoke(app, list(args)))
+        result = within(HANG_S, partial(runner.invoke, app, list(args)))
         where = f"{mutation.name}: rollsafe {' '.join(args[:2])}"
         assert result.exit_code in (0, 1, 2), f"{where}: exit {result.exit_code}"
         assert result.exception is None or isinstance(result.exception, SystemExit), (

@@ -7,22 +7,25 @@ came back and which are regenerated, and what each sampler would train next.
 """
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from rollsafe.dataplane import make_dataplane
-from rollsafe.evidence.scenario import Scenario, ScenarioRunner
+from rollsafe.dataplane import DataPlane, make_dataplane
+from rollsafe.evidence.scenario import Scenario, ScenarioReport, ScenarioRunner
 
 SCENARIOS = Path(__file__).parent.parent / "scenarios"
 SAMPLERS = ["windowed", "in_order", "weight_fifo"]
 
-READY = ("ready", [0, 1], [])
-EMPTY = ("generating", [], [0, 1])
+Group = tuple[str, list[int], list[int]]  # (state, restored, regenerate)
+READY: Group = ("ready", [0, 1], [])
+EMPTY: Group = ("generating", [], [0, 1])
 
 # situation -> (loader position, weight version, {group: (state, restored, regenerate)},
 #               {sampler: next_selection})
-EXPECTED = {
+EXPECTED: dict[str, tuple[int, int, dict[int, Group], dict[str, list[int]]]] = {
     "s1_all_finished": (
         15,
         1,
@@ -70,11 +73,21 @@ EXPECTED = {
 }
 
 
-def runner_for(raw: dict, snapshot_dir: Path, planes=lambda: make_dataplane("memory")):
+def runner_for(
+    raw: dict[str, Any],
+    snapshot_dir: Path,
+    planes: Callable[[], DataPlane] = lambda: make_dataplane("memory"),
+) -> ScenarioRunner:
     return ScenarioRunner(Scenario.model_validate(raw), snapshot_dir, planes)
 
 
-def run_scenario(name: str, sampler: str, tmp_path: Path, planes=None, **overrides):
+def run_scenario(
+    name: str,
+    sampler: str,
+    tmp_path: Path,
+    planes: Callable[[], DataPlane] | None = None,
+    **overrides: Any,
+) -> tuple[ScenarioRunner, ScenarioReport]:
     raw = json.loads((SCENARIOS / f"{name}.json").read_text())
     raw.update(sampler=sampler, **overrides)
     runner = runner_for(raw, tmp_path) if planes is None else runner_for(raw, tmp_path, planes)

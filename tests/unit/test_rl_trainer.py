@@ -50,7 +50,7 @@ def groups(offset: int = 0) -> list[list[Sample]]:
     ]
 
 
-def logprob(model: TinyTransformer, sample: Sample) -> float:
+def logprob(model: torch.nn.Module, sample: Sample) -> float:
     """Summed log p of the sample's generated tokens, measured independently of the trainer."""
     sequence = [*sample.prompt_tokens, *sample.tokens]
     with torch.no_grad():

@@ -5,15 +5,19 @@ the steps trained after those weights. Without the flag a scenario means what it
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from rollsafe.core.ids import checkpoint_id_for
 from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import ScenarioError
-from rollsafe.evidence.scenario import Scenario, ScenarioRunner
+from rollsafe.evidence.scenario import SCENARIO_RUN_ID, Scenario, ScenarioReport, ScenarioRunner
+from rollsafe.faults import arm, disarm_all
+from rollsafe.snapshot import SnapshotStore
 
 
-def run(events: list[dict], tmp_path: Path, **extra: object):
+def run(events: list[dict[str, Any]], tmp_path: Path, **extra: object) -> ScenarioReport:
     raw = {
         "name": "journal",
         "sampler": "windowed",
@@ -29,7 +33,7 @@ def run(events: list[dict], tmp_path: Path, **extra: object):
     return runner.run()
 
 
-AFTER_A_CHECKPOINT = [
+AFTER_A_CHECKPOINT: list[dict[str, Any]] = [
     {"op": "handout", "groups": [0]},
     {"op": "commit", "group": 0, "rollouts": [0, 1]},
     {"op": "checkpoint"},
@@ -84,3 +88,24 @@ def test_a_second_process_restores_a_journal_run_and_leaves_it_restorable(tmp_pa
         assert not list(journal.glob("set-aside/*"))
     again = run([{"op": "restore"}], tmp_path, journal=True)
     assert again.groups["2"].restored_rollouts == [0, 1]
+
+
+def test_a_scenario_checkpoint_runs_the_controllers_phases(tmp_path):
+    """Scenario checkpoints take the worker's path: the ten phases in order (so the matrices
+    exercise capture in the park window, the write after resume, deletions held)."""
+    events: list[dict[str, Any]] = [
+        {"op": "handout", "groups": [0]},
+        {"op": "checkpoint"},
+        {"op": "checkpoint"},
+    ]
+    run(events, tmp_path)
+    published = SnapshotStore(tmp_path, SCENARIO_RUN_ID).published_manifests()
+    assert sorted(m.checkpoint_id for m in published) == [
+        checkpoint_id_for(SCENARIO_RUN_ID, seq, "rollout") for seq in (1, 2)
+    ]
+    arm("phase.capture.before", "raise")
+    try:
+        with pytest.raises(ScenarioError, match=r"event 2 \(checkpoint\).*phase\.capture\.before"):
+            run(events[:2], tmp_path / "faulted")
+    finally:
+        disarm_all()

@@ -10,9 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from rollsafe.engine.loop import HOLD_ENV, HoldRule
+from rollsafe.engine.loop import HOLD_ENV, EngineLoop, HoldRule
 from rollsafe.engine.protocol import GenerateRequest, SamplingParams, completion_of
-from rollsafe.engine.scripted import Script, ScriptedEngine, last_message, load_script
+from rollsafe.engine.scripted import (
+    Script,
+    ScriptedCall,
+    ScriptedEngine,
+    last_message,
+    load_script,
+)
 from rollsafe.engine.text import ChatCodec, write_tokenizer
 from rollsafe.errors import InvalidInput
 from rollsafe.testing.waiting import eventually_async
@@ -47,8 +53,8 @@ def request(codec: ChatCodec, messages: list[dict[str, object]], call: str) -> G
     return GenerateRequest(call_id=call, prompt_tokens=codec.render(messages), sampling=sampling)
 
 
-USER = [{"role": "user", "content": "Book it."}]
-AFTER_TOOL = [
+USER: list[dict[str, object]] = [{"role": "user", "content": "Book it."}]
+AFTER_TOOL: list[dict[str, object]] = [
     *USER,
     {
         "role": "assistant",
@@ -87,7 +93,7 @@ async def test_a_cut_call_resumes_with_exactly_the_rest(
         await anext(stream)
         await eventually_async(lambda: _held(first), what=f"the call held after {at} tokens")
         [prefix] = (await first.cut([call.call_id])).prefixes
-        await stream.aclose()  # type: ignore[attr-defined]
+        await stream.aclose()
     assert len(prefix.tokens) == at
     monkeypatch.delenv(HOLD_ENV)
     async with engine(codec) as fresh:  # another process's engine, the same script
@@ -95,7 +101,7 @@ async def test_a_cut_call_resumes_with_exactly_the_rest(
     assert completion_of(call.call_id, rest, prefix).tokens == expected.tokens
 
 
-async def _held(scripted: ScriptedEngine) -> bool:
+async def _held(scripted: EngineLoop[ScriptedCall]) -> bool:
     return (await scripted.info()).held == 1
 
 

@@ -51,7 +51,9 @@ def held(tmp_path: Path) -> tuple[Controller, HoldingDataPlane]:
     return controller, dataplane
 
 
-def test_a_seal_held_mid_put_holds_up_nothing_else(held) -> None:
+def test_a_seal_held_mid_put_holds_up_nothing_else(
+    held: tuple[Controller, HoldingDataPlane],
+) -> None:
     controller, dataplane = held
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(controller.seal, 0, 0, 0, row_content(0, 0, 0))
@@ -68,7 +70,9 @@ def test_a_seal_held_mid_put_holds_up_nothing_else(held) -> None:
     assert all((stored[k] == v).all() for k, v in row_content(0, 0, 0).items())
 
 
-def test_the_same_row_sealed_twice_in_flight_seals_once(held) -> None:
+def test_the_same_row_sealed_twice_in_flight_seals_once(
+    held: tuple[Controller, HoldingDataPlane],
+) -> None:
     controller, dataplane = held
     row = row_content(0, 0, 0)
     with ThreadPoolExecutor(2) as pool:
@@ -81,7 +85,9 @@ def test_the_same_row_sealed_twice_in_flight_seals_once(held) -> None:
     assert controller.state.ledger.sealed(0) == [0]
 
 
-def test_a_group_evicted_while_its_row_was_put_leaves_no_row(held) -> None:
+def test_a_group_evicted_while_its_row_was_put_leaves_no_row(
+    held: tuple[Controller, HoldingDataPlane],
+) -> None:
     controller, dataplane = held
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(controller.seal, 0, 0, 0, row_content(0, 0, 0))

@@ -16,6 +16,7 @@ import time
 import uuid
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,6 +41,7 @@ from rollsafe.evidence.scenario import busy_run, row_content  # noqa: E402
 from rollsafe.faults import arm, disarm_all  # noqa: E402
 from rollsafe.snapshot import (  # noqa: E402
     MANIFEST_NAME,
+    PublishedSnapshot,
     SnapshotKind,
     SnapshotStore,
     accept_weight_versions,
@@ -68,11 +70,16 @@ def url():
         fs.rm(root, recursive=True)
 
 
-def store_at(url: str, cache: Path, **kwargs) -> RemoteSnapshotStore:
+def store_at(url: str, cache: Path, **kwargs: Any) -> RemoteSnapshotStore:
     return RemoteSnapshotStore(url, RUN, cache, **kwargs)
 
 
-def publish(store, checkpoint_id: str, seq: int | None = None, files=None):
+def publish(
+    store: SnapshotStore,
+    checkpoint_id: str,
+    seq: int | None = None,
+    files: dict[str, bytes] | None = None,
+) -> PublishedSnapshot:
     draft = store.begin(SnapshotKind.ROLLOUT, checkpoint_id, seq)
     for relpath, data in (files or {"state.bin": checkpoint_id.encode()}).items():
         draft.write_bytes(relpath, data)

@@ -31,11 +31,14 @@ def public(cls: type) -> dict[str, Any]:
 
 def parameters(member: Any) -> list[tuple[str, Any, Any]]:
     function = member.fget if isinstance(member, property) else member
+    assert function is not None
     return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
 
 
 @pytest.mark.parametrize(("twin", "sync"), TWINS, ids=lambda cls: cls.__name__)
-def test_every_public_call_has_its_twin_with_the_same_parameters(twin: type, sync: type) -> None:
+def test_every_public_call_has_its_twin_with_the_same_parameters(
+    twin: type[Any], sync: type
+) -> None:
     theirs, mine = public(twin), public(sync)
     attributes = ATTRIBUTES[twin]
     assert sorted(set(theirs)) == sorted(set(mine) - SYNC_ONLY - attributes)

@@ -2,6 +2,7 @@ import io
 import json
 import re
 import struct
+from collections.abc import Mapping
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from safetensors import SafetensorError
 from rollsafe.errors import SnapshotCorrupt
 from rollsafe.snapshot.tensorfile import HashingWriter, read_tensors, write_tensors
 
-ARRAYS = {
+ARRAYS: dict[str, np.ndarray] = {
     "ids": np.arange(10, dtype=np.int64),
     "digests": np.arange(64, dtype=np.uint8).reshape(2, 32),
     "scalar": np.array(1.5, dtype=np.float32),
@@ -20,7 +21,9 @@ ARRAYS = {
 }
 
 
-def encode(arrays=ARRAYS, metadata=None) -> tuple[bytes, HashingWriter]:
+def encode(
+    arrays: Mapping[str, np.ndarray] = ARRAYS, metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, HashingWriter]:
     buffer = io.BytesIO()
     writer = HashingWriter(buffer)
     write_tensors(writer, arrays, metadata)

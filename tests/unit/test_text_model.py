@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import unicodedata
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -30,7 +31,7 @@ from rollsafe.errors import InvalidInput
 # that passes cannot be passing on a default by accident.
 TINY = {"hidden_size": 16, "layers": 1, "heads": 2, "kv_heads": 1, "vocab_size": 600}
 
-WEATHER = {
+WEATHER: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -42,7 +43,7 @@ WEATHER = {
         },
     },
 }
-CHAT = [
+CHAT: list[dict[str, Any]] = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "Weather in Paris and Tōkyō?"},
     {
@@ -191,7 +192,7 @@ def test_a_chat_with_tools_renders_in_chatml_with_hermes_tool_calls(codec: ChatC
 
 
 def test_tools_render_the_same_whatever_the_order_of_their_keys(codec: ChatCodec) -> None:
-    def reversed_keys(value: object) -> object:
+    def reversed_keys(value: Any) -> Any:
         if isinstance(value, dict):
             return {key: reversed_keys(value[key]) for key in reversed(list(value))}
         return value

@@ -4,6 +4,8 @@ tests/integration/test_timeline_temporal.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 from pydantic import ValidationError
@@ -67,7 +69,7 @@ def test_models_refuse_bad_spans():
     with pytest.raises(ValidationError, match="ends"):
         Span(kind="step", label="s", start_s=2.0, end_s=1.0)
     with pytest.raises(ValidationError):
-        Span(kind="checkpoint", label="s", start_s=0.0, end_s=1.0)  # type: ignore[arg-type]
+        Span(kind="checkpoint", label="s", start_s=0.0, end_s=1.0)
     with pytest.raises(ValidationError):
         Span(kind="step", label="s", start_s=0.0, end_s=float("inf"))
     with pytest.raises(ValidationError):
@@ -76,7 +78,7 @@ def test_models_refuse_bad_spans():
     assert again == a_run()
 
 
-def event(event_id: int, kind: int, at: float, **attributes) -> HistoryEvent:
+def event(event_id: int, kind: EventType.ValueType, at: float, **attributes: Any) -> HistoryEvent:
     stamp = Timestamp(seconds=int(at), nanos=round((at - int(at)) * 1e9))
     return HistoryEvent(event_id=event_id, event_type=kind, event_time=stamp, **attributes)
 
@@ -118,7 +120,7 @@ def history(resume: bool, closed: bool) -> list[HistoryEvent]:
 def test_the_park_window_runs_from_close_to_resume_or_to_the_end():
     assert _park(history(resume=True, closed=True), 102.0) == pytest.approx((100.5, 101.25))
     start, end, how = _bounds(history(resume=False, closed=True))
-    assert (start, end, how) == (pytest.approx(100.0), pytest.approx(102.0), "failed")
+    assert (start, end, how) == (pytest.approx(100.0), pytest.approx(102.0), "failed")  # type: ignore[comparison-overlap]  # pytest types an Approx as unequal to a float
     assert _park(history(resume=False, closed=True), end) == pytest.approx((100.5, 102.0))
     assert _bounds(history(resume=False, closed=False))[2] == "running"
     never_closed = history(resume=False, closed=True)[:3]

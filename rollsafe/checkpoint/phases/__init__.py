@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from rollsafe.checkpoint.outcomes import log_aborted, log_phase, log_phase_failure
 from rollsafe.checkpoint.phase_ledger import ABORT
@@ -29,12 +30,22 @@ from rollsafe.checkpoint.phases.prepare_envs import prepare_envs
 from rollsafe.checkpoint.phases.publish import publish
 from rollsafe.checkpoint.phases.resume import abort, resume
 from rollsafe.checkpoint.phases.retire_dropped import retire_dropped
-from rollsafe.core.phases import Phase, PhaseResult, holds_admission
+from rollsafe.core.phases import (
+    PHASES,
+    Phase,
+    PhaseRequest,
+    PhaseResult,
+    SnapshotSpec,
+    holds_admission,
+)
 from rollsafe.errors import AdmissionLeaseExpired
 from rollsafe.faults import fault_point
 from rollsafe.observability import metrics
 
-__all__ = ["HANDLERS", "PhaseContext", "abort_once", "run_once"]
+if TYPE_CHECKING:
+    from rollsafe.checkpoint.controller import Controller
+
+__all__ = ["HANDLERS", "PhaseContext", "abort_once", "run_once", "take_snapshot"]
 
 Handler = Callable[[PhaseContext], PhaseResult]
 
@@ -52,6 +63,18 @@ HANDLERS: Mapping[Phase, Handler] = MappingProxyType(
         Phase.PUBLISH: publish,
     }
 )
+
+
+def take_snapshot(controller: Controller, spec: SnapshotSpec) -> PhaseResult:
+    """Every phase of ``spec``'s snapshot, in order, on ``controller`` (in one process: no
+    workflow, no retry): publish's result. For scenario files and tools that want the real
+    phases' ordering (capture in the park window, the write after resume, deletions held)
+    without Temporal."""
+    result = None
+    for phase in PHASES:
+        result = controller.run_phase(PhaseRequest(spec=spec, phase=phase))
+    assert result is not None and result.phase is Phase.PUBLISH
+    return result
 
 
 def run_once(ctx: PhaseContext) -> PhaseResult:
