@@ -1,5 +1,5 @@
-"""The controller (docs/design.md section 4): one run's facade over its parts, and what its
-Ray actor (:mod:`rollsafe.checkpoint.actor`) exposes.
+"""The controller (docs/design.md section 4): a facade over one run's parts, as its Ray actor
+exposes it (:mod:`rollsafe.checkpoint.actor`):
 
 - :mod:`~rollsafe.checkpoint.run_service`: the run's state behind the capture barrier, the
   restore fence, the journal's durability, the run's operations (hand out, dispatch, seal, ...);
@@ -7,9 +7,8 @@ Ray actor (:mod:`rollsafe.checkpoint.actor`) exposes.
   repeated call is answered without touching anything (``replayed=True``);
 - :mod:`~rollsafe.checkpoint.drafts`: the open checkpoint and its draft's life;
 - :mod:`~rollsafe.checkpoint.phases`: one handler per phase of a snapshot (section 5), each
-  also safe to re-run after a crash between its effect and its stored result (the
-  ``phase.<name>.after`` fault point): re-opening finds the open draft, re-closing finds the
-  gate closed, re-capturing finds the capture done;
+  safe to re-run after a crash between its effect and its stored result (the
+  ``phase.<name>.after`` fault point): re-opening finds the open draft, and so on;
 - :mod:`~rollsafe.checkpoint.restore`: the restore (section 6).
 
 Two fences keep a snapshot from doing harm when its surroundings died:
@@ -23,16 +22,22 @@ Two fences keep a snapshot from doing harm when its surroundings died:
   checkpoint is abandoned: its draft is discarded and every later phase but ``resume`` refuses
   with ``AdmissionLeaseExpired``.
 
-Locks, in the only order they are taken (a lock is never held while taking one above it, and
-none is held across I/O but the first two):
+Locks, in the only order they are taken (a lock is never held while taking one above it):
 
-1. the phase ledger's per-``(checkpoint, phase)`` lock: a duplicate attempt waits for the first;
+1. the phase ledger's per-``(checkpoint, phase)`` lock: a duplicate attempt waits for the
+   first; held across the phase's own work;
 2. the open checkpoint's ``lock``: who may write into the draft (capture, commit, publish);
-3. ``RunService.restoring``: a restore, and journal compaction;
-4. ``RunService.barrier``: the run's state, for every operation and the capture;
+   held across the draft's own files (and a publish's upload: nothing else wants it then);
+3. ``RunService.restoring``: a restore, and journal compaction (which deletes segments a
+   restore may read); the run's operations never take it;
+4. ``RunService.barrier``: the run's state, for every operation and the capture; held across
+   I/O only by a restore, while it replaces the state (never by a seal, whose row is put
+   outside it, a capture, which calls no data plane, or a compaction);
 5. ``PhaseLedger.lock``: the ledger's records, the open checkpoint slot, the fence's checks
-   paired with the gate's changes (close_admission against resume);
-6. the admission gate's own lock (rollsafe.core.gate).
+   paired with the gate's changes (close_admission against resume); held across I/O only by
+   ``open``, around making the draft's directory, so a resume cannot slip in between;
+6. the admission gate's own lock (rollsafe.core.gate): never across I/O; its expiry hook runs
+   once it is released.
 
 Plain Python, no Ray.
 """
