@@ -53,18 +53,22 @@ $(GYM_STAMP): Makefile
 	$(GYM_VENV)/bin/python -m pip install --quiet '$(NEMO_GYM)'
 	touch $(GYM_STAMP)
 
-# Two stages, both in CI (.ci/run): the unit stage (no servers, ~3 minutes, with coverage of
-# rollsafe reported and gated: pyproject's fail_under) fails fast on a broken core; the
-# integration stage runs the real Temporal server, Ray, TransferQueue, vLLM, the multi-node
-# cluster and the demo. The cluster drill goes first: it starts its own Ray cluster, which it
-# cannot once this process joined another.
+# Two stages, both in CI (.ci/run): the unit stage (no servers, with coverage of rollsafe
+# reported and gated: pyproject's fail_under) fails fast on a broken core; the integration stage
+# runs the real Temporal server, Ray, TransferQueue, vLLM, the multi-node cluster and the demo.
+# Each in TEST_WORKERS processes (pytest-xdist), a module each at a time, so a module's fixtures
+# are made once: most of the suite waits on servers and subprocesses, and two cores run two
+# modules side by side (docs/testing.md). tests/conftest.py orders the modules.
+TEST_WORKERS ?= 2
+PARALLEL = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: test-unit test-integration
 
 test-unit: setup
-	$(BIN)/python -m pytest -q --cov=rollsafe --cov-report=term:skip-covered tests/unit
+	$(BIN)/python -m pytest -q $(PARALLEL) --cov=rollsafe --cov-report=term:skip-covered tests/unit
 
 test-integration: setup
-	$(BIN)/python -m pytest -q --durations=25 tests/cluster tests/integration
+	$(BIN)/python -m pytest -q $(PARALLEL) --durations=25 tests/cluster tests/integration
 
 # A Ray cluster of four `ray start` nodes on this machine (the data plane on a node of its own):
 # the node holding a checkpoint worker is killed mid-snapshot, the snapshot publishes, the run

@@ -34,7 +34,7 @@ from rollsafe.core.config import JOURNAL_FLUSH_MS, RunConfig
 from rollsafe.core.run_state import RunState
 from rollsafe.dataplane import make_dataplane
 from rollsafe.journal.run import JOURNAL_DIR, RunJournal
-from rollsafe.snapshot import SnapshotStore
+from rollsafe.snapshot import SnapshotStore, state_files
 
 GROUP = 8
 ROW = {
@@ -101,7 +101,7 @@ def replaying(root: Path, records: int) -> dict[str, Any]:
     journal = RunJournal.for_store(store, flush_ms=JOURNAL_FLUSH_MS)
     state = RunState(config, make_dataplane("memory"))
     journal.start(state)
-    state.checkpoint(store, "a")
+    state_files.checkpoint(state, store, "a")
     rollouts = records // 2  # a dispatch and a seal each (hand-outs: one per 1,024 groups)
     for base in range(0, rollouts // GROUP, 1024):
         state.handout(list(range(base, min(base + 1024, rollouts // GROUP))))
@@ -110,13 +110,13 @@ def replaying(root: Path, records: int) -> dict[str, Any]:
         state.seal(n // GROUP, n % GROUP, 0, SMALL_ROW)
     journal.wait_durable(journal.last_id)
     written = journal.last_id
-    state.checkpoint(store, "b")
+    state_files.checkpoint(state, store, "b")
     journal.close()
 
     def restore(seq: int, replay: bool) -> float:
         again = RunJournal.for_store(store, flush_ms=JOURNAL_FLUSH_MS)
         started = time.perf_counter()
-        RunState.restore(
+        state_files.restore(
             config,
             store,
             make_dataplane("memory"),

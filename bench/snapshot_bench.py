@@ -4,10 +4,10 @@
 
 Checkpoint (timed): ``RunState.capture`` + the ledger/index agreement check + a published
 snapshot with ``ledger.safetensors``, ``replay_index.safetensors``, ``loader.json``,
-``sampler.json`` and ``run.json`` written by ``CapturedState.write`` (hash while writing, fsync
+``sampler.json`` and ``run.json`` written by ``state_files.write_state`` (hash while writing, fsync
 per file, directory fsyncs, manifest last, atomic rename, LATEST, retention) — the controller's
 own path without the data plane. Restore (timed): ``store.select(contents=False)`` (manifest,
-file list, sizes) + ``CapturedState.read`` (each file hashed as it is read) +
+file list, sizes) + ``state_files.read_state`` (each file hashed as it is read) +
 ``verify_unread`` + ``Ledger.restore`` + ``ReplayIndex.restore``; and, timed apart in the same
 round, the path before (*verify-first*: ``select()`` hashes every file, the reads again).
 
@@ -38,14 +38,14 @@ import numpy as np
 
 from rollsafe.core.buffer.index import ReplayIndex
 from rollsafe.core.buffer.samplers import InOrderSampler
-from rollsafe.core.capture import CapturedState, check_agreement
+from rollsafe.core.capture import check_agreement
 from rollsafe.core.columns import in_key_order
 from rollsafe.core.config import RunConfig
 from rollsafe.core.ledger import Ledger
 from rollsafe.core.run_state import RunState
 from rollsafe.core.states import RestoreLevel
 from rollsafe.dataplane.memory import MemoryDataPlane
-from rollsafe.snapshot import PublishedSnapshot, SnapshotKind, SnapshotStore
+from rollsafe.snapshot import PublishedSnapshot, SnapshotKind, SnapshotStore, state_files
 from rollsafe.snapshot._fs import fsync_dir
 
 GROUP_SIZE = 8
@@ -78,12 +78,12 @@ def build(rollouts: int) -> tuple[Ledger, ReplayIndex]:
 
 
 def checkpoint(store: SnapshotStore, run: RunState, sealed: int, seq: int) -> PublishedSnapshot:
-    """RunState.checkpoint minus the data plane (whose rows this benchmark does not hold):
+    """state_files.checkpoint minus the data plane (whose rows this benchmark does not hold):
     capture, the agreement check, the state files, publish."""
     state = run.capture().in_key_order()
     check_agreement(state, rows=sealed)
     with store.begin(SnapshotKind.ROLLOUT, f"bench-{seq}", seq) as draft:
-        state.write(draft)
+        state_files.write_state(draft, state)
         return draft.publish(
             weight_version=run.weight_version,
             loader_position=run.loader_position,
@@ -92,11 +92,11 @@ def checkpoint(store: SnapshotStore, run: RunState, sealed: int, seq: int) -> Pu
 
 
 def restore(store: SnapshotStore, *, verify_first: bool = False) -> tuple[Ledger, ReplayIndex]:
-    """What RunState._load does for the same files: each file hashed as it is loaded, the
+    """What state_files.load_newest does for the same files: each file hashed as it is loaded, the
     rest after (``verify_first``: select hashes every file first and the loads hash them
     again, the path before restores hashed once)."""
     reader = store.select(contents=verify_first)
-    state = CapturedState.read(reader)
+    state = state_files.read_state(reader)
     reader.verify_unread()
     ledger = Ledger.restore(*state.ledger, "ledger")
     index = ReplayIndex.restore(*state.index, "index")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -159,7 +160,10 @@ def tiny_models(request: pytest.FixtureRequest) -> dict[str, Path]:
     cache = request.config.cache
     assert cache is not None
     root = cache.mkdir("rollsafe-models")
-    return {arch: make_model(root / arch, ModelSpec(arch=arch)) for arch in ("dense", "moe")}
+    # Under xdist every worker builds them on first use: one at a time, the others reuse.
+    with (root / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return {arch: make_model(root / arch, ModelSpec(arch=arch)) for arch in ("dense", "moe")}
 
 
 @pytest.fixture
@@ -177,3 +181,20 @@ def silent_port() -> Iterator[int]:
         sock.bind(("127.0.0.1", 0))
         sock.listen(8)
         yield sock.getsockname()[1]
+
+
+# -- order: `make test` runs two workers (pytest-xdist), a module each at a time, in this order ---
+
+# The longest module first, so that the other worker works through the short ones beside it
+# instead of one worker finishing alone at the end; then the multi-node drill, the other
+# worker's first module: it starts a Ray cluster of its own, which a process that joined
+# another (the session's `ray_session`) cannot. Run without xdist, the order holds too.
+FIRST = ("test_demo.py", "test_multinode.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return FIRST.index(name) if name in FIRST else len(FIRST)
+
+    items.sort(key=rank)  # stable: the rest keep their order

@@ -16,11 +16,10 @@ from pydantic import BaseModel, ConfigDict
 
 from rollsafe.core.config import RunConfig
 from rollsafe.core.phases import RestorePlan
-from rollsafe.core.run_state import RunState
 from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import RollsafeError
 from rollsafe.journal.run import RunJournal, restore_target
-from rollsafe.snapshot import SnapshotStore
+from rollsafe.snapshot import SnapshotStore, state_files
 
 
 class RestorePreview(BaseModel):
@@ -61,7 +60,7 @@ def _preview(
         accept, replayer = restore_target(
             journal if config.journal else None, weight_versions, accept_loss=accept_loss
         )
-        _, plan = RunState.restore(
+        _, plan = state_files.restore(
             config, store, make_dataplane("memory"), accept=accept, journal=replayer
         )
     finally:

@@ -16,14 +16,14 @@ from rollsafe.checkpoint.drafts import DraftSlot
 from rollsafe.checkpoint.outcomes import log_restore, log_restore_failure
 from rollsafe.checkpoint.run_service import RunService
 from rollsafe.core.phases import RestorePlan, RestoreRequest
-from rollsafe.core.run_state import EnvironmentsRestored, RunState, unchanged
+from rollsafe.core.run_state import EnvironmentsRestored, unchanged
 from rollsafe.dataplane import DataPlane, make_dataplane
 from rollsafe.engine.staging import drop_staged
 from rollsafe.env.fleet_rules import FleetRestored
 from rollsafe.errors import CheckpointRefused
 from rollsafe.journal.run import restore_target
 from rollsafe.observability import metrics
-from rollsafe.snapshot import SnapshotStore
+from rollsafe.snapshot import SnapshotStore, state_files
 
 log = logging.getLogger("rollsafe.checkpoint.controller")  # what an operator filters on
 
@@ -78,7 +78,7 @@ def restore_run(run: RunService, store: SnapshotStore, request: RestoreRequest) 
         current = run.state
         fresh = make_dataplane(current.dataplane.name)
         try:
-            restored, reader = RunState.load_newest(current.config, store, fresh, accept)
+            restored, reader = state_files.load_newest(current.config, store, fresh, accept)
             replayed = replayer(restored, reader) if replayer is not None else None
             envs = EnvironmentsRestored({})
             if participants is not None:  # after the rows verified: they need the prefixes
@@ -86,7 +86,7 @@ def restore_run(run: RunService, store: SnapshotStore, request: RestoreRequest) 
                 envs, fleet = participants.restore_snapshot(
                     request.restore_id, reader, fresh, changed
                 )
-            plan = restored.restart_from(reader, envs, replayed)
+            plan = restored.restart_from(state_files.restored_from(reader), envs, replayed)
             if journal is not None:  # its restart durable before anyone is told
                 journal.resume()
         except BaseException:

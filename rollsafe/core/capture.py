@@ -1,5 +1,5 @@
-"""A controller's state as captured for a snapshot (everything but the data plane's rows),
-and its files: written into a draft, read back from a verified snapshot.
+"""A controller's state as captured for a snapshot (everything but the data plane's rows);
+its files are written and read by rollsafe.snapshot.state_files.
 
 Capturing takes read-only views of numpy columns (copied on the run's next write, not in the
 park window: rollsafe.core.columns); ordering them by key, checking that the ledger, the replay
@@ -21,12 +21,8 @@ from rollsafe.core.columns import KEY_COLUMN, in_key_order
 from rollsafe.core.config import RunConfig
 from rollsafe.core.ids import rollout_key
 from rollsafe.core.states import AttemptState, GroupState
-from rollsafe.errors import LedgerInvariantViolation, SnapshotCorrupt
-from rollsafe.snapshot import SnapshotDraft, SnapshotReader
-from rollsafe.snapshot.tensorfile import read_tensors, write_tensors
+from rollsafe.errors import LedgerInvariantViolation
 
-LEDGER_FILE = "ledger.safetensors"
-INDEX_FILE = "replay_index.safetensors"
 Columns = tuple[dict[str, np.ndarray], dict[str, str]]  # arrays, string metadata
 
 
@@ -84,37 +80,6 @@ class CapturedState:
         groups = ledger[KEY_COLUMN][rows].tolist()
         run = self.config.run_id
         return [rollout_key(run, idx, i) for idx, i in zip(groups, siblings.tolist(), strict=True)]
-
-    def write(self, draft: SnapshotDraft) -> None:
-        """The state's files into ``draft``; the state is in key order (:meth:`in_key_order`,
-        as every caller has it already for the agreement check)."""
-        for relpath, (arrays, metadata) in ((LEDGER_FILE, self.ledger), (INDEX_FILE, self.index)):
-            with draft.open(relpath) as out:
-                write_tensors(out, arrays, metadata)
-        draft.write_json("loader.json", self.loader)
-        draft.write_json("sampler.json", self.sampler)
-        draft.write_json("run.json", self.config)
-
-    @classmethod
-    def read(cls, reader: SnapshotReader) -> CapturedState:
-        state = cls(
-            ledger=_read_columns(reader, LEDGER_FILE),
-            index=_read_columns(reader, INDEX_FILE),
-            loader=reader.read_json("loader.json", LoaderState),
-            sampler=reader.read_json("sampler.json", SamplerState),
-            config=reader.read_json("run.json", RunConfig),
-        )
-        manifest = reader.manifest
-        if (state.loader.position, state.loader.weight_version) != (
-            manifest.loader_position,
-            manifest.weight_version,
-        ):
-            raise SnapshotCorrupt(f"{reader.name}: loader.json disagrees with the manifest")
-        return state
-
-
-def _read_columns(reader: SnapshotReader, relpath: str) -> Columns:
-    return read_tensors(reader.read_bytes(relpath), f"{reader.name}/{relpath}")
 
 
 def check_agreement(state: CapturedState, rows: int) -> int:

@@ -1,61 +1,42 @@
 """The run state: loader position, ledger, replay index, sampler and data plane as one run.
 
-A plain class with no I/O beyond the snapshot directory and the data plane. The controller
+A plain class with no I/O but the data plane's. The controller
 (:class:`rollsafe.checkpoint.controller.Controller`) owns one and runs the checkpoint phases
 around it; the scenario runner drives it directly.
 
-``checkpoint`` captures everything needed to restore (after cross-checking that the ledger,
-the index and the data plane agree) and publishes a snapshot. ``RunState.restore`` builds a
-new run state from the newest snapshot that verifies, checks every restored row against the
-digest it was sealed with, releases claims of steps that never committed, applies each
-group's restart rule and returns a :class:`RestorePlan` saying what is owed and how.
+:meth:`RunState.take_capture` takes everything needed to restore, while the run stands still;
+rollsafe.snapshot.state_files writes it into a draft (after cross-checking that the ledger, the
+index and the data plane agree) and loads the newest snapshot that verifies back
+(:meth:`RunState.load`, :meth:`RunState.verify_rows`: every restored row checked against the
+digest it was sealed with). :meth:`RunState.restart_from` then releases claims of steps that
+never committed, applies each group's restart rule and returns a :class:`RestorePlan` saying
+what is owed and how.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rollsafe.core.buffer import ReplayIndex, make_sampler
-from rollsafe.core.capture import (
-    INDEX_FILE,
-    LEDGER_FILE,
-    CapturedState,
-    LoaderState,
-    check_agreement,
-)
+from rollsafe.core.capture import CapturedState, LoaderState
 from rollsafe.core.config import RunConfig
 from rollsafe.core.ids import EpisodeId
 from rollsafe.core.ledger import Ledger
 from rollsafe.core.phases import PartialGroup, RestorePlan
 from rollsafe.core.states import GroupState, RecordKind, RestoreLevel
 from rollsafe.dataplane import DataPlane, Row, row_digest
-from rollsafe.dataplane.protocol import DataPlaneManifest
 from rollsafe.errors import (
-    ContentMismatch,
     InvalidInput,
     LedgerInvariantViolation,
     RowMismatch,
-    SnapshotCorrupt,
     TopologyMismatch,
-)
-from rollsafe.faults import fault_point, register
-from rollsafe.snapshot import (
-    FileEntry,
-    PublishedSnapshot,
-    SnapshotDraft,
-    SnapshotKind,
-    SnapshotManifest,
-    SnapshotReader,
-    SnapshotStore,
 )
 
 ROLLOUT_PARTITION = "rollouts"
 # The manifest's count naming the last journal record a snapshot covers.
 JOURNAL_POSITION = "journal_position"
-# Inside a capture, after the state files and before the data-plane export.
-CAPTURE_MID = register("phase.capture.state_written")[0]
 _VERIFY_BATCH = 1024
 
 
@@ -68,24 +49,11 @@ class Captured:
     counts: dict[str, int]
     journal_id: str | None = None  # the journal whose records up to counts' position it covers
 
-    def publish(
-        self, draft: SnapshotDraft, anchor_step: int | None, anchors: Collection[int] = ()
-    ) -> PublishedSnapshot:
-        """Publish ``draft`` with the manifest this capture's values make."""
-        return draft.publish(
-            weight_version=self.weight_version,
-            loader_position=self.loader_position,
-            anchor_step=anchor_step,
-            counts=self.counts,
-            anchors=anchors,
-            journal_id=self.journal_id,
-        )
-
 
 @dataclass(frozen=True)
 class Capture:
     """What a capture took while the run stood still (:meth:`RunState.take_capture`), to be
-    written into a draft while the run goes on (:meth:`RunState.write_capture`)."""
+    written into a draft while the run goes on (rollsafe.snapshot.state_files.write_capture)."""
 
     state: CapturedState
     counts: dict[str, int]
@@ -108,11 +76,17 @@ class EnvironmentsRestored:
     lost: Mapping[str, str] = field(default_factory=dict)  # lost instance -> what became of it
 
 
+@dataclass(frozen=True)
+class RestoredSnapshot:
+    """What a restore plan names of the snapshot it restored."""
+
+    snapshot: str  # its directory's name
+    checkpoint_id: str
+    skipped: Mapping[str, str]  # newer snapshots refused, with the reason
+
+
 # Whether the journal changed an episode's rollout after the snapshot (Replay.changed).
 Changed = Callable[[EpisodeId], bool]
-# Brings a restored snapshot's state forward by the journal after it and attaches the journal
-# the run goes on appending to (rollsafe.journal.run.RunJournal.replayer).
-ReplayJournal = Callable[["RunState", SnapshotReader], "Replay"]
 
 
 def unchanged(_: EpisodeId) -> bool:
@@ -305,34 +279,13 @@ class RunState:
 
     # ---- checkpoint ------------------------------------------------------------------------
 
-    def checkpoint(
-        self,
-        store: SnapshotStore,
-        checkpoint_id: str,
-        kind: SnapshotKind = SnapshotKind.ROLLOUT,
-        anchor_step: int | None = None,
-        seq: int | None = None,
-    ) -> SnapshotManifest:
-        # Leaving the block without publishing (any error) discards the draft.
-        with store.begin(kind, checkpoint_id, seq) as draft:
-            captured = self.write_snapshot(draft)
-            self.journaled(captured)
-            return captured.publish(draft, anchor_step).manifest
-
-    def write_snapshot(self, draft: SnapshotDraft) -> Captured:
-        """Capture and write at once (:meth:`take_capture`, :meth:`write_capture`)."""
-        capture = self.take_capture()
-        try:
-            return self.write_capture(draft, capture)
-        finally:
-            self.release_capture()
-
     def take_capture(self) -> Capture:
         """Take what a snapshot needs: views of the columns (copied on the run's next write)
         and their counts; no data plane call, so the caller's barrier (which keeps writers out
         meanwhile) does not grow with the run or wait on a remote store. From here until
         :meth:`release_capture`, rows the run drops stay in the data plane, so the capture's
-        rows can be written later; :meth:`write_capture` checks that they all agree."""
+        rows can be written later (rollsafe.snapshot.state_files.write_capture, which checks
+        that they all agree)."""
         if self._held_deletes is not None:
             raise InvalidInput("a capture is taken and not written yet: one at a time")
         state = self.capture()
@@ -343,37 +296,6 @@ class RunState:
             journal_id = self.journal.journal_id
         self._held_deletes = []
         return Capture(state=state, counts=counts, journal_id=journal_id)
-
-    def write_capture(self, draft: SnapshotDraft, capture: Capture) -> Captured:
-        """Write ``capture`` into ``draft``: its state files in key order, once the ledger,
-        the index and the data plane's rows of its sealed rollouts agree (else
-        LedgerInvariantViolation, and nothing is published); then those rows (rows sealed
-        since are left out; rows dropped since are still there) and every row of the other
-        partitions (the staged prefixes). Needs no barrier: it reads the capture's views
-        and rows the run cannot delete before :meth:`release_capture`, which the caller runs
-        afterwards, whatever happened."""
-        state = capture.state.in_key_order()
-        sealed = state.sealed_keys()
-        listed = set(self.dataplane.list(ROLLOUT_PARTITION))  # after resume: off the park
-        check_agreement(state, sum(key in listed for key in sealed))
-        state.write(draft)
-        fault_point(CAPTURE_MID)
-        keys = {ROLLOUT_PARTITION: sealed}
-        exported = self.dataplane.export(draft.path / "dataplane", keys)
-        draft.write_json("dataplane.json", exported)
-        draft.record_hashed(
-            {
-                f"dataplane/{f.path}": FileEntry(sha256=f.sha256, bytes=f.bytes)
-                for f in exported.files
-            }
-        )
-        loader = state.loader
-        return Captured(
-            weight_version=loader.weight_version,
-            loader_position=loader.position,
-            counts=capture.counts,
-            journal_id=capture.journal_id,
-        )
 
     def release_capture(self) -> None:
         """The capture is written, or never will be: the deletions it held back happen now."""
@@ -405,73 +327,30 @@ class RunState:
 
     # ---- restore ---------------------------------------------------------------------------
 
-    @classmethod
-    def restore(
-        cls,
-        config: RunConfig,
-        store: SnapshotStore,
-        dataplane: DataPlane,
-        accept: Callable[[SnapshotManifest], str | None] | None = None,
-        environments: EnvironmentsRestored | None = None,
-        journal: ReplayJournal | None = None,
-    ) -> tuple[RunState, RestorePlan]:
-        """Restore from the newest snapshot that verifies into ``dataplane`` (empty): load it
-        (:meth:`load_newest`), replay ``journal`` after it, restart (:meth:`restart_from`).
-        ``environments``: what the run's environments restored (a controller restores them
-        between the replay and the restart: rollsafe.checkpoint.restore). The new state is
-        returned only if every check passed; on any error the snapshot directory is unchanged
-        and ``dataplane`` (which may hold imported rows) is discarded by the caller."""
-        state, reader = cls.load_newest(config, store, dataplane, accept)
-        replayed = journal(state, reader) if journal is not None else None
-        restored = environments if environments is not None else EnvironmentsRestored({})
-        return state, state.restart_from(reader, restored, replayed)
-
     def restart_from(
-        self, reader: SnapshotReader, envs: EnvironmentsRestored, replayed: Replay | None
+        self, source: RestoredSnapshot, envs: EnvironmentsRestored, replayed: Replay | None
     ) -> RestorePlan:
-        """A restore's last step: :meth:`restart`, journaled when the journal was replayed
-        (replaying this restore later must decide the same), and the plan."""
+        """A restore's last step, after :meth:`load` and the journal's replay: :meth:`restart`,
+        journaled when the journal was replayed (replaying this restore later must decide the
+        same), and the plan."""
         released, partial = self.restart(envs)
         if replayed is not None:
             self._log(RecordKind.RESTART, _restart_meta(envs, replayed.rolled_back))
-        return self._plan(reader, envs, released, partial)
+        return self._plan(source, envs, released, partial)
 
-    @classmethod
-    def load_newest(
-        cls,
-        config: RunConfig,
-        store: SnapshotStore,
-        dataplane: DataPlane,
-        accept: Callable[[SnapshotManifest], str | None] | None,
-    ) -> tuple[RunState, SnapshotReader]:
-        """The newest snapshot that verifies, loaded. Each file is hashed as it is loaded (the
-        bytes hashed are the bytes decoded: one read, one hash), the files no load read after;
-        a file that fails sends the restore to the next snapshot, as select would have."""
-        refused: dict[str, str] = {}
-        while True:
-            reader = store.select(accept, contents=False, refused=refused)
-            controller = cls(config, dataplane)
-            try:
-                controller._load(reader)
-                reader.verify_unread()
-            except ContentMismatch as exc:
-                dataplane.clear()
-                refused[reader.name] = str(exc)
-                continue
-            controller._verify_rows(reader.name)
-            return controller, reader
-
-    def _load(self, reader: SnapshotReader) -> None:
-        state = CapturedState.read(reader)
+    def load(self, state: CapturedState, snapshot: str, sources: tuple[str, str]) -> None:
+        """Take a snapshot's state (read from its files: rollsafe.snapshot.state_files); its
+        rows are the data plane's, imported by the caller. ``snapshot`` and ``sources`` (where
+        the ledger and the index were read from) name them in errors."""
         for name in ("run_id", "group_size", "sampler"):
             saved, configured = getattr(state.config, name), getattr(self.config, name)
             if saved != configured:
                 raise TopologyMismatch(
-                    f"snapshot {reader.name} was taken with {name}={saved!r}; "
+                    f"snapshot {snapshot} was taken with {name}={saved!r}; "
                     f"this run has {configured!r}"
                 )
-        self.ledger = Ledger.restore(*state.ledger, f"{reader.name}/{LEDGER_FILE}")
-        self.index = ReplayIndex.restore(*state.index, f"{reader.name}/{INDEX_FILE}")
+        self.ledger = Ledger.restore(*state.ledger, sources[0])
+        self.index = ReplayIndex.restore(*state.index, sources[1])
         self.loader_position = state.loader.position
         self.weight_version = state.loader.weight_version
         index = self.index
@@ -479,17 +358,8 @@ class RunState:
             len(index) + index.trained_total + index.evicted_total  # format 1: as it agreed
         )
         self.sampler.load_state(state.sampler, self.index)
-        exported = reader.read_json("dataplane.json", DataPlaneManifest)
-        self.dataplane.import_(reader.path / "dataplane", exported)  # checks each file it reads
-        reader.checked_elsewhere({f"dataplane/{f.path}": f.sha256 for f in exported.files})
-        rows = self.dataplane.count(ROLLOUT_PARTITION)
-        try:
-            check_agreement(state, rows)
-        except LedgerInvariantViolation as exc:
-            raise SnapshotCorrupt(f"{reader.name}: {exc}") from None
-        _check_counts(reader, {**state.counts(), "sealed_rollouts": rows})
 
-    def _verify_rows(self, snapshot: str) -> None:
+    def verify_rows(self, snapshot: str) -> None:
         """Every sealed rollout's row must come back byte for byte (its sealed digest)."""
         pending: list[tuple[int, int, str]] = []
         for idx in self.ledger.groups():
@@ -553,16 +423,16 @@ class RunState:
 
     def _plan(
         self,
-        reader: SnapshotReader,
+        source: RestoredSnapshot,
         envs: EnvironmentsRestored,
         released: list[int],
         partial: dict[int, PartialGroup],
     ) -> RestorePlan:
         admitted_first = self._generating_first(partial)
         return RestorePlan(
-            snapshot=reader.path.name,
-            checkpoint_id=reader.manifest.checkpoint_id,
-            skipped=dict(reader.skipped),
+            snapshot=source.snapshot,
+            checkpoint_id=source.checkpoint_id,
+            skipped=dict(source.skipped),
             loader_position=self.loader_position,
             weight_version=self.weight_version,
             ready=self.index.in_states(GroupState.READY),
@@ -584,15 +454,3 @@ def _restart_meta(envs: EnvironmentsRestored, rolled_back: Sequence[int]) -> dic
     if envs.moved:  # only then: a journal without a lost instance reads as it always did
         meta["moved"] = sorted(episode.key for episode in envs.moved)
     return meta
-
-
-def _check_counts(reader: SnapshotReader, found: Mapping[str, int]) -> None:
-    """The counts the manifest carries are those of the files it lists: files of another
-    snapshot, each with its right digest, are refused naming the count that differs."""
-    listed = reader.manifest.counts
-    differ = [f"{name} {listed[name]} in the manifest, {n} in its files"
-              for name, n in found.items() if name in listed and listed[name] != n]  # fmt: skip
-    if differ:
-        raise SnapshotCorrupt(
-            f"{reader.name}: its files disagree with its manifest: " + "; ".join(differ)
-        )

@@ -27,7 +27,7 @@ from rollsafe.core.states import AttemptState, GroupState
 from rollsafe.dataplane import DataPlane
 from rollsafe.errors import RollsafeError, RowMismatch, ScenarioError
 from rollsafe.journal.run import RunJournal, restore_target
-from rollsafe.snapshot import SnapshotStore
+from rollsafe.snapshot import SnapshotStore, state_files
 
 SCENARIO_RUN_ID = "scenario"
 Index = Annotated[StrictInt, Field(ge=0)]
@@ -284,7 +284,7 @@ class ScenarioRunner:
         self.journal = self._journal() if self.scenario.journal else None
         held = None if weight_version is None else (weight_version,)
         accept, replayer = restore_target(self.journal, held)
-        state, _plan = RunState.restore(
+        state, _plan = state_files.restore(
             self.config, self.store, self.make_dataplane(), accept=accept, journal=replayer
         )
         if self.journal is not None:

@@ -8,7 +8,7 @@ Lifecycle:
   so no snapshot of the earlier run can be brought forward across it);
 - a restore reads the journal, replays the records after the snapshot's position and goes on
   in a new segment that starts with the restore's own RESTART record
-  (:meth:`RunJournal.replayer`, handed to ``RunState.restore``). Nothing is written before the
+  (:meth:`RunJournal.replayer`, handed to ``state_files.restore``). Nothing is written before the
   restore succeeded (:meth:`RunJournal.resume`), and then nothing is replaced: the new
   segment's id is above every segment and record the folder holds, a segment reading stopped
   in stays as it is (every later restore reports its stop again), and what a restore told to
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from rollsafe.core.config import JOURNAL_MIRROR_S
-from rollsafe.core.run_state import JOURNAL_POSITION, Replay, ReplayJournal, RunState
+from rollsafe.core.run_state import JOURNAL_POSITION, Replay, RunState
 from rollsafe.dataplane import Row
 from rollsafe.errors import InvalidInput, JournalCorrupt
 from rollsafe.journal.format import RecordKind, decode_header, decode_records, new_journal_id
@@ -58,6 +58,7 @@ from rollsafe.snapshot import (
 from rollsafe.snapshot._fs import fsync_dir
 from rollsafe.snapshot.bounded import read_regular
 from rollsafe.snapshot.select import Accept
+from rollsafe.snapshot.state_files import ReplayJournal
 from rollsafe.snapshot.store import FolderMirror
 
 JOURNAL_DIR = "journal"
@@ -167,11 +168,11 @@ class RunJournal:
     def replayer(
         self, weight_version: int | None = None, *, accept_loss: bool = False
     ) -> ReplayJournal:
-        """For ``RunState.restore(journal=...)``: replays the journal after the restored
-        snapshot (commits past ``weight_version`` rolled back), then attaches this journal to
-        the restored state in a new segment after everything read. ``accept_loss``: go on
-        although the journal does not continue the snapshot (RestoreRequest's
-        ``accept_journal_loss``)."""
+        """For ``state_files.restore(journal=...)`` (rollsafe.snapshot): replays the journal
+        after the restored snapshot (commits past ``weight_version`` rolled back), then attaches
+        this journal to the restored state in a new segment after everything read.
+        ``accept_loss``: go on although the journal does not continue the snapshot
+        (RestoreRequest's ``accept_journal_loss``)."""
 
         def bring_forward(state: RunState, reader: SnapshotReader) -> Replay:
             if self._writer is not None:  # a live run restoring: its own records first

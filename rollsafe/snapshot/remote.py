@@ -20,7 +20,8 @@ which retention deletes once older snapshots are kept.
 
 Reading downloads a snapshot into ``<cache_dir>/<run_id>/snapshots/<name>`` and verifies it
 with the POSIX code (:func:`verify_snapshot`); the returned :class:`SnapshotReader` is the
-ordinary local one, so :meth:`RunState.restore` takes this store as it takes a local one.
+ordinary local one, so :func:`rollsafe.snapshot.state_files.restore` takes this store as it
+takes a local one.
 """
 
 from __future__ import annotations

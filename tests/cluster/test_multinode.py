@@ -31,7 +31,7 @@ from rollsafe.client import Checkpointer
 from rollsafe.core.config import RunConfig
 from rollsafe.core.ids import snapshot_workflow_id
 from rollsafe.core.phases import Phase
-from rollsafe.core.run_state import ROLLOUT_PARTITION, RunState
+from rollsafe.core.run_state import ROLLOUT_PARTITION
 from rollsafe.dataplane import make_dataplane
 from rollsafe.dataplane.tq_runtime import (
     RAY_ENV,
@@ -41,7 +41,7 @@ from rollsafe.dataplane.tq_runtime import (
 )
 from rollsafe.engine.model import ModelConfig
 from rollsafe.engine.protocol import GenerateRequest, SamplingParams, completion_of
-from rollsafe.snapshot import SnapshotStore
+from rollsafe.snapshot import SnapshotStore, state_files
 from rollsafe.snapshot.select import verify_snapshot
 from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
@@ -355,7 +355,7 @@ async def check_nothing_lost(
     assert untrained and all(np.array_equal(live[p], run.sealed[p]) for p in untrained)
     names = [entry.name for entry in store.list()]
     assert outcome.published.name in names and second.published.name in names
-    restored, plan = RunState.restore(config, store, make_dataplane("memory"))
+    restored, plan = state_files.restore(config, store, make_dataplane("memory"))
     assert plan.snapshot == second.published.name
     assert sorted([*plan.ready, *plan.partial]) == owned
     assert plan.partial[2].regenerate == [0, 1]

@@ -37,11 +37,10 @@ from rollsafe.checkpoint.controller import ControllerStatus
 from rollsafe.core.config import RunConfig
 from rollsafe.core.ids import snapshot_workflow_id, task_queue_for
 from rollsafe.core.phases import PHASES, Phase, SnapshotSpec
-from rollsafe.core.run_state import RunState
 from rollsafe.dataplane import make_dataplane
 from rollsafe.evidence.scenario import row_content
 from rollsafe.faults import ENV_VAR, EXIT_CODE
-from rollsafe.snapshot import SnapshotStore
+from rollsafe.snapshot import SnapshotStore, state_files
 from rollsafe.temporal.connect import connect
 from rollsafe.temporal.devserver import DevServer
 from rollsafe.temporal.history import LOCAL_ACTIVITY_MARKER
@@ -211,7 +210,7 @@ def check_published_once(run: Run, outcome: SnapshotOutcome) -> None:
     # Open for real: a new attempt passes the gate.
     assert ray.get(run.actor.dispatch.remote(2, 0)) is not None
 
-    _, plan = RunState.restore(run.config, run.store, make_dataplane("memory"))
+    _, plan = state_files.restore(run.config, run.store, make_dataplane("memory"))
     assert (plan.snapshot, plan.checkpoint_id) == (reader.name, outcome.checkpoint_id)
     assert plan.ready == [0] and sorted(plan.partial) == [1, 2]
     assert (plan.partial[1].restored, plan.partial[1].regenerate) == ([0], [1])

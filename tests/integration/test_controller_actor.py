@@ -2,6 +2,7 @@
 typed errors across the process boundary, a fault point that kills the actor's process."""
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,12 +16,11 @@ from rollsafe.checkpoint.actor import (
 )
 from rollsafe.core.config import RunConfig
 from rollsafe.core.phases import PHASES, Phase, PhaseRequest, PhaseResult, SnapshotSpec
-from rollsafe.core.run_state import RunState
 from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import CheckpointRefused, ControllerUnavailable, SnapshotLost, VersionSkew
 from rollsafe.evidence.scenario import row_content
 from rollsafe.faults import ENV_VAR
-from rollsafe.snapshot import SnapshotStore
+from rollsafe.snapshot import SnapshotStore, state_files
 from rollsafe.versions import CONTRACT
 
 
@@ -32,7 +32,7 @@ def phases(handle: Any, spec: SnapshotSpec, ray: Any) -> list[PhaseResult]:
     return [ray.get(handle.run_phase.remote(PhaseRequest(spec=spec, phase=p))) for p in PHASES]
 
 
-def test_ten_phases_through_the_named_actor(ray_session, tmp_path):
+def test_ten_phases_through_the_named_actor(ray_session: Any, tmp_path: Path) -> None:
     ray = ray_session
     run_id = "ray-a"
     first = start_controller_actor(run_id, config(run_id), tmp_path)
@@ -67,13 +67,15 @@ def test_ten_phases_through_the_named_actor(ray_session, tmp_path):
     finally:
         ray.kill(first)
 
-    _, plan = RunState.restore(
+    _, plan = state_files.restore(
         config(run_id), SnapshotStore(tmp_path, run_id), make_dataplane("memory")
     )
     assert (plan.snapshot, plan.ready, sorted(plan.partial)) == (info.name, [0], [1, 2])
 
 
-def test_an_exit_fault_kills_the_actor_and_a_new_one_cannot_publish(ray_session, tmp_path):
+def test_an_exit_fault_kills_the_actor_and_a_new_one_cannot_publish(
+    ray_session: Any, tmp_path: Path
+) -> None:
     """ROLLSAFE_FAULT reaches the actor's process; after the crash between capture and its
     stored result, a restarted controller has no draft: publish says take it again."""
     ray = ray_session
@@ -99,7 +101,7 @@ def test_an_exit_fault_kills_the_actor_and_a_new_one_cannot_publish(ray_session,
         ray.kill(fresh)
 
 
-def test_looking_up_a_run_without_an_actor(ray_session):
+def test_looking_up_a_run_without_an_actor(ray_session: Any) -> None:
     with pytest.raises(ControllerUnavailable, match=actor_name("nobody")):
         get_controller_actor("nobody")
 
@@ -135,8 +137,8 @@ def named_actor(ray: Any, cls: type, run_id: str) -> Any:
 
 
 async def test_a_worker_asks_the_actor_once_and_refuses_one_two_contracts_apart(
-    ray_session, tmp_path
-):
+    ray_session: Any, tmp_path: Path
+) -> None:
     ray = ray_session
     this = start_controller_actor("contract-now", config("contract-now"), tmp_path)
     future = named_actor(ray, FutureController, "contract-future")
@@ -156,7 +158,9 @@ async def test_a_worker_asks_the_actor_once_and_refuses_one_two_contracts_apart(
         ray.kill(future)
 
 
-async def test_an_actor_before_contracts_works_until_a_call_it_cannot_take(ray_session):
+async def test_an_actor_before_contracts_works_until_a_call_it_cannot_take(
+    ray_session: Any,
+) -> None:
     ray = ray_session
     earlier = named_actor(ray, EarlierController, "contract-earlier")
     try:

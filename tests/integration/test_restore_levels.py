@@ -27,7 +27,6 @@ from pathlib import Path
 import pytest
 
 from rollsafe.checkpoint.participants import RECORD_FILE, ParticipantsRecord
-from rollsafe.core.capture import CapturedState
 from rollsafe.core.ids import checkpoint_id_for
 from rollsafe.core.ledger import Ledger
 from rollsafe.core.phases import Phase, PhaseResult, RestorePlan
@@ -41,7 +40,7 @@ from rollsafe.evidence.verify import verify
 from rollsafe.reference.rl.controller import Endpoints
 from rollsafe.reference.rl.run import SNAPSHOTS_DIR, ReferenceRun, RunSettings
 from rollsafe.reference.rl.servers import RunServers
-from rollsafe.snapshot import SnapshotStore
+from rollsafe.snapshot import SnapshotStore, state_files
 from rollsafe.testing.waiting import eventually
 
 INSTANCES = ("w0", "w1", "w2")
@@ -107,7 +106,7 @@ def reference(logs: Path, tmp_path_factory: pytest.TempPathFactory) -> Evidence:
 def snapshot_ledger(root: Path) -> Ledger:
     """The ledger as the newest published snapshot holds it."""
     reader = SnapshotStore(root / SNAPSHOTS_DIR, BASE.run_id).select()
-    return Ledger.restore(*CapturedState.read(reader).ledger, reader.name)
+    return Ledger.restore(*state_files.read_state(reader).ledger, reader.name)
 
 
 def mixed_groups(ledger: Ledger) -> list[int]:

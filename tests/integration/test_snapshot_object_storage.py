@@ -31,13 +31,14 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import pytest
 
 from rollsafe.cli.doctor.checks import Status, check_storage
 from rollsafe.errors import InvalidInput, NoValidSnapshot
-from rollsafe.snapshot import PublishedSnapshot, SnapshotKind
+from rollsafe.snapshot import PublishedSnapshot, SnapshotKind, state_files
 from rollsafe.snapshot import _objects as objects
 from rollsafe.snapshot.remote import RemoteSnapshotStore
 from rollsafe.testing.race import all_at_once
@@ -276,7 +277,7 @@ def publish(
 # -- the store on a bucket -------------------------------------------------------------------
 
 
-def test_conditional_put_has_exactly_one_winner(url, options):
+def test_conditional_put_has_exactly_one_winner(url: str, options: dict[str, object]) -> None:
     fs, root = objects.open_filesystem(url, options)
     path = f"{root}/{RUN}/latest/00000001.json"
     assert objects.create_exclusive(fs, path, b"first")
@@ -299,7 +300,9 @@ def test_conditional_put_has_exactly_one_winner(url, options):
     assert fs.cat_file(f"{root}/race") == b"%d" % winners[0]  # the losers overwrote nothing
 
 
-def test_publish_select_round_trip_and_retention(url, options, tmp_path):
+def test_publish_select_round_trip_and_retention(
+    url: str, options: dict[str, object], tmp_path: Path
+) -> None:
     store = store_at(url, tmp_path / "w", options, keep_latest_k=2)
     published = [publish(store, f"ck-{i}") for i in range(1, 4)]
     reader = store_at(url, tmp_path / "r", options).select()
@@ -311,7 +314,9 @@ def test_publish_select_round_trip_and_retention(url, options, tmp_path):
     assert names == ["00000003-rollout", "00000002-rollout"]  # seq 1 retired
 
 
-def test_publish_dying_before_the_manifest_is_invisible(url, options, tmp_path):
+def test_publish_dying_before_the_manifest_is_invisible(
+    url: str, options: dict[str, object], tmp_path: Path
+) -> None:
     def crash(point: str) -> None:
         if point == "before_manifest":
             raise RuntimeError(point)
@@ -324,7 +329,9 @@ def test_publish_dying_before_the_manifest_is_invisible(url, options, tmp_path):
     assert "unpublished" in caught.value.reasons["00000001-rollout"]
 
 
-def test_corrupted_object_is_refused_by_name(url, options, tmp_path):
+def test_corrupted_object_is_refused_by_name(
+    url: str, options: dict[str, object], tmp_path: Path
+) -> None:
     store = store_at(url, tmp_path / "w", options)
     publish(store, "ck-1")
     publish(store, "ck-2")
@@ -334,7 +341,9 @@ def test_corrupted_object_is_refused_by_name(url, options, tmp_path):
     assert "state.bin: sha256 does not match" in reader.skipped["00000002-rollout"]
 
 
-def test_two_publishers_of_one_seq_exactly_one_wins(url, options, tmp_path):
+def test_two_publishers_of_one_seq_exactly_one_wins(
+    url: str, options: dict[str, object], tmp_path: Path
+) -> None:
     drafts = []
     for i in range(2):
         draft = store_at(url, tmp_path / f"h{i}", options).begin(
@@ -356,7 +365,9 @@ def test_two_publishers_of_one_seq_exactly_one_wins(url, options, tmp_path):
 # -- the doctor and the CLI on a bucket ------------------------------------------------------
 
 
-def test_doctor_passes_on_a_healthy_bucket_and_leaves_nothing(url, options):
+def test_doctor_passes_on_a_healthy_bucket_and_leaves_nothing(
+    url: str, options: dict[str, object]
+) -> None:
     check = check_storage(url, 5.0, options)
     assert check.status is Status.OK, check
     assert "second create refused" in check.detail  # the server answered 412
@@ -364,7 +375,7 @@ def test_doctor_passes_on_a_healthy_bucket_and_leaves_nothing(url, options):
     assert fs.find(root) == []
 
 
-def test_doctor_names_a_missing_bucket(server, options):
+def test_doctor_names_a_missing_bucket(server: Server, options: dict[str, object]) -> None:
     bucket = f"rollsafe-missing-{uuid.uuid4().hex[:12]}"
     missing = f"{server.backend.scheme}://{bucket}/snapshots"
     check = check_storage(missing, 5.0, options)
@@ -374,7 +385,9 @@ def test_doctor_names_a_missing_bucket(server, options):
     assert f"bucket {bucket!r} does not exist" in check.fix and "create it" in check.fix
 
 
-def test_snapshots_list_from_the_command_line(server, url, options, tmp_path):
+def test_snapshots_list_from_the_command_line(
+    server: Server, url: str, options: dict[str, object], tmp_path: Path
+) -> None:
     """A separate process, configured from the environment as in production (see each
     backend's ``cli_env``)."""
     publish(store_at(url, tmp_path / "w", options), "ck-1")
@@ -392,15 +405,14 @@ def test_snapshots_list_from_the_command_line(server, url, options, tmp_path):
 
 @pytest.mark.parametrize("server", [PARAMS["s3"]], indirect=True)
 def test_s3_the_controller_actor_publishes_through_its_cache(
-    server, url, options, tmp_path, ray_session
-):
+    server: Server, url: str, options: dict[str, object], tmp_path: Path, ray_session: Any
+) -> None:
     """The run's controller as a Ray actor with an s3:// root: drafts staged in its cache, the
     snapshot in the bucket (credentials and endpoint from the actor's environment, as on a Ray
     node), restored by this process through a cache of its own."""
     from rollsafe.checkpoint.actor import start_controller_actor
     from rollsafe.core.config import RunConfig
     from rollsafe.core.phases import PHASES, PhaseRequest, SnapshotSpec
-    from rollsafe.core.run_state import RunState
     from rollsafe.dataplane import make_dataplane
     from rollsafe.evidence.scenario import row_content
 
@@ -427,5 +439,5 @@ def test_s3_the_controller_actor_publishes_through_its_cache(
     assert list((tmp_path / "actor-cache" / RUN / "snapshots").iterdir())  # staged there
     store = store_at(url, tmp_path / "reader-cache", options)
     assert [entry.name for entry in store.list()] == [info.name]
-    _, plan = RunState.restore(config, store, make_dataplane("memory"))
+    _, plan = state_files.restore(config, store, make_dataplane("memory"))
     assert (plan.snapshot, plan.ready, sorted(plan.partial)) == (info.name, [], [0, 1])

@@ -12,10 +12,10 @@ from temporalio.exceptions import ActivityError, ApplicationError
 
 from rollsafe.core.ids import restore_workflow_id, supervisor_id
 from rollsafe.core.phases import PHASES, Phase, RestoreRequest
-from rollsafe.core.run_state import RunState
 from rollsafe.dataplane import make_dataplane
 from rollsafe.evidence.scenario import row_content
 from rollsafe.faults import arm
+from rollsafe.snapshot import state_files
 from rollsafe.temporal.devserver import DevServer
 from rollsafe.temporal.history import completed_activities
 from rollsafe.testing.waiting import eventually_async, holding
@@ -37,7 +37,7 @@ async def test_a_snapshot_runs_the_ten_phases_once_and_publishes(harness: Workfl
     status = harness.controller.status()
     assert status.gate_open and status.open_checkpoint is None
     assert all(status.effects[p.value] == 1 for p in (Phase.OPEN, Phase.CAPTURE, Phase.PUBLISH))
-    _, plan = RunState.restore(
+    _, plan = state_files.restore(
         harness.controller.state.config, harness.store, make_dataplane("memory")
     )
     assert plan.checkpoint_id == outcome.checkpoint_id and plan.ready == [0]

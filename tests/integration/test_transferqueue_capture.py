@@ -18,14 +18,14 @@ import pytest
 from rollsafe.checkpoint.controller import Controller
 from rollsafe.core.config import RunConfig
 from rollsafe.core.phases import PHASES, PhaseRequest, SnapshotSpec
-from rollsafe.core.run_state import ROLLOUT_PARTITION, RunState
+from rollsafe.core.run_state import ROLLOUT_PARTITION
 from rollsafe.dataplane.protocol import row_digest
 from rollsafe.dataplane.tq_runtime import import_tq
 from rollsafe.dataplane.transferqueue import TransferQueueDataPlane
 from rollsafe.engine.protocol import SamplingParams, prompt_digest, seal_prefix
 from rollsafe.engine.staging import PrefixReader, prefix_key, stage_prefixes
 from rollsafe.errors import DataPlaneKeyMissing
-from rollsafe.snapshot import SnapshotManifest, SnapshotStore
+from rollsafe.snapshot import SnapshotManifest, SnapshotStore, state_files
 
 pytestmark = pytest.mark.usefixtures("transferqueue")
 
@@ -126,7 +126,7 @@ def test_capture_under_a_hammering_writer_restores_every_row_intact(
 
         plane = TransferQueueDataPlane()  # a clean namespace, as after a crash
         try:
-            restored, _ = RunState.restore(
+            restored, _ = state_files.restore(
                 service.state.config, service.store, plane, accept=accept
             )
             sealed = {
@@ -257,7 +257,7 @@ def test_a_controller_actor_keeps_its_rows_in_transferqueue(
         ray.kill(actor)
     plane = TransferQueueDataPlane()
     try:
-        restored, plan = RunState.restore(config, SnapshotStore(tmp_path, run_id), plane)
+        restored, plan = state_files.restore(config, SnapshotStore(tmp_path, run_id), plane)
         assert plan.ready == [0] and sorted(plan.partial) == [1]
         rows = plane.get(ROLLOUT_PARTITION, [restored.row_key(0, 0), restored.row_key(1, 0)])
         assert row_digest(rows[restored.row_key(1, 0)]) == row_digest(row_content(1, 0, 0))

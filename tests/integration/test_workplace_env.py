@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -23,6 +24,7 @@ import pytest
 from pydantic import BaseModel
 
 from rollsafe.engine.http import EngineClient
+from rollsafe.engine.loop import HOLD_ENV, HoldRule
 from rollsafe.engine.model import ModelConfig
 from rollsafe.engine.protocol import (
     CUT_BATCH,
@@ -165,6 +167,19 @@ async def torch_engine() -> AsyncIterator[TorchEngine]:
         yield engine
 
 
+@pytest.fixture
+async def holding_engine(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[TorchEngine]:
+    """The same engine, holding turn ``CUT_TURN``'s call once it made ``CUT_AT`` tokens until
+    the cut: the cut finds it mid-call however loaded the machine is (else a fast decode may
+    finish the call before the cut, and no prefix is staged)."""
+    rule = HoldRule(calls=re.escape(f"{ROLLOUT}/t{CUT_TURN}") + "$", after_tokens=CUT_AT)
+    monkeypatch.setenv(HOLD_ENV, rule.model_dump_json())
+    engine = TorchEngine(ModelConfig(kind="dense"), 1)  # reads the rule as it is made
+    monkeypatch.delenv(HOLD_ENV)  # no other engine of the test holds
+    async with engine:
+        yield engine
+
+
 def ref(attempt: int = 0) -> EpisodeRef:
     return EpisodeRef(rollout_id=ROLLOUT, attempt=attempt)
 
@@ -202,15 +217,15 @@ def same_play(a: EpisodeResult, b: EpisodeResult) -> None:
 
 
 async def test_cut_call_resumes_from_its_prefix_without_regenerating(
-    torch_engine: TorchEngine,
+    torch_engine: TorchEngine, holding_engine: TorchEngine
 ) -> None:
     whole = await uninterrupted(torch_engine)
     cut_call = f"{ROLLOUT}/t{CUT_TURN}"
-    engine, record = await park_mid_call(torch_engine, CUT_TURN)
+    engine, record = await park_mid_call(holding_engine, CUT_TURN)
     assert record["turn"] == CUT_TURN and record["in_flight"]["call_id"] == cut_call
     assert engine.cut_report is not None
     (prefix,) = engine.cut_report.prefixes
-    assert len(prefix.tokens) >= CUT_AT
+    assert len(prefix.tokens) == CUT_AT  # held there until the cut
 
     second = WorkplaceEnv(engine)  # another instance: only the record and the prefix travel
     second.restore_episode(ref(), record)

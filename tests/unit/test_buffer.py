@@ -20,7 +20,7 @@ def index_with(groups: dict[int, tuple[G, int]], size: int = 2) -> ReplayIndex:
     return index
 
 
-def test_group_lifecycle():
+def test_group_lifecycle() -> None:
     index = ReplayIndex(2)
     index.reserve(4, weight_version=0)
     assert index.state(4) == G.RESERVED
@@ -42,21 +42,21 @@ def test_group_lifecycle():
         index.train([4])
 
 
-def test_train_needs_ready_or_claimed_and_is_all_or_nothing():
+def test_train_needs_ready_or_claimed_and_is_all_or_nothing() -> None:
     index = index_with({1: (G.READY, 0), 2: (G.GENERATING, 0)})
     with pytest.raises(IllegalTransition, match="group 2: illegal transition GENERATING -> TRAIN"):
         index.train([1, 2])
     assert index.state(1) == G.READY
 
 
-def test_claim_is_all_or_nothing():
+def test_claim_is_all_or_nothing() -> None:
     index = index_with({1: (G.READY, 0), 2: (G.RESERVED, 0)})
     with pytest.raises(IllegalTransition):
         index.claim([1, 2], step=0)
     assert index.state(1) == G.READY
 
 
-def test_evict_removes_but_not_a_claimed_group():
+def test_evict_removes_but_not_a_claimed_group() -> None:
     index = index_with({1: (G.GENERATING, 0), 2: (G.CLAIMED, 0)})
     index.evict(1)
     assert 1 not in index and index.evicted_total == 1
@@ -64,7 +64,7 @@ def test_evict_removes_but_not_a_claimed_group():
         index.evict(2)
 
 
-def test_capture_restore_round_trip_and_validation():
+def test_capture_restore_round_trip_and_validation() -> None:
     index = index_with({3: (G.READY, 1), 5: (G.CLAIMED, 0), 8: (G.RESERVED, 2)})
     index.train([3])
     captured, meta = index.capture()
@@ -102,23 +102,23 @@ READY_MIX = {
         ("weight_fifo", 1, 2, []),  # 11 (version 1) is next by weight and not ready
     ],
 )
-def test_sampler_selection(name, window, count, expected):
+def test_sampler_selection(name: str, window: int, count: int, expected: list[int]) -> None:
     sampler = make_sampler(name, staleness_window=window)
     assert sampler.select(index_with(READY_MIX), weight_version=3, count=count) == expected
 
 
-def test_weight_fifo_orders_by_start_version_then_index():
+def test_weight_fifo_orders_by_start_version_then_index() -> None:
     index = index_with({1: (G.READY, 4), 2: (G.READY, 1), 3: (G.READY, 1)})
     assert make_sampler("weight_fifo").select(index, 4, 3) == [2, 3, 1]
 
 
-def test_gated_samplers_skip_claimed_groups():
+def test_gated_samplers_skip_claimed_groups() -> None:
     index = index_with({1: (G.CLAIMED, 0), 2: (G.READY, 0), 3: (G.READY, 0)})
     assert make_sampler("in_order").select(index, 0, 2) == [2, 3]
     assert make_sampler("weight_fifo").select(index, 0, 2) == [2, 3]
 
 
-def test_sampler_state_round_trip_and_mismatch():
+def test_sampler_state_round_trip_and_mismatch() -> None:
     index = index_with({4: (G.READY, 0), 6: (G.READY, 0)})
     sampler = make_sampler("in_order")
     index.train([4])
@@ -135,11 +135,11 @@ def test_sampler_state_round_trip_and_mismatch():
         make_sampler("in_order").load_state(state, behind)
 
 
-def test_sampler_state_refuses_unknown_fields():
+def test_sampler_state_refuses_unknown_fields() -> None:
     with pytest.raises(ValueError, match="extra"):
         SamplerState.model_validate({"name": "windowed", "surprise": 1})
 
 
-def test_unknown_sampler_is_named():
+def test_unknown_sampler_is_named() -> None:
     with pytest.raises(InvalidInput, match="unknown sampler 'lifo'"):
         make_sampler("lifo")

@@ -44,7 +44,7 @@ def wait_for_exit(pid: int, timeout_s: float) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pidfds and PR_SET_PDEATHSIG")
 @pytest.mark.parametrize("how", ["watch", "bound"])
-def test_a_child_ends_when_the_process_that_started_it_is_killed(how):
+def test_a_child_ends_when_the_process_that_started_it_is_killed(how: str) -> None:
     parent = subprocess.Popen([sys.executable, "-c", PARENT, how], stdout=subprocess.PIPE)
     try:
         assert parent.stdout is not None
@@ -59,7 +59,9 @@ def test_a_child_ends_when_the_process_that_started_it_is_killed(how):
             parent.wait()
 
 
-def test_a_watched_child_does_not_hand_its_parent_pid_to_its_own_children(monkeypatch):
+def test_a_watched_child_does_not_hand_its_parent_pid_to_its_own_children(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from rollsafe.children import watch_parent
 
     monkeypatch.setenv(PARENT_PID_ENV, str(os.getpid()))  # "our parent" is ourselves: alive

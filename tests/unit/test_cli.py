@@ -10,9 +10,9 @@ import socket
 import subprocess
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, get_args
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, get_args
 
 import pytest
 
@@ -21,7 +21,9 @@ from rollsafe.versions import CONTRACT, THIS
 if TYPE_CHECKING:
     from typer.testing import Result
 
+    from rollsafe.core.phases import RestorePlan
     from rollsafe.snapshot import SnapshotStore
+    from rollsafe.temporal.pollers import WorkerPresence
     from rollsafe.workflows.models import SnapshotOutcome
 
 SCENARIOS = Path(__file__).parent.parent / "scenarios"
@@ -53,7 +55,7 @@ def scenario(*events: dict[str, Any], **fields: Any) -> dict[str, Any]:
     }
 
 
-def test_runs_a_scenario_and_prints_one_json_object(tmp_path):
+def test_runs_a_scenario_and_prints_one_json_object(tmp_path: Path) -> None:
     result = rollsafe(
         "scenario", "run", SCENARIOS / "s3_one_batch_part_done.json", "--snapshot-dir", tmp_path
     )
@@ -79,7 +81,9 @@ def test_runs_a_scenario_and_prints_one_json_object(tmp_path):
         (json.dumps({**scenario(), "sampler": "lifo"}), "sampler"),
     ],
 )
-def test_malformed_file_exits_2_naming_the_problem(tmp_path, content, message):
+def test_malformed_file_exits_2_naming_the_problem(
+    tmp_path: Path, content: str, message: str
+) -> None:
     path = tmp_path / "bad.json"
     path.write_text(content)
     result = rollsafe("scenario", "run", path)
@@ -115,13 +119,15 @@ def test_malformed_file_exits_2_naming_the_problem(tmp_path, content, message):
         ),
     ],
 )
-def test_impossible_event_exits_2_naming_the_event(tmp_path, events, message):
+def test_impossible_event_exits_2_naming_the_event(
+    tmp_path: Path, events: list[dict[str, Any]], message: str
+) -> None:
     result = rollsafe("scenario", "run", write(tmp_path / "s.json", scenario(*events)))
     assert result.returncode == 2
     assert message in result.stderr
 
 
-def test_unknown_dataplane_and_missing_file_exit_2(tmp_path):
+def test_unknown_dataplane_and_missing_file_exit_2(tmp_path: Path) -> None:
     result = rollsafe("scenario", "run", SCENARIOS / "s1_all_finished.json", "--dataplane", "tq")
     assert result.returncode == 2 and "'tq' is not one of 'memory'" in result.stderr
     result = rollsafe("scenario", "run", tmp_path / "nope.json")
@@ -129,8 +135,10 @@ def test_unknown_dataplane_and_missing_file_exit_2(tmp_path):
 
 
 def test_a_restored_row_that_differs_exits_1_naming_group_and_rollout(
-    tmp_path, resign, flip_a_token
-):
+    tmp_path: Path,
+    resign: Callable[[Path, str, Callable[[bytes], bytes]], None],
+    flip_a_token: Callable[[bytes], bytes],
+) -> None:
     """First process checkpoints and exits (a real crash); the snapshot is altered with every
     digest fixed up; the second process restores and must notice the row."""
     first = scenario(
@@ -155,7 +163,7 @@ def test_a_restored_row_that_differs_exits_1_naming_group_and_rollout(
     assert result.stdout == ""
 
 
-def test_a_later_process_continues_from_the_snapshot(tmp_path):
+def test_a_later_process_continues_from_the_snapshot(tmp_path: Path) -> None:
     snapshots = tmp_path / "snaps"
     first = scenario(
         {"op": "handout", "groups": [5, 6]},
@@ -178,7 +186,7 @@ def test_a_later_process_continues_from_the_snapshot(tmp_path):
     assert report["next_selection"] == [5]
 
 
-def test_snapshots_list_shows_each_snapshot_and_why_it_is_refused(tmp_path):
+def test_snapshots_list_shows_each_snapshot_and_why_it_is_refused(tmp_path: Path) -> None:
     snapshots = tmp_path / "snaps"
     run = scenario({"op": "handout", "groups": [1]}, {"op": "checkpoint"}, {"op": "checkpoint"})
     assert (
@@ -201,7 +209,7 @@ def test_snapshots_list_shows_each_snapshot_and_why_it_is_refused(tmp_path):
     assert listing.returncode == 1 and "verifies" in listing.stderr
 
 
-def test_snapshots_list_and_ls_take_a_file_url(tmp_path):
+def test_snapshots_list_and_ls_take_a_file_url(tmp_path: Path) -> None:
     snapshots = tmp_path / "snaps"
     run = scenario({"op": "handout", "groups": [1]}, {"op": "checkpoint"})
     written = rollsafe(
@@ -224,7 +232,7 @@ def test_snapshots_list_and_ls_take_a_file_url(tmp_path):
     assert "00000001-rollout" in ls.stdout
 
 
-def test_snapshots_list_and_ls_read_object_storage(tmp_path):
+def test_snapshots_list_and_ls_read_object_storage(tmp_path: Path) -> None:
     """memory:// lives in this process only, so the command runs in it (CliRunner)."""
     fsspec = pytest.importorskip("fsspec")
     from typer.testing import CliRunner
@@ -291,7 +299,7 @@ def one_line_error(result: "Result") -> str:
 
 
 @pytest.fixture
-def dead_port():
+def dead_port() -> Iterator[int]:
     """A port bound and never listened on: a connect is refused."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -309,7 +317,7 @@ def publish(root: Path, *checkpoints: str, run: str = RUN) -> "SnapshotStore":
     return store
 
 
-def test_version_prints_the_release_and_its_contract():
+def test_version_prints_the_release_and_its_contract() -> None:
     result = invoke("--version")
     assert result.exit_code == 0
     assert result.stdout == f"rollsafe {THIS.release} (contract {CONTRACT}: docs/upgrading.md)\n"
@@ -318,7 +326,7 @@ def test_version_prints_the_release_and_its_contract():
 # --- snapshot list / ls
 
 
-def test_snapshot_list_and_ls_print_the_same_json_and_nothing_else(tmp_path):
+def test_snapshot_list_and_ls_print_the_same_json_and_nothing_else(tmp_path: Path) -> None:
     publish(tmp_path, "ck-1", "ck-2")
     listed = invoke("snapshot", "list", RUN, "--root", tmp_path, "--json")
     ls = invoke("ls", RUN, "--json", env={"ROLLSAFE_SNAPSHOT_ROOT": str(tmp_path)})
@@ -330,7 +338,7 @@ def test_snapshot_list_and_ls_print_the_same_json_and_nothing_else(tmp_path):
     assert payload["snapshots"][0]["checkpoint_id"] == "ck-2"
 
 
-def test_no_snapshot_that_verifies_exits_1_with_the_json_still_printed(tmp_path):
+def test_no_snapshot_that_verifies_exits_1_with_the_json_still_printed(tmp_path: Path) -> None:
     store = publish(tmp_path, "ck-1")
     (store.snapshots_dir / "00000001-rollout" / "state.bin").write_bytes(b"ck-X")
     result = invoke("snapshot", "list", RUN, "--root", tmp_path, "--json")
@@ -343,7 +351,7 @@ def test_no_snapshot_that_verifies_exits_1_with_the_json_still_printed(tmp_path)
     assert [r["state"] for r in json.loads(unchecked.stdout)["snapshots"]] == ["unchecked"]
 
 
-def test_ls_needs_a_root_from_the_flag_or_the_variable(tmp_path):
+def test_ls_needs_a_root_from_the_flag_or_the_variable(tmp_path: Path) -> None:
     missing = invoke("ls", RUN, env={"ROLLSAFE_SNAPSHOT_ROOT": None})
     assert missing.exit_code == 2 and "ROLLSAFE_SNAPSHOT_ROOT" in missing.output
     publish(tmp_path, "ck-1")
@@ -353,7 +361,9 @@ def test_ls_needs_a_root_from_the_flag_or_the_variable(tmp_path):
     assert bad_run.exit_code == 2 and "invalid run id" in one_line_error(bad_run)
 
 
-def test_object_storage_is_verified_one_snapshot_at_a_time(tmp_path, monkeypatch):
+def test_object_storage_is_verified_one_snapshot_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each snapshot downloaded advances the progress (drawn on a terminal only)."""
     fsspec = pytest.importorskip("fsspec")
     from rollsafe.snapshot import SnapshotKind
@@ -362,7 +372,7 @@ def test_object_storage_is_verified_one_snapshot_at_a_time(tmp_path, monkeypatch
     seen: dict[str, int | None] = {"advanced": 0}
 
     @contextlib.contextmanager
-    def recorded(description, total=None):
+    def recorded(description: str, total: int | None = None) -> Iterator[Callable[[], None]]:
         seen["total"] = total
 
         def advance() -> None:
@@ -407,7 +417,7 @@ def test_object_storage_is_verified_one_snapshot_at_a_time(tmp_path, monkeypatch
         ("demo", "--gym", "math"),
     ],
 )
-def test_a_value_outside_a_choice_is_a_usage_error(args):
+def test_a_value_outside_a_choice_is_a_usage_error(args: tuple[str, ...]) -> None:
     result = invoke(*args)
     assert result.exit_code == 2
     assert "is not one of" in result.output
@@ -433,20 +443,22 @@ def test_a_value_outside_a_choice_is_a_usage_error(args):
         (("demo", "--gym", "workplace_assistant", "--steps", "2"), "kill@step3: the run has only"),
     ],
 )
-def test_a_bad_argument_found_by_the_command_is_a_usage_error(args, message):
+def test_a_bad_argument_found_by_the_command_is_a_usage_error(
+    args: tuple[str, ...], message: str
+) -> None:
     result = invoke(*args, env={"ROLLSAFE_ENV_TOKEN": "t"})
     assert result.exit_code == 2 and message in result.output
     assert "Traceback" not in result.output and "errors.pydantic.dev" not in result.output
 
 
-def test_a_model_directory_that_cannot_be_written_is_one_line(tmp_path):
+def test_a_model_directory_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("")
     result = invoke("engine", "make-model", tmp_path / "a-file" / "model")
     assert result.exit_code == 1
     assert "cannot write the model under" in one_line_error(result)
 
 
-def test_help_lists_the_choices():
+def test_help_lists_the_choices() -> None:
     wide = {"COLUMNS": "200"}  # each metavar on one line
     serve = invoke("engine", "serve", "--help", env=wide).output
     assert "reference|vllm" in serve and "float32|bfloat16" in serve
@@ -454,7 +466,7 @@ def test_help_lists_the_choices():
     assert "prompt_group|sibling|turn|prefix" in demo and "windowed|in_order|weight_fifo" in demo
 
 
-def test_the_dtypes_spelled_in_the_cli_are_the_engines():
+def test_the_dtypes_spelled_in_the_cli_are_the_engines() -> None:
     from rollsafe.cli import engine as cli_engine
     from rollsafe.engine.vllm.engine import Dtype
 
@@ -470,7 +482,7 @@ def test_the_dtypes_spelled_in_the_cli_are_the_engines():
         ("worker", "--run", RUN, "--health-port", "70000"),
     ],
 )
-def test_a_port_out_of_range_is_a_usage_error(args):
+def test_a_port_out_of_range_is_a_usage_error(args: tuple[str, ...]) -> None:
     result = invoke(*args, env={"ROLLSAFE_ENGINE_TOKEN": "t", "ROLLSAFE_ENV_TOKEN": "t"})
     assert result.exit_code == 2
     assert "Invalid value for '--" in result.output and "port" in result.output
@@ -486,7 +498,7 @@ def served_tokens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """`engine serve` with the engine and the server replaced: the token it would serve with."""
     tokens: list[str] = []
 
-    async def serve(engine, host, port, token):
+    async def serve(engine: object, host: str, port: int, token: str) -> None:
         tokens.append(token)
 
     monkeypatch.setattr("rollsafe.engine.http.serve", serve)
@@ -494,7 +506,9 @@ def served_tokens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return tokens
 
 
-def test_a_token_file_is_read_stripped_and_beats_the_variable(tmp_path, served_tokens):
+def test_a_token_file_is_read_stripped_and_beats_the_variable(
+    tmp_path: Path, served_tokens: list[str]
+) -> None:
     file = tmp_path / "token"
     file.write_text("  from-the-file\n")
     env = {"ROLLSAFE_ENGINE_TOKEN": "from-the-variable"}
@@ -507,7 +521,9 @@ def test_a_token_file_is_read_stripped_and_beats_the_variable(tmp_path, served_t
     ("content", "message"),
     [("", "is empty"), ("\n \n", "is empty"), (None, "cannot read it")],
 )
-def test_an_empty_or_missing_token_file_is_a_usage_error(tmp_path, served_tokens, content, message):
+def test_an_empty_or_missing_token_file_is_a_usage_error(
+    tmp_path: Path, served_tokens: list[str], content: str | None, message: str
+) -> None:
     file = tmp_path / "token"
     if content is not None:
         file.write_text(content)
@@ -534,8 +550,8 @@ SECRET = "s3cr3t-never-echoed"
 )
 @pytest.mark.parametrize("spelling", ["apart", "joined"])
 def test_a_token_on_the_command_line_is_refused_naming_the_variable(
-    served_tokens, args, flag, variable, spelling
-):
+    served_tokens: list[str], args: tuple[str, ...], flag: str, variable: str, spelling: str
+) -> None:
     typed = (flag, SECRET) if spelling == "apart" else (f"{flag}={SECRET}",)
     result = invoke(*args, *typed, env={"ROLLSAFE_ENGINE_TOKEN": "e", "ROLLSAFE_ENV_TOKEN": "t"})
     assert result.exit_code == 2
@@ -547,21 +563,21 @@ def test_a_token_on_the_command_line_is_refused_naming_the_variable(
 
 
 @pytest.mark.parametrize("command", [("engine", "serve"), ("env", "serve"), ("env-check",)])
-def test_help_offers_no_token_value_flag(command):
+def test_help_offers_no_token_value_flag(command: tuple[str, ...]) -> None:
     shown = invoke(*command, "--help", env={"COLUMNS": "200"}).output
     assert "--token-file" in shown
     assert "--token " not in shown and "--engine-token " not in shown
 
 
 @pytest.mark.parametrize("value", ["", "  "])
-def test_an_empty_token_variable_is_a_usage_error(served_tokens, value):
+def test_an_empty_token_variable_is_a_usage_error(served_tokens: list[str], value: str) -> None:
     result = invoke("engine", "serve", "--port", "0", env={"ROLLSAFE_ENGINE_TOKEN": value})
     assert result.exit_code == 2
     assert "ROLLSAFE_ENGINE_TOKEN must not be empty" in one_line_error(result)
     assert served_tokens == []
 
 
-def test_no_token_at_all_names_the_variable_and_the_file(served_tokens):
+def test_no_token_at_all_names_the_variable_and_the_file(served_tokens: list[str]) -> None:
     result = invoke("engine", "serve", "--port", "0", env={"ROLLSAFE_ENGINE_TOKEN": None})
     assert result.exit_code == 2
     line = one_line_error(result)
@@ -572,17 +588,19 @@ def test_no_token_at_all_names_the_variable_and_the_file(served_tokens):
 
 
 @pytest.fixture
-def no_worker(monkeypatch):
+def no_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail the test if the worker would start."""
 
-    def refuse(*args, **kwargs):
+    def refuse(*args: object, **kwargs: object) -> NoReturn:
         raise AssertionError("the worker started")
 
     monkeypatch.setattr("rollsafe.workers.checkpoint.run_worker", refuse)
 
 
-def test_worker_checks_the_run_id_before_touching_ray(monkeypatch, no_worker):
-    def refuse(*args):
+def test_worker_checks_the_run_id_before_touching_ray(
+    monkeypatch: pytest.MonkeyPatch, no_worker: None
+) -> None:
+    def refuse(*args: object) -> NoReturn:
         raise AssertionError("Ray was looked for")
 
     monkeypatch.setattr("rollsafe.cli.doctor.checks.check_ray", refuse)
@@ -590,7 +608,7 @@ def test_worker_checks_the_run_id_before_touching_ray(monkeypatch, no_worker):
     assert result.exit_code == 2 and "invalid run id" in one_line_error(result)
 
 
-def test_worker_without_ray_says_how_to_start_it(dead_port, no_worker):
+def test_worker_without_ray_says_how_to_start_it(dead_port: int, no_worker: None) -> None:
     result = invoke("worker", "--run", RUN, "--ray-address", f"127.0.0.1:{dead_port}")
     assert result.exit_code == 1
     line = one_line_error(result)
@@ -598,11 +616,11 @@ def test_worker_without_ray_says_how_to_start_it(dead_port, no_worker):
     assert "RAY_ADDRESS" in line
 
 
-def test_worker_turns_rays_own_join_error_into_one_line(monkeypatch):
+def test_worker_turns_rays_own_join_error_into_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ray found by the pre-check but refusing the join: its ConnectionError, in one line."""
     from rollsafe.cli import app as cli_app
 
-    async def ray_refuses(*args, **kwargs):
+    async def ray_refuses(*args: object, **kwargs: object) -> NoReturn:
         raise ConnectionError("Could not find any running Ray instance. Please set `--address`")
 
     monkeypatch.setattr(cli_app, "_ray_problem", lambda address: None)
@@ -622,7 +640,7 @@ def test_worker_turns_rays_own_join_error_into_one_line(monkeypatch):
 # --- snapshot now, restore, inspect: Temporal's absence in one line; --json
 
 
-def test_temporal_unreachable_is_one_line_naming_the_address(dead_port):
+def test_temporal_unreachable_is_one_line_naming_the_address(dead_port: int) -> None:
     env = {**NO_PROFILE, "TEMPORAL_ADDRESS": f"127.0.0.1:{dead_port}"}
     for args in (("inspect", RUN), ("snapshot", "now", RUN), ("restore", RUN, "--json")):
         result = invoke(*args, env=env)
@@ -633,8 +651,10 @@ def test_temporal_unreachable_is_one_line_naming_the_address(dead_port):
 
 
 @pytest.mark.parametrize("args", [("inspect",), ("snapshot", "now"), ("restore",)])
-def test_a_bad_run_id_is_refused_before_connecting(monkeypatch, args):
-    async def refuse(*args, **kwargs):
+def test_a_bad_run_id_is_refused_before_connecting(
+    monkeypatch: pytest.MonkeyPatch, args: tuple[str, ...]
+) -> None:
+    async def refuse(*args: object, **kwargs: object) -> NoReturn:
         raise AssertionError("connected")
 
     monkeypatch.setattr("rollsafe.temporal.connect.connect", refuse)
@@ -645,16 +665,16 @@ def test_a_bad_run_id_is_refused_before_connecting(monkeypatch, args):
 class FakeCheckpointer:
     """The SDK's Checkpointer with the answers a test sets; records what it was asked."""
 
-    outcome = None
-    plan = None
+    outcome: "SnapshotOutcome | None" = None
+    plan: "RestorePlan | None" = None
     error: Exception | None = None
     workers_present = True
-    asked: ClassVar[list[tuple[object, ...]]] = []
+    asked: ClassVar[list[tuple[Any, ...]]] = []  # (method, arguments...): mixed types
 
-    def __init__(self, run_id, *, client):
+    def __init__(self, run_id: str, *, client: object) -> None:
         self.run_id = run_id
 
-    async def workers(self):
+    async def workers(self) -> "WorkerPresence":
         from rollsafe.temporal.pollers import WorkerPresence
 
         age = 1.0 if self.workers_present else None
@@ -662,20 +682,26 @@ class FakeCheckpointer:
             task_queue=f"rollsafe.{self.run_id}", pollers=1, newest_poll_age_s=age, seen_within_s=90
         )
 
-    async def snapshot_now(self, timeout=None):  # noqa: ASYNC109 - the SDK's signature
+    async def snapshot_now(self, timeout: float | None = None) -> "SnapshotOutcome | None":  # noqa: ASYNC109 - the SDK's signature
         self.asked.append(("snapshot_now", timeout))
         if self.error is not None:
             raise self.error
         return self.outcome
 
-    async def restore(self, restore_id, weight_versions=None, *, accept_journal_loss=False):
+    async def restore(
+        self,
+        restore_id: str,
+        weight_versions: Sequence[int] | None = None,
+        *,
+        accept_journal_loss: bool = False,
+    ) -> "RestorePlan | None":
         self.asked.append(("restore", restore_id, weight_versions, accept_journal_loss))
         return self.plan
 
 
 @pytest.fixture
-def checkpointer(monkeypatch):
-    async def connect(*args, **kwargs):
+def checkpointer(monkeypatch: pytest.MonkeyPatch) -> type[FakeCheckpointer]:
+    async def connect(*args: object, **kwargs: object) -> object:
         return object()
 
     monkeypatch.setattr("rollsafe.temporal.connect.connect", connect)
@@ -705,7 +731,9 @@ def outcome(status: str, reason: str = "") -> "SnapshotOutcome":
     )
 
 
-def test_snapshot_now_prints_the_outcome_and_fails_unless_published(checkpointer):
+def test_snapshot_now_prints_the_outcome_and_fails_unless_published(
+    checkpointer: type[FakeCheckpointer],
+) -> None:
     from rollsafe.workflows.models import SnapshotOutcome
 
     checkpointer.outcome = outcome("published")
@@ -719,7 +747,9 @@ def test_snapshot_now_prints_the_outcome_and_fails_unless_published(checkpointer
     assert "snapshot 4 skipped: trainer_state_changed: step 9 committed" in skipped.stdout
 
 
-def test_snapshot_now_without_a_supervisor_is_one_line(checkpointer):
+def test_snapshot_now_without_a_supervisor_is_one_line(
+    checkpointer: type[FakeCheckpointer],
+) -> None:
     from rollsafe.errors import SupervisorNotRunning
 
     checkpointer.error = SupervisorNotRunning(f"run {RUN!r} has no checkpoint supervisor")
@@ -728,7 +758,9 @@ def test_snapshot_now_without_a_supervisor_is_one_line(checkpointer):
     assert "has no checkpoint supervisor" in one_line_error(result)
 
 
-def test_restore_passes_its_id_and_weight_versions_and_prints_the_plan(checkpointer):
+def test_restore_passes_its_id_and_weight_versions_and_prints_the_plan(
+    checkpointer: type[FakeCheckpointer],
+) -> None:
     from rollsafe.core.phases import RestorePlan
 
     checkpointer.plan = RestorePlan(
@@ -754,7 +786,7 @@ def test_restore_passes_its_id_and_weight_versions_and_prints_the_plan(checkpoin
     assert "00000005-rollout refused: not accepted: weight version 9" in text.stdout
 
 
-def test_a_run_no_worker_serves_is_warned_on_stderr(checkpointer):
+def test_a_run_no_worker_serves_is_warned_on_stderr(checkpointer: type[FakeCheckpointer]) -> None:
     checkpointer.workers_present = False
     checkpointer.outcome = outcome("published")
     result = invoke("snapshot", "now", RUN, "--json")
@@ -763,13 +795,13 @@ def test_a_run_no_worker_serves_is_warned_on_stderr(checkpointer):
     json.loads(result.stdout)  # the warning stays off stdout
 
 
-def test_inspect_json_is_the_view(monkeypatch):
+def test_inspect_json_is_the_view(monkeypatch: pytest.MonkeyPatch) -> None:
     from rollsafe.cli.inspection import RunView
 
-    async def connect(*args, **kwargs):
+    async def connect(*args: object, **kwargs: object) -> object:
         return object()
 
-    async def inspect_run(client, run_id):
+    async def inspect_run(client: object, run_id: str) -> RunView:
         return RunView(run_id=run_id, supervisor="absent")
 
     monkeypatch.setattr("rollsafe.temporal.connect.connect", connect)
@@ -779,7 +811,7 @@ def test_inspect_json_is_the_view(monkeypatch):
     assert RunView.model_validate_json(result.stdout) == RunView(run_id=RUN, supervisor="absent")
 
 
-def test_inspect_says_a_run_is_parked_where_it_is_stuck_and_that_it_is_not_checkpointed():
+def test_inspect_says_a_run_is_parked_where_it_is_stuck_and_that_it_is_not_checkpointed() -> None:
     from rollsafe.cli.inspection import RunView, SnapshotView, render
     from rollsafe.workflows.models import SupervisorState, SupervisorStatus
 
@@ -818,7 +850,7 @@ def test_inspect_says_a_run_is_parked_where_it_is_stuck_and_that_it_is_not_check
     assert "server reports: category=WorkflowTaskTimedOut" in text
 
 
-def test_verify_of_missing_evidence_is_a_usage_error_with_nothing_on_stdout(tmp_path):
+def test_verify_of_missing_evidence_is_a_usage_error_with_nothing_on_stdout(tmp_path: Path) -> None:
     result = invoke("verify", tmp_path / "nowhere", "--json")
     assert result.exit_code == 2 and result.stdout == ""
     one_line_error(result)

@@ -2,6 +2,8 @@
 
 import hashlib
 import types
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,7 +29,7 @@ from rollsafe.errors import (
     UnknownGroup,
 )
 from rollsafe.evidence.scenario import row_content
-from rollsafe.snapshot import SnapshotStore
+from rollsafe.snapshot import SnapshotStore, state_files
 
 RUN = "ctl"
 
@@ -57,12 +59,12 @@ def busy_run(**overrides: Any) -> RunState:
 
 
 def restore(store: SnapshotStore, **overrides: Any) -> tuple[RunState, RestorePlan]:
-    return RunState.restore(config(**overrides), store, make_dataplane("memory"))
+    return state_files.restore(config(**overrides), store, make_dataplane("memory"))
 
 
-def test_checkpoint_and_restore_round_trip(tmp_path):
+def test_checkpoint_and_restore_round_trip(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path, RUN)
-    manifest = busy_run().checkpoint(store, "ck-1")
+    manifest = state_files.checkpoint(busy_run(), store, "ck-1")
     assert manifest.counts == {
         "groups": 4,
         "sealed_rollouts": 5,
@@ -83,12 +85,12 @@ def test_checkpoint_and_restore_round_trip(tmp_path):
     assert row["tokens"].tobytes() == row_content(2, 0, 0)["tokens"].tobytes()
 
 
-def test_restore_falls_back_to_the_newest_snapshot_that_verifies(tmp_path):
+def test_restore_falls_back_to_the_newest_snapshot_that_verifies(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path, RUN)
     run = busy_run()
-    run.checkpoint(store, "ck-1")
+    state_files.checkpoint(run, store, "ck-1")
     commit(run, 2, 1)
-    newest = run.checkpoint(store, "ck-2")
+    newest = state_files.checkpoint(run, store, "ck-2")
     shard = next(
         (store.snapshots_dir / snapshot_dir_name(newest.seq, "rollout")).rglob("*.safetensors")
     )
@@ -100,14 +102,16 @@ def test_restore_falls_back_to_the_newest_snapshot_that_verifies(tmp_path):
 
 
 @pytest.mark.parametrize("which", ["ledger.safetensors", "dataplane/"])
-def test_a_file_changed_in_place_sends_the_restore_to_the_previous_snapshot(tmp_path, which):
+def test_a_file_changed_in_place_sends_the_restore_to_the_previous_snapshot(
+    tmp_path: Path, which: str
+) -> None:
     """Same size, one bit flipped: select (which hashes nothing for a restore) takes the
     snapshot; loading it finds the file, clears what it imported and takes the previous one."""
     store = SnapshotStore(tmp_path, RUN)
     run = busy_run()
-    run.checkpoint(store, "ck-1")
+    state_files.checkpoint(run, store, "ck-1")
     commit(run, 2, 1)
-    newest = run.checkpoint(store, "ck-2")
+    newest = state_files.checkpoint(run, store, "ck-2")
     snapshot = store.snapshots_dir / snapshot_dir_name(newest.seq, "rollout")
     files = sorted(p for p in snapshot.rglob("*") if p.is_file())
     target = next(p for p in files if which in p.as_posix())
@@ -120,11 +124,13 @@ def test_a_file_changed_in_place_sends_the_restore_to_the_previous_snapshot(tmp_
     assert run.dataplane.count(ROLLOUT_PARTITION) == 5  # ck-1: group 2 half done
 
 
-def test_a_restore_hashes_each_byte_of_the_snapshot_once(tmp_path, monkeypatch):
+def test_a_restore_hashes_each_byte_of_the_snapshot_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The bytes hashed are the bytes loaded: one read and one hash per file (and the
     manifest), where select used to hash every file before the loads hashed them again."""
     store = SnapshotStore(tmp_path, RUN)
-    manifest = busy_run().checkpoint(store, "ck-1")
+    manifest = state_files.checkpoint(busy_run(), store, "ck-1")
     snapshot = store.snapshots_dir / snapshot_dir_name(manifest.seq, "rollout")
     hashed = count_hashed_bytes(monkeypatch)
     restore(store)
@@ -154,22 +160,27 @@ def count_hashed_bytes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return total
 
 
-def test_restore_with_no_snapshot_names_the_directory(tmp_path):
+def test_restore_with_no_snapshot_names_the_directory(tmp_path: Path) -> None:
     with pytest.raises(NoValidSnapshot, match="no snapshot"):
         restore(SnapshotStore(tmp_path, RUN))
 
 
 @pytest.mark.parametrize(("field", "value"), [("group_size", 4), ("sampler", "in_order")])
-def test_restore_refuses_a_different_topology(tmp_path, field, value):
+def test_restore_refuses_a_different_topology(tmp_path: Path, field: str, value: int | str) -> None:
     store = SnapshotStore(tmp_path, RUN)
-    busy_run().checkpoint(store, "ck-1")
+    state_files.checkpoint(busy_run(), store, "ck-1")
     with pytest.raises((TopologyMismatch, InvalidInput), match=field):
         restore(store, **{field: value})
 
 
-def test_a_row_that_verifies_but_differs_is_named(tmp_path, resign, flip_a_token, snapshot_tree):
+def test_a_row_that_verifies_but_differs_is_named(
+    tmp_path: Path,
+    resign: Callable[[Path, str, Callable[[bytes], bytes]], None],
+    flip_a_token: Callable[[bytes], bytes],
+    snapshot_tree: Callable[[Path], dict[str, str]],
+) -> None:
     store = SnapshotStore(tmp_path, RUN)
-    manifest = busy_run().checkpoint(store, "ck-1")
+    manifest = state_files.checkpoint(busy_run(), store, "ck-1")
     snapshot = store.snapshots_dir / snapshot_dir_name(manifest.seq, "rollout")
     shard = next(p for p in snapshot.rglob("*.safetensors") if "dataplane" in str(p))
     relpath = str(shard.relative_to(snapshot))
@@ -181,17 +192,17 @@ def test_a_row_that_verifies_but_differs_is_named(tmp_path, resign, flip_a_token
     assert snapshot_tree(tmp_path) == before
 
 
-def test_checkpoint_refuses_an_inconsistent_run_and_publishes_nothing(tmp_path):
+def test_checkpoint_refuses_an_inconsistent_run_and_publishes_nothing(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path, RUN)
     run = busy_run()
     run.dataplane.delete(ROLLOUT_PARTITION, ["ctl-0_g0"])  # a row lost behind our back
     with pytest.raises(LedgerInvariantViolation, match="holds 4 rollout rows but 5 are sealed"):
-        run.checkpoint(store, "ck-1")
+        state_files.checkpoint(run, store, "ck-1")
     assert store.list() == []
     assert not store.snapshots_dir.exists() or not any(store.snapshots_dir.iterdir())
 
 
-def test_seal_is_idempotent_and_never_overwrites_a_row():
+def test_seal_is_idempotent_and_never_overwrites_a_row() -> None:
     run = busy_run()
     again = row_content(0, 0, 0)
     assert run.seal(0, 0, 0, again) is False
@@ -201,7 +212,7 @@ def test_seal_is_idempotent_and_never_overwrites_a_row():
     assert stored["tokens"].tobytes() == again["tokens"].tobytes()
 
 
-def test_train_and_evict_drop_rows_and_ownership():
+def test_train_and_evict_drop_rows_and_ownership() -> None:
     run = busy_run()
     run.claim([0], step=1)
     run.commit_step([0])
@@ -213,7 +224,7 @@ def test_train_and_evict_drop_rows_and_ownership():
         run.commit_step([0])
 
 
-def test_handout_rules():
+def test_handout_rules() -> None:
     run = busy_run()
     with pytest.raises(InvalidInput, match="below the loader position 5"):
         run.handout([4])
@@ -223,20 +234,20 @@ def test_handout_rules():
     assert run.loader_position == 10 and run.index.state(9) == GroupState.RESERVED
 
 
-def test_weight_version_never_goes_back():
+def test_weight_version_never_goes_back() -> None:
     run = busy_run()
     with pytest.raises(InvalidInput, match="older than the current 1"):
         run.set_weight_version(0)
 
 
-def test_turn_level_restore_resumes_on_the_same_instance(tmp_path):
+def test_turn_level_restore_resumes_on_the_same_instance(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path, RUN)
     run = RunState(config(restore_level="turn"), make_dataplane("memory"))
     run.handout([0])
     commit(run, 0, 0, owner="env-1")
     episode = run.dispatch(0, 1, owner="env-2")
-    run.checkpoint(store, "ck-1")
-    restored, plan = RunState.restore(
+    state_files.checkpoint(run, store, "ck-1")
+    restored, plan = state_files.restore(
         config(restore_level="turn"),
         store,
         make_dataplane("memory"),
@@ -246,12 +257,12 @@ def test_turn_level_restore_resumes_on_the_same_instance(tmp_path):
     assert restored.dispatch(0, 1, owner="env-2").key == "ctl-0_g1-a1"
 
 
-def test_restored_episode_the_run_does_not_own_is_refused(tmp_path):
+def test_restored_episode_the_run_does_not_own_is_refused(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path, RUN)
-    busy_run(restore_level="turn").checkpoint(store, "ck-1")
+    state_files.checkpoint(busy_run(restore_level="turn"), store, "ck-1")
     stranger = RunState(config(), make_dataplane("memory")).ledger.rollout_id(9, 0).episode(0)
     with pytest.raises(LedgerInvariantViolation, match="not owned"):
-        RunState.restore(
+        state_files.restore(
             config(restore_level="turn"),
             store,
             make_dataplane("memory"),
@@ -259,7 +270,7 @@ def test_restored_episode_the_run_does_not_own_is_refused(tmp_path):
         )
 
 
-def test_missing_row_read_is_an_error_not_a_short_read():
+def test_missing_row_read_is_an_error_not_a_short_read() -> None:
     run = busy_run()
     with pytest.raises(DataPlaneKeyMissing, match="ctl-3_g0"):
         run.dataplane.get(ROLLOUT_PARTITION, ["ctl-0_g0", "ctl-3_g0"])

@@ -3,6 +3,7 @@ that has published snapshots awaits its restore (docs/design.md invariant 8), an
 past its lease reopens by itself and abandons its snapshot (invariant 6). A fake clock moves
 the lease; nothing sleeps."""
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,11 +19,10 @@ from rollsafe.core.phases import (
     RestoreRequest,
     SnapshotSpec,
 )
-from rollsafe.core.run_state import RunState
 from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import AdmissionLeaseExpired, AnchorPassed, AwaitingRestore, NoValidSnapshot
 from rollsafe.evidence.scenario import busy_run, row_content
-from rollsafe.snapshot import EntryState, SnapshotStore
+from rollsafe.snapshot import EntryState, SnapshotStore, state_files
 
 RUN = "fenced"
 LEASE_S = 10.0
@@ -61,8 +61,8 @@ def config() -> RunConfig:
 
 
 def test_a_fresh_controller_of_a_run_with_snapshots_takes_no_work_and_no_snapshot(
-    tmp_path, snapshot_tree
-):
+    tmp_path: Path, snapshot_tree: Callable[[Path], dict[str, str]]
+) -> None:
     name = publish_one(tmp_path)
     before = snapshot_tree(tmp_path)
     fresh = Controller(config(), tmp_path)  # the restarted trainer's controller
@@ -88,7 +88,7 @@ def test_a_fresh_controller_of_a_run_with_snapshots_takes_no_work_and_no_snapsho
     assert [run(fresh, phase, seq=2) for phase in PHASES][-1].published is not None
 
 
-def test_start_over_says_the_run_begins_again(tmp_path):
+def test_start_over_says_the_run_begins_again(tmp_path: Path) -> None:
     publish_one(tmp_path)
     fresh = Controller(config(), tmp_path, start_over=True)
     assert not fresh.status().awaiting_restore
@@ -97,13 +97,13 @@ def test_start_over_says_the_run_begins_again(tmp_path):
     assert [run(fresh, phase, seq=2) for phase in PHASES][-1].published is not None
 
 
-def test_a_controller_of_a_new_run_is_not_fenced(tmp_path):
+def test_a_controller_of_a_new_run_is_not_fenced(tmp_path: Path) -> None:
     fresh = Controller(config(), tmp_path)
     assert not fresh.status().awaiting_restore
     fresh.handout([0])
 
 
-def test_a_failed_restore_leaves_the_fence_up(tmp_path):
+def test_a_failed_restore_leaves_the_fence_up(tmp_path: Path) -> None:
     publish_one(tmp_path)
     fresh = Controller(config(), tmp_path)
     # The trainer holds weights of version 7: neither the snapshot nor the journal reach it.
@@ -128,7 +128,9 @@ def leased(tmp_path: Path, clock: FakeClock) -> tuple[Controller, SnapshotStore]
     return Controller.from_parts(busy_run(RUN, make_dataplane("memory")), store, clock=clock), store
 
 
-def test_phases_renew_the_lease_while_they_run(leased, clock):
+def test_phases_renew_the_lease_while_they_run(
+    leased: tuple[Controller, SnapshotStore], clock: FakeClock
+) -> None:
     ops, _ = leased
     run(ops, Phase.OPEN)
     run(ops, Phase.CLOSE_ADMISSION)
@@ -144,7 +146,9 @@ def test_phases_renew_the_lease_while_they_run(leased, clock):
     assert ops.status().gate.expired == 0
 
 
-def test_a_lease_that_runs_out_reopens_admission_and_abandons_the_snapshot(leased, clock):
+def test_a_lease_that_runs_out_reopens_admission_and_abandons_the_snapshot(
+    leased: tuple[Controller, SnapshotStore], clock: FakeClock
+) -> None:
     ops, store = leased
     run(ops, Phase.OPEN)
     run(ops, Phase.CLOSE_ADMISSION)
@@ -169,7 +173,9 @@ def test_a_lease_that_runs_out_reopens_admission_and_abandons_the_snapshot(lease
     assert [run(ops, phase, seq=2) for phase in PHASES][-1].published is not None
 
 
-def test_a_lease_that_runs_out_after_capture_publishes_nothing(leased, clock):
+def test_a_lease_that_runs_out_after_capture_publishes_nothing(
+    leased: tuple[Controller, SnapshotStore], clock: FakeClock
+) -> None:
     ops, store = leased
     for phase in PHASES[: PHASES.index(Phase.RESUME)]:
         run(ops, phase)
@@ -180,7 +186,9 @@ def test_a_lease_that_runs_out_after_capture_publishes_nothing(leased, clock):
     assert store.list() == []
 
 
-def test_a_new_checkpoint_opens_over_one_whose_lease_expired_unnoticed(leased, clock):
+def test_a_new_checkpoint_opens_over_one_whose_lease_expired_unnoticed(
+    leased: tuple[Controller, SnapshotStore], clock: FakeClock
+) -> None:
     """No phase of the old checkpoint ever came back (its workflow was terminated): the next
     open discards its draft instead of waiting for it forever."""
     ops, store = leased
@@ -191,7 +199,7 @@ def test_a_new_checkpoint_opens_over_one_whose_lease_expired_unnoticed(leased, c
     assert [e.name for e in store.list()] == ["00000002-rollout"]
 
 
-def test_dispatch_is_refused_until_the_lease_runs_out(tmp_path, clock):
+def test_dispatch_is_refused_until_the_lease_runs_out(tmp_path: Path, clock: FakeClock) -> None:
     service = Controller(config(), tmp_path, clock=clock)
     service.handout([0])
     run(service, Phase.OPEN)
@@ -202,7 +210,9 @@ def test_dispatch_is_refused_until_the_lease_runs_out(tmp_path, clock):
     assert episode is not None and episode.attempt == 0
 
 
-def test_controller_restore_is_unaffected_by_an_abandoned_snapshot(leased, clock, tmp_path):
+def test_controller_restore_is_unaffected_by_an_abandoned_snapshot(
+    leased: tuple[Controller, SnapshotStore], clock: FakeClock, tmp_path: Path
+) -> None:
     ops, store = leased
     assert [run(ops, phase) for phase in PHASES][-1].published is not None
     run(ops, Phase.OPEN, seq=2)
@@ -210,14 +220,16 @@ def test_controller_restore_is_unaffected_by_an_abandoned_snapshot(leased, clock
     clock.now += LEASE_S
     with pytest.raises(AdmissionLeaseExpired):
         run(ops, Phase.CAPTURE, seq=2)
-    _, plan = RunState.restore(config(), store, make_dataplane("memory"))
+    _, plan = state_files.restore(config(), store, make_dataplane("memory"))
     assert plan.snapshot == "00000001-rollout"
 
 
 # ---- a trainer snapshot captures at its anchor or not at all ---------------------------------
 
 
-def test_a_trainer_snapshot_captures_only_at_its_anchors_weight_version(leased):
+def test_a_trainer_snapshot_captures_only_at_its_anchors_weight_version(
+    leased: tuple[Controller, SnapshotStore],
+) -> None:
     ops, store = leased  # busy_run: weight version 0
     spec = SnapshotSpec(run_id=RUN, seq=1, kind="trainer", anchor_step=1)
     for phase in PHASES[: PHASES.index(Phase.CAPTURE)]:

@@ -3,6 +3,7 @@ memory data plane and snapshot store."""
 
 import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from rollsafe.errors import (
 )
 from rollsafe.evidence.scenario import row_content
 from rollsafe.faults import ENV_VAR, arm, disarm_all
-from rollsafe.snapshot import EntryState, SnapshotStore
+from rollsafe.snapshot import EntryState, SnapshotStore, state_files
 from rollsafe.testing.waiting import holding
 
 RUN = "ops"
@@ -43,7 +44,7 @@ EXPECTED_COUNTS = {
 
 
 @pytest.fixture(autouse=True)
-def _no_faults(monkeypatch):
+def _no_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv(ENV_VAR, raising=False)
     disarm_all()
     yield
@@ -93,7 +94,7 @@ for _p in (Phase.RETIRE_DROPPED, Phase.PREPARE_ENVS, Phase.DRAIN, Phase.CUT_GENE
 ONCE[Phase.COMMIT_ENVS.value] = 0
 
 
-def test_ten_phases_publish_a_snapshot_the_controller_restores(ops):
+def test_ten_phases_publish_a_snapshot_the_controller_restores(ops: Controller) -> None:
     results = run_all(ops)
     assert [r.phase for r in results] == list(PHASES)
     assert not any(r.replayed for r in results)
@@ -108,14 +109,14 @@ def test_ten_phases_publish_a_snapshot_the_controller_restores(ops):
     status = ops.status()
     assert (status.open_checkpoint, status.gate_open, status.effects) == (None, True, ONCE)
 
-    restored, plan = RunState.restore(config(), ops.store, make_dataplane("memory"))
+    restored, plan = state_files.restore(config(), ops.store, make_dataplane("memory"))
     assert (plan.snapshot, plan.checkpoint_id) == (info.name, info.checkpoint_id)
     assert (plan.loader_position, plan.weight_version, plan.ready) == (5, 1, [0, 1])
     assert sorted(plan.partial) == [2, 3]
     assert restored.dataplane.count(ROLLOUT_PARTITION) == 5
 
 
-def test_every_phase_repeated_replays_and_does_nothing_again(ops):
+def test_every_phase_repeated_replays_and_does_nothing_again(ops: Controller) -> None:
     first = []
     for phase in PHASES:
         first.append(run(ops, phase))
@@ -130,7 +131,7 @@ def test_every_phase_repeated_replays_and_does_nothing_again(ops):
     assert ops.gate.counters().closes == ops.gate.counters().opens == 1
 
 
-def test_phases_without_environments_or_engines_say_so(ops):
+def test_phases_without_environments_or_engines_say_so(ops: Controller) -> None:
     results = {r.phase: r for r in run_all(ops)}
     for phase in (Phase.RETIRE_DROPPED, Phase.PREPARE_ENVS, Phase.DRAIN, Phase.COMMIT_ENVS):
         assert results[phase].summary.startswith("no environment instances configured")
@@ -139,7 +140,9 @@ def test_phases_without_environments_or_engines_say_so(ops):
 
 
 @pytest.mark.parametrize("failing", PHASES)
-def test_resume_after_a_failure_in_any_phase_reopens_the_gate(ops, failing):
+def test_resume_after_a_failure_in_any_phase_reopens_the_gate(
+    ops: Controller, failing: Phase
+) -> None:
     arm(f"phase.{failing}.before", "raise")
     for phase in PHASES:
         if phase is failing:
@@ -158,7 +161,9 @@ def test_resume_after_a_failure_in_any_phase_reopens_the_gate(ops, failing):
 
 
 @pytest.mark.parametrize("failing", PHASES)
-def test_a_crash_between_done_and_recorded_is_retried_safely(ops, failing):
+def test_a_crash_between_done_and_recorded_is_retried_safely(
+    ops: Controller, failing: Phase
+) -> None:
     """The effect happened but its result was never stored: the retry runs the phase again
     and finds the effect already done."""
     arm(f"phase.{failing}.after", "raise")
@@ -174,14 +179,14 @@ def test_a_crash_between_done_and_recorded_is_retried_safely(ops, failing):
     assert published(ops.store) == ["00000001-rollout"]
 
 
-def test_resume_of_a_checkpoint_never_opened_succeeds(ops):
+def test_resume_of_a_checkpoint_never_opened_succeeds(ops: Controller) -> None:
     result = run(ops, Phase.RESUME)
     assert "did not hold it" in result.summary and ops.gate.is_open
     with pytest.raises(CheckpointRefused, match="already resumed"):
         run(ops, Phase.CLOSE_ADMISSION)  # would park the run with nobody left to resume
 
 
-def test_a_late_resume_of_another_checkpoint_leaves_the_gate_closed(ops):
+def test_a_late_resume_of_another_checkpoint_leaves_the_gate_closed(ops: Controller) -> None:
     run(ops, Phase.OPEN)
     run(ops, Phase.CLOSE_ADMISSION)
     other = run(ops, Phase.RESUME, SnapshotSpec(run_id=RUN, seq=7))
@@ -189,7 +194,7 @@ def test_a_late_resume_of_another_checkpoint_leaves_the_gate_closed(ops):
     assert ops.gate.holder == SPEC.checkpoint_id
 
 
-def test_dispatch_waits_at_a_closed_gate(ops):
+def test_dispatch_waits_at_a_closed_gate(ops: Controller) -> None:
     run(ops, Phase.OPEN)
     run(ops, Phase.CLOSE_ADMISSION)
     assert ops.dispatch(3, 0) is None
@@ -203,7 +208,7 @@ def test_dispatch_waits_at_a_closed_gate(ops):
     assert info is not None and info.counts == EXPECTED_COUNTS
 
 
-def test_abort_discards_the_draft_and_refuses_the_checkpoint_afterwards(ops):
+def test_abort_discards_the_draft_and_refuses_the_checkpoint_afterwards(ops: Controller) -> None:
     for phase in (Phase.OPEN, Phase.CLOSE_ADMISSION, Phase.CAPTURE):
         run(ops, phase)
     assert len(drafts(ops.store)) == 1
@@ -222,13 +227,13 @@ def test_abort_discards_the_draft_and_refuses_the_checkpoint_afterwards(ops):
     assert info is not None and info.name == "00000002-rollout"
 
 
-def test_abort_of_a_checkpoint_never_opened(ops):
+def test_abort_of_a_checkpoint_never_opened(ops: Controller) -> None:
     result = ops.abort(SPEC)
     assert "no draft to discard" in result.summary
     assert ops.status().effects[ABORT] == 0
 
 
-def test_an_ended_checkpoint_never_opens_again(ops):
+def test_an_ended_checkpoint_never_opens_again(ops: Controller) -> None:
     """A stray open (an attempt that timed out, still running) after the compensation must
     not leave a draft that blocks every later checkpoint."""
     run(ops, Phase.RESUME)
@@ -237,7 +242,9 @@ def test_an_ended_checkpoint_never_opens_again(ops):
     assert ops.status().open_checkpoint is None and drafts(ops.store) == []
 
 
-def test_publish_retried_by_a_controller_that_lost_its_draft(ops, tmp_path):
+def test_publish_retried_by_a_controller_that_lost_its_draft(
+    ops: Controller, tmp_path: Path
+) -> None:
     info = run_all(ops)[-1].published
     fresh = Controller(config(), tmp_path)  # the actor restarted: no draft, no results
     again = run(fresh, Phase.PUBLISH)
@@ -246,7 +253,7 @@ def test_publish_retried_by_a_controller_that_lost_its_draft(ops, tmp_path):
     assert fresh.status().effects[Phase.PUBLISH.value] == 0
 
 
-def test_publish_without_a_draft_or_a_snapshot_is_transient(tmp_path):
+def test_publish_without_a_draft_or_a_snapshot_is_transient(tmp_path: Path) -> None:
     fresh = Controller(config(), tmp_path)
     with pytest.raises(SnapshotLost, match="not published") as caught:
         run(fresh, Phase.PUBLISH)
@@ -255,7 +262,7 @@ def test_publish_without_a_draft_or_a_snapshot_is_transient(tmp_path):
         run(fresh, Phase.CAPTURE)
 
 
-def test_publish_retried_after_the_rename(ops):
+def test_publish_retried_after_the_rename(ops: Controller) -> None:
     """The store crashed after the snapshot became visible: the retry finds it on disk."""
     for phase in PHASES[:-1]:
         run(ops, phase)
@@ -268,7 +275,7 @@ def test_publish_retried_after_the_rename(ops):
     assert published(ops.store) == [info.name]
 
 
-def test_a_second_checkpoint_cannot_open_while_one_is_open(ops):
+def test_a_second_checkpoint_cannot_open_while_one_is_open(ops: Controller) -> None:
     run(ops, Phase.OPEN)
     with pytest.raises(
         CheckpointRefused,
@@ -280,7 +287,9 @@ def test_a_second_checkpoint_cannot_open_while_one_is_open(ops):
     assert ops.status().open_checkpoint == SPEC.checkpoint_id
 
 
-def test_a_failed_agreement_check_publishes_nothing_and_the_next_snapshot_can(ops):
+def test_a_failed_agreement_check_publishes_nothing_and_the_next_snapshot_can(
+    ops: Controller,
+) -> None:
     """The check runs on the capture after resume (the park window does not pay for it):
     a run whose rows and ledger disagree publishes nothing, and loses nothing more."""
     run(ops, Phase.OPEN)
@@ -296,7 +305,9 @@ def test_a_failed_agreement_check_publishes_nothing_and_the_next_snapshot_can(op
     assert run_all(ops, second)[-1].counts == EXPECTED_COUNTS
 
 
-def test_a_capture_whose_write_failed_part_way_loses_the_snapshot_and_nothing_else(ops):
+def test_a_capture_whose_write_failed_part_way_loses_the_snapshot_and_nothing_else(
+    ops: Controller,
+) -> None:
     for phase in PHASES[: PHASES.index(Phase.RESUME) + 1]:
         run(ops, phase)
     arm("phase.capture.state_written", "raise")  # after resume, in publish
@@ -312,7 +323,9 @@ def test_a_capture_whose_write_failed_part_way_loses_the_snapshot_and_nothing_el
     assert run_all(ops, second)[-1].counts["sealed_rollouts"] == 5
 
 
-def test_a_slow_fsync_at_publish_holds_nothing_of_the_run_and_the_snapshot_publishes(ops):
+def test_a_slow_fsync_at_publish_holds_nothing_of_the_run_and_the_snapshot_publishes(
+    ops: Controller,
+) -> None:
     """Disk faults (issue 22, part 4): a publish whose writes and fsyncs take seconds (held
     where the manifest is written) is not a failure. It runs after resume: admission is open
     and rollouts dispatch and seal meanwhile; once the disk answers, the snapshot publishes."""
@@ -334,7 +347,9 @@ def test_a_slow_fsync_at_publish_holds_nothing_of_the_run_and_the_snapshot_publi
     assert outcome[0].published.counts == EXPECTED_COUNTS  # the capture, not later
 
 
-def test_the_run_goes_on_between_capture_and_publish_and_the_snapshot_is_the_capture(ops):
+def test_the_run_goes_on_between_capture_and_publish_and_the_snapshot_is_the_capture(
+    ops: Controller,
+) -> None:
     """Capture takes the state in the park window; publish writes after resume. Meanwhile a step
     trains groups 0 and 1 (their rows must stay readable for the write, and go after it) and a
     new rollout is sealed (it must not be in the snapshot)."""
@@ -354,23 +369,23 @@ def test_the_run_goes_on_between_capture_and_publish_and_the_snapshot_is_the_cap
     info = run(ops, Phase.PUBLISH).published
     assert info is not None and info.counts == EXPECTED_COUNTS
     assert ops.state.dataplane.count(ROLLOUT_PARTITION) == 2  # the held rows went
-    restored, plan = RunState.restore(config(), ops.store, make_dataplane("memory"))
+    restored, plan = state_files.restore(config(), ops.store, make_dataplane("memory"))
     assert plan.ready == [0, 1] and restored.dataplane.count(ROLLOUT_PARTITION) == 5
     assert restored.ledger.sealed(3) == []
 
 
-def test_publish_before_capture_is_refused(ops):
+def test_publish_before_capture_is_refused(ops: Controller) -> None:
     run(ops, Phase.OPEN)
     with pytest.raises(CheckpointRefused, match="before capture"):
         run(ops, Phase.PUBLISH)
 
 
-def test_a_checkpoint_of_another_run_is_refused(ops):
+def test_a_checkpoint_of_another_run_is_refused(ops: Controller) -> None:
     with pytest.raises(InvalidInput, match="not of run ops"):
         run(ops, Phase.OPEN, SnapshotSpec(run_id="other", seq=1))
 
 
-def test_concurrent_duplicates_take_effect_once(ops):
+def test_concurrent_duplicates_take_effect_once(ops: Controller) -> None:
     """Temporal may run an attempt beside its retry; Ray may run them on two threads."""
     for phase in PHASES:
         results: list[PhaseResult] = []
@@ -387,7 +402,7 @@ def test_concurrent_duplicates_take_effect_once(ops):
     assert ops.status().effects == ONCE
 
 
-def test_next_seq_skips_published_and_seen_checkpoints(ops, tmp_path):
+def test_next_seq_skips_published_and_seen_checkpoints(ops: Controller, tmp_path: Path) -> None:
     assert ops.next_seq() == 1
     run_all(ops)
     assert ops.next_seq() == 2
@@ -413,7 +428,7 @@ class FlakyParticipants:
         return "2 instances resumed"
 
 
-def test_admission_reopens_even_when_the_environments_cannot_be_resumed(tmp_path):
+def test_admission_reopens_even_when_the_environments_cannot_be_resumed(tmp_path: Path) -> None:
     flaky = FlakyParticipants()
     fake: Participants = flaky  # type: ignore[assignment]  # only the calls these phases make
     ops = busy(Controller(config(), tmp_path, participants=fake))
@@ -444,7 +459,7 @@ class ListingDataPlane(MemoryDataPlane):
         return super().count(partition)
 
 
-def test_the_park_window_never_lists_the_data_plane(tmp_path):
+def test_the_park_window_never_lists_the_data_plane(tmp_path: Path) -> None:
     """The capture counts sealed rollouts from the ledger; the rows are checked against the
     data plane after resume, in publish."""
     dataplane = ListingDataPlane()

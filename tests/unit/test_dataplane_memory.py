@@ -111,13 +111,13 @@ def exported(tmp_path: Path) -> Exported:
 # -- basic operations -----------------------------------------------------------------------------
 
 
-def test_implements_the_protocol():
+def test_implements_the_protocol() -> None:
     plane = MemoryDataPlane()
     assert isinstance(plane, DataPlane)
     assert plane.name == "memory"
 
 
-def test_put_copies_and_get_returns_read_only_views():
+def test_put_copies_and_get_returns_read_only_views() -> None:
     tokens = np.arange(6, dtype=np.int32)
     strided = np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2]  # not contiguous
     plane = MemoryDataPlane()
@@ -136,7 +136,7 @@ def test_put_copies_and_get_returns_read_only_views():
     assert plane.get("p", ["k"])["k"]["tokens"].tolist() == [0, 1, 2, 3, 4, 5]
 
 
-def test_reput_replaces_the_whole_row():
+def test_reput_replaces_the_whole_row() -> None:
     plane = MemoryDataPlane()
     plane.put("p", {"k": {"a": np.ones(2), "b": np.ones(1)}})
     plane.put("p", {"k": {"c": np.zeros(3, np.int8)}})
@@ -144,7 +144,7 @@ def test_reput_replaces_the_whole_row():
     assert list(row) == ["c"] and row["c"].dtype == np.int8
 
 
-def test_get_returns_exactly_the_requested_keys_and_dedups():
+def test_get_returns_exactly_the_requested_keys_and_dedups() -> None:
     plane = MemoryDataPlane()
     plane.put("p", {k: {"x": np.array(i)} for i, k in enumerate("abcd")})
     got = plane.get("p", ["c", "a", "c"])
@@ -153,7 +153,7 @@ def test_get_returns_exactly_the_requested_keys_and_dedups():
     assert plane.get("p", []) == {} and plane.get("unknown", []) == {}
 
 
-def test_get_names_every_missing_key_and_never_reads_short():
+def test_get_names_every_missing_key_and_never_reads_short() -> None:
     plane = MemoryDataPlane()
     plane.put("p", {"a": {"x": np.zeros(1)}})
     with pytest.raises(DataPlaneKeyMissing) as info:
@@ -165,7 +165,7 @@ def test_get_names_every_missing_key_and_never_reads_short():
     assert info.value.partition == "nowhere" and info.value.missing == ["a"]
 
 
-def test_list_delete_clear_partitions():
+def test_list_delete_clear_partitions() -> None:
     plane = MemoryDataPlane()
     assert plane.list("p") == [] and plane.partitions() == []
     plane.put("p", {k: {"x": np.zeros(1)} for k in ["b", "a", "c"]})
@@ -190,7 +190,7 @@ def test_list_delete_clear_partitions():
 
 
 @pytest.mark.parametrize("name", ["", ".", "..", "a/b", "a b", "x" * 65, "ü", "a\\b", 5])
-def test_invalid_partition_names_are_refused(name):
+def test_invalid_partition_names_are_refused(name: Any) -> None:  # not all str: on purpose
     plane = MemoryDataPlane()
     for call in (
         lambda: plane.put(name, {"k": {}}),
@@ -203,7 +203,7 @@ def test_invalid_partition_names_are_refused(name):
             call()
 
 
-def test_valid_partition_names_are_accepted():
+def test_valid_partition_names_are_accepted() -> None:
     plane = MemoryDataPlane()
     for name in ["x" * 64, "a.b-c_D9", "...", "-"]:
         plane.put(name, {"k": {}})
@@ -223,7 +223,7 @@ def test_valid_partition_names_are_accepted():
         "not a row",
     ],
 )
-def test_bad_rows_are_refused_and_the_batch_stores_nothing(row):
+def test_bad_rows_are_refused_and_the_batch_stores_nothing(row: Any) -> None:  # not rows
     plane = MemoryDataPlane()
     with pytest.raises(InvalidInput):
         plane.put("p", {"good": {"x": np.zeros(1)}, "bad": row})
@@ -231,7 +231,7 @@ def test_bad_rows_are_refused_and_the_batch_stores_nothing(row):
 
 
 @pytest.mark.parametrize("keys", ["abc", [""], [3]])
-def test_bad_keys_are_refused(keys):
+def test_bad_keys_are_refused(keys: Any) -> None:  # not all lists of str: on purpose
     plane = MemoryDataPlane()
     plane.put("p", {"a": {}})
     with pytest.raises(InvalidInput):
@@ -244,7 +244,7 @@ def test_bad_keys_are_refused(keys):
     assert plane.list("p") == ["a"]
 
 
-def test_row_digest_tells_a_scalar_from_a_one_element_vector():
+def test_row_digest_tells_a_scalar_from_a_one_element_vector() -> None:
     assert row_digest({"x": np.array(3)}) != row_digest({"x": np.array([3])})
     assert row_digest({"x": np.array(3)}) == row_digest({"x": np.array(3)})
 
@@ -270,7 +270,7 @@ def test_round_trip_is_exact(tmp_path: Path) -> None:
         other.get("rollouts", ["plain"])["plain"]["tokens"][0] = 1
 
 
-def test_manifest_lists_every_file_with_its_hash(exported):
+def test_manifest_lists_every_file_with_its_hash(exported: Exported) -> None:
     directory, manifest = exported
     on_disk = sorted(
         p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()
@@ -355,7 +355,7 @@ def test_export_sees_rows_as_they_were(tmp_path: Path) -> None:
     assert other.get("rollouts", ["a"])["a"]["x"].tolist() == [0, 0]
 
 
-def test_import_only_into_an_empty_plane(exported):
+def test_import_only_into_an_empty_plane(exported: Exported) -> None:
     directory, manifest = exported
     plane = MemoryDataPlane()
     plane.put("mine", {"k": {"x": np.zeros(1)}})
@@ -364,12 +364,14 @@ def test_import_only_into_an_empty_plane(exported):
     assert plane.partitions() == ["mine"] and plane.list("mine") == ["k"]
 
 
-def test_put_during_import_wins_and_the_import_fails(exported, monkeypatch):
+def test_put_during_import_wins_and_the_import_fails(
+    exported: Exported, monkeypatch: pytest.MonkeyPatch
+) -> None:
     directory, manifest = exported
     plane = MemoryDataPlane()
     real = columnar.read_export
 
-    def put_meanwhile(directory, manifest):
+    def put_meanwhile(directory: Path, manifest: DataPlaneManifest) -> dict[str, columnar.Rows]:
         plane.put("late", {"k": {}})
         return real(directory, manifest)
 
@@ -391,7 +393,7 @@ def refused(directory: Path, manifest: DataPlaneManifest, error: type[Exception]
 
 
 @pytest.mark.parametrize("which", ["index", "shard"])
-def test_flipped_byte_is_refused(exported, which):
+def test_flipped_byte_is_refused(exported: Exported, which: str) -> None:
     directory, manifest = exported
     path = next(f.path for f in manifest.files if (which == "index") == f.path.endswith(".json"))
     data = bytearray((directory / path).read_bytes())
@@ -400,7 +402,7 @@ def test_flipped_byte_is_refused(exported, which):
     assert path in refused(directory, manifest, SnapshotCorrupt)
 
 
-def test_flipped_array_byte_is_caught_by_the_hash(exported):
+def test_flipped_array_byte_is_caught_by_the_hash(exported: Exported) -> None:
     # The last byte of a shard is array data: it decodes fine, so only the sha256 can object.
     directory, manifest = exported
     for entry in manifest.files:
@@ -414,7 +416,7 @@ def test_flipped_array_byte_is_caught_by_the_hash(exported):
             (directory / entry.path).write_bytes(bytes(data))
 
 
-def test_truncated_file_is_refused(exported):
+def test_truncated_file_is_refused(exported: Exported) -> None:
     directory, manifest = exported
     path = next(f.path for f in manifest.files if f.path.endswith(".safetensors"))
     data = (directory / path).read_bytes()
@@ -422,7 +424,7 @@ def test_truncated_file_is_refused(exported):
     assert path in refused(directory, manifest, SnapshotCorrupt)
 
 
-def test_deleted_file_is_refused(exported):
+def test_deleted_file_is_refused(exported: Exported) -> None:
     directory, manifest = exported
     path = manifest.files[0].path
     (directory / path).unlink()
@@ -430,14 +432,14 @@ def test_deleted_file_is_refused(exported):
 
 
 @pytest.mark.parametrize("extra", ["stray.bin", "rollouts/shard-99999.safetensors", "new/x.json"])
-def test_unlisted_file_is_refused(exported, extra):
+def test_unlisted_file_is_refused(exported: Exported, extra: str) -> None:
     directory, manifest = exported
     (directory / extra).parent.mkdir(parents=True, exist_ok=True)
     (directory / extra).write_bytes(b"")
     assert extra in refused(directory, manifest, SnapshotCorrupt)
 
 
-def test_symlink_is_refused(exported):
+def test_symlink_is_refused(exported: Exported) -> None:
     directory, manifest = exported
     (directory / "link").symlink_to(directory / manifest.files[0].path)
     refused(directory, manifest, SnapshotCorrupt)
@@ -453,7 +455,7 @@ def test_listed_file_replaced_by_a_symlink_is_refused(exported: Exported, tmp_pa
     assert "not a regular file" in refused(directory, manifest, SnapshotCorrupt)
 
 
-def test_tampered_row_count_is_refused(exported):
+def test_tampered_row_count_is_refused(exported: Exported) -> None:
     directory, manifest = exported
     counts = {**manifest.partitions, "rollouts": manifest.partitions["rollouts"] + 1}
     message = refused(
@@ -462,21 +464,23 @@ def test_tampered_row_count_is_refused(exported):
     assert "rollouts/index.json" in message
 
 
-def test_partition_missing_from_the_manifest_is_refused(exported):
+def test_partition_missing_from_the_manifest_is_refused(exported: Exported) -> None:
     directory, manifest = exported
     counts = {"rollouts": manifest.partitions["rollouts"]}
     refused(directory, manifest.model_copy(update={"partitions": counts}), SnapshotCorrupt)
 
 
 @pytest.mark.parametrize("path", ["../escape", "/abs", "a//b", "./a", "a\\b"])
-def test_unsafe_manifest_path_is_refused(exported, path):
+def test_unsafe_manifest_path_is_refused(exported: Exported, path: str) -> None:
     directory, manifest = exported
     files = [*manifest.files, ExportedFile(path=path, sha256="0" * 64, bytes=0)]
     refused(directory, manifest.model_copy(update={"files": files}), SnapshotCorrupt)
 
 
 @pytest.mark.parametrize("update", [{"backend": "somedb"}, {"format_version": 2}])
-def test_foreign_manifest_is_a_schema_mismatch(exported, update):
+def test_foreign_manifest_is_a_schema_mismatch(
+    exported: Exported, update: dict[str, str | int]
+) -> None:
     directory, manifest = exported
     refused(directory, manifest.model_copy(update=update), SchemaMismatch)
 
@@ -508,13 +512,15 @@ def index_with(directory: Path, change: Callable[[dict[str, Any]], object]) -> b
         (lambda ix: ix["chunks"][1].update(tensor="c99"), SnapshotCorrupt),
     ],
 )
-def test_inconsistent_index_is_refused(exported, change, error):
+def test_inconsistent_index_is_refused(
+    exported: Exported, change: Callable[[dict[str, Any]], object], error: type[Exception]
+) -> None:
     directory, manifest = exported
     manifest = rewrite(directory, manifest, "rollouts/index.json", index_with(directory, change))
     assert "rollouts/" in refused(directory, manifest, error)
 
 
-def test_unreadable_index_is_refused(exported):
+def test_unreadable_index_is_refused(exported: Exported) -> None:
     directory, manifest = exported
     manifest = rewrite(directory, manifest, "rollouts/index.json", b"\xff{not json")
     assert "rollouts/index.json" in refused(directory, manifest, SnapshotCorrupt)
@@ -545,7 +551,9 @@ def _set(
         lambda t, chunk: t.update(extra=np.zeros(1)),
     ],
 )
-def test_inconsistent_shard_is_refused(exported, change):
+def test_inconsistent_shard_is_refused(
+    exported: Exported, change: Callable[[dict[str, np.ndarray], str], object]
+) -> None:
     directory, manifest = exported
     index = json.loads((directory / "rollouts/index.json").read_bytes())
     # int64 "tokens" holds two rows of 17 and 0 elements: every change above is visible there
@@ -572,7 +580,7 @@ rows_strategy = st.dictionaries(
 
 @settings(max_examples=60, deadline=None)
 @given(rows=rows_strategy, shard_bytes=st.sampled_from([64, 1 << 20]))
-def test_any_rows_round_trip(rows, shard_bytes):
+def test_any_rows_round_trip(rows: dict[str, dict[str, np.ndarray]], shard_bytes: int) -> None:
     plane = MemoryDataPlane(shard_bytes=shard_bytes)
     plane.put("p", rows)
     with tempfile.TemporaryDirectory() as scratch:

@@ -37,7 +37,9 @@ def run(events: list[dict[str, Any]], root: Path) -> ScenarioReport:
     return runner.run()
 
 
-def test_an_earlier_releases_snapshots_and_journal_restore_and_the_run_goes_on(tmp_path):
+def test_an_earlier_releases_snapshots_and_journal_restore_and_the_run_goes_on(
+    tmp_path: Path,
+) -> None:
     earlier = tmp_path / "earlier"
     shutil.copytree(FIXTURE / SCENARIO_RUN_ID, earlier / SCENARIO_RUN_ID)
     # The same events, this rollsafe writing everything: the state both must restore to.

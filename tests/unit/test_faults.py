@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -15,23 +17,23 @@ from rollsafe.testing.waiting import eventually
 
 
 @pytest.fixture(autouse=True)
-def _clean(monkeypatch):
+def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv(ENV_VAR, raising=False)
     disarm_all()
     yield
     disarm_all()
 
 
-def test_an_unarmed_point_does_nothing():
+def test_an_unarmed_point_does_nothing() -> None:
     fault_point("phase.open.before")
 
 
-def test_every_phase_has_a_before_and_an_after_point():
+def test_every_phase_has_a_before_and_an_after_point() -> None:
     assert {"phase.open.before", "phase.publish.after"} <= set(faults.known())
     assert len(faults.PHASE_POINTS) == 20
 
 
-def test_env_var_raise(monkeypatch):
+def test_env_var_raise(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, " phase.open.after:raise , phase.capture.before:raise")
     fault_point("phase.open.before")  # not armed
     with pytest.raises(InjectedFault, match=r"phase\.open\.after") as caught:
@@ -41,7 +43,7 @@ def test_env_var_raise(monkeypatch):
         fault_point("phase.capture.before")
 
 
-def test_env_var_is_read_at_every_check(monkeypatch):
+def test_env_var_is_read_at_every_check(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, "phase.drain.before:raise")
     with pytest.raises(InjectedFault):
         fault_point("phase.drain.before")
@@ -49,7 +51,7 @@ def test_env_var_is_read_at_every_check(monkeypatch):
     fault_point("phase.drain.before")
 
 
-def test_exit_is_the_default_action(tmp_path):
+def test_exit_is_the_default_action(tmp_path: Path) -> None:
     env = {**os.environ, ENV_VAR: "phase.open.before"}
     code = (
         "from rollsafe.faults import fault_point; fault_point('phase.open.before'); print('alive')"
@@ -59,27 +61,29 @@ def test_exit_is_the_default_action(tmp_path):
     assert "alive" not in done.stdout
 
 
-def test_a_typo_in_the_env_var_fails_loudly_listing_known_points(monkeypatch):
+def test_a_typo_in_the_env_var_fails_loudly_listing_known_points(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv(ENV_VAR, "phase.opne.before:raise")
     with pytest.raises(InvalidInput, match=r"unknown fault point\(s\) phase.opne.before") as caught:
         fault_point("phase.drain.before")  # any check, not only the misspelt one
     assert "phase.open.before" in str(caught.value)
 
 
-def test_an_unknown_action_is_refused(monkeypatch):
+def test_an_unknown_action_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, "phase.open.before:explode")
     with pytest.raises(InvalidInput, match="explode"):
         fault_point("phase.open.before")
 
 
-def test_a_point_must_be_registered():
+def test_a_point_must_be_registered() -> None:
     with pytest.raises(InvalidInput, match="never registered"):
         fault_point("phase.nowhere.before")
     (name,) = faults.register("test.faults.custom")
     fault_point(name)
 
 
-def test_arm_and_disarm():
+def test_arm_and_disarm() -> None:
     arm("phase.resume.after", "raise")
     with pytest.raises(InjectedFault):
         fault_point("phase.resume.after")
@@ -91,7 +95,7 @@ def test_arm_and_disarm():
         arm("phase.resume.after", "boom")
 
 
-def test_arm_a_limited_number_of_times():
+def test_arm_a_limited_number_of_times() -> None:
     arm("phase.drain.before", "raise", times=2)
     for _ in range(2):
         with pytest.raises(InjectedFault):
@@ -101,7 +105,7 @@ def test_arm_a_limited_number_of_times():
         arm("phase.drain.before", "raise", times=0)
 
 
-def test_sleep_slows_a_point_down(monkeypatch):
+def test_sleep_slows_a_point_down(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, "phase.drain.before:sleep:0.05")
     started = time.monotonic()
     fault_point("phase.drain.before")
@@ -111,7 +115,7 @@ def test_sleep_slows_a_point_down(monkeypatch):
             arm("phase.drain.before", bad)
 
 
-def test_oserror_raises_what_the_system_would():
+def test_oserror_raises_what_the_system_would() -> None:
     faults.arm("phase.open.before", "oserror:ENOSPC", times=1)
     with pytest.raises(OSError, match="No space left on device") as raised:
         fault_point("phase.open.before")
@@ -119,7 +123,7 @@ def test_oserror_raises_what_the_system_would():
     fault_point("phase.open.before")  # fired once
 
 
-def test_invariant_action_raises_an_error_that_is_not_retried():
+def test_invariant_action_raises_an_error_that_is_not_retried() -> None:
     from rollsafe.errors import InjectedInvariantFault, InvariantError
 
     faults.arm("phase.open.before", "invariant", times=1)
@@ -129,7 +133,7 @@ def test_invariant_action_raises_an_error_that_is_not_retried():
     fault_point("phase.open.before")  # fired once, then disarmed
 
 
-def test_hold_blocks_until_released_and_says_when_reached():
+def test_hold_blocks_until_released_and_says_when_reached() -> None:
     import threading
 
     arm("phase.open.before", "hold")
@@ -149,7 +153,7 @@ def test_hold_blocks_until_released_and_says_when_reached():
     fault_point("phase.open.before")  # released for good: a later caller goes through
 
 
-def test_disarm_all_lets_held_threads_go():
+def test_disarm_all_lets_held_threads_go() -> None:
     import threading
 
     arm("phase.open.before", "hold")
@@ -161,7 +165,7 @@ def test_disarm_all_lets_held_threads_go():
     assert not thread.is_alive()
 
 
-def test_hold_is_for_in_process_tests_only(monkeypatch):
+def test_hold_is_for_in_process_tests_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, "phase.open.before:hold")
     with pytest.raises(InvalidInput, match="in-process tests"):
         fault_point("phase.open.before")
@@ -169,7 +173,9 @@ def test_hold_is_for_in_process_tests_only(monkeypatch):
         faults.release("phase.capture.before")
 
 
-def test_until_holds_another_process_at_the_point_until_its_release_file_exists(tmp_path):
+def test_until_holds_another_process_at_the_point_until_its_release_file_exists(
+    tmp_path: Path,
+) -> None:
     """The hold across processes: the child says it got there (``<path>.reached``) and waits
     until this process creates ``<path>``; then it goes on, and so does every later pass."""
     release = tmp_path / "release"
@@ -194,7 +200,7 @@ def test_until_holds_another_process_at_the_point_until_its_release_file_exists(
     assert out.split() == ["through", "again"] and child.returncode == 0
 
 
-def test_until_needs_an_absolute_path(monkeypatch):
+def test_until_needs_an_absolute_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, "phase.open.before:until:relative/file")
     with pytest.raises(InvalidInput, match="until:<path>"):
         fault_point("phase.open.before")

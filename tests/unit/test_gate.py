@@ -1,6 +1,7 @@
 """The admission gate: one holder at a time, idempotent per checkpoint id, atomic admission."""
 
 import threading
+from typing import Any
 
 import pytest
 
@@ -8,7 +9,7 @@ from rollsafe.core.gate import AdmissionGate
 from rollsafe.errors import GateHeld, InvalidInput
 
 
-def test_close_and_open_are_idempotent_per_checkpoint():
+def test_close_and_open_are_idempotent_per_checkpoint() -> None:
     gate = AdmissionGate()
     assert gate.is_open and gate.holder is None
     assert gate.close("ck-1").changed
@@ -23,7 +24,7 @@ def test_close_and_open_are_idempotent_per_checkpoint():
     assert (counters.closes, counters.opens) == (1, 1)
 
 
-def test_a_second_checkpoint_cannot_close_a_held_gate():
+def test_a_second_checkpoint_cannot_close_a_held_gate() -> None:
     gate = AdmissionGate()
     gate.close("ck-1")
     with pytest.raises(GateHeld, match=r"ck-1.*ck-2") as caught:
@@ -32,7 +33,7 @@ def test_a_second_checkpoint_cannot_close_a_held_gate():
     assert gate.holder == "ck-1"
 
 
-def test_open_by_a_checkpoint_that_never_closed_it_is_a_no_op_that_says_so():
+def test_open_by_a_checkpoint_that_never_closed_it_is_a_no_op_that_says_so() -> None:
     gate = AdmissionGate()
     never = gate.open("ck-0")
     assert not never.changed and "did not hold it" in never.detail
@@ -43,7 +44,7 @@ def test_open_by_a_checkpoint_that_never_closed_it_is_a_no_op_that_says_so():
     assert gate.counters().opens == 0
 
 
-def test_admit_counts_admitted_and_refused():
+def test_admit_counts_admitted_and_refused() -> None:
     gate = AdmissionGate()
     assert gate.admit()
     gate.close("ck-1")
@@ -54,7 +55,7 @@ def test_admit_counts_admitted_and_refused():
     assert (counters.admitted, counters.refused) == (2, 1)
 
 
-def test_close_waits_for_an_admission_in_progress():
+def test_close_waits_for_an_admission_in_progress() -> None:
     """What passes the gate is recorded before close returns: close cannot slip between the
     check and the caller's DISPATCHED mark."""
     gate = AdmissionGate()
@@ -87,7 +88,7 @@ def test_close_waits_for_an_admission_in_progress():
 
 
 @pytest.mark.parametrize("bad", ["", None, 3])
-def test_invalid_checkpoint_ids_are_refused(bad):
+def test_invalid_checkpoint_ids_are_refused(bad: Any) -> None:  # not all str: on purpose
     gate = AdmissionGate()
     with pytest.raises(InvalidInput):
         gate.close(bad)
@@ -105,7 +106,7 @@ class FakeClock:
         return self.now
 
 
-def test_a_lease_not_renewed_reopens_the_gate_by_itself():
+def test_a_lease_not_renewed_reopens_the_gate_by_itself() -> None:
     clock, expired = FakeClock(), []
     gate = AdmissionGate(clock, on_expired=lambda holder, _: expired.append(holder))
     assert "lease 10 s" in gate.close("ck-1", lease_s=10).detail
@@ -118,7 +119,7 @@ def test_a_lease_not_renewed_reopens_the_gate_by_itself():
     assert (counters.closes, counters.opens, counters.expired) == (1, 0, 1)
 
 
-def test_renewals_keep_the_gate_closed_and_stop_once_it_expired():
+def test_renewals_keep_the_gate_closed_and_stop_once_it_expired() -> None:
     clock = FakeClock()
     gate = AdmissionGate(clock)
     assert not gate.renew("ck-1")  # not closed yet: nothing to renew
@@ -134,7 +135,7 @@ def test_renewals_keep_the_gate_closed_and_stop_once_it_expired():
     assert not late.changed and "reopened by itself" in late.detail and "10 s" in late.detail
 
 
-def test_after_an_expiry_the_next_checkpoint_closes_the_gate():
+def test_after_an_expiry_the_next_checkpoint_closes_the_gate() -> None:
     clock, expired = FakeClock(), []
     gate = AdmissionGate(clock, on_expired=lambda holder, _: expired.append(holder))
     gate.close("ck-1", lease_s=5)
@@ -145,12 +146,12 @@ def test_after_an_expiry_the_next_checkpoint_closes_the_gate():
     assert gate.counters().expired == 1
 
 
-def test_a_lease_must_be_positive():
+def test_a_lease_must_be_positive() -> None:
     with pytest.raises(InvalidInput, match="lease must be > 0"):
         AdmissionGate().close("ck-1", lease_s=0)
 
 
-def test_wait_open_is_woken_by_the_holders_open():
+def test_wait_open_is_woken_by_the_holders_open() -> None:
     gate = AdmissionGate()
     gate.close("ck-1")
     woken: list[bool] = []
@@ -163,7 +164,7 @@ def test_wait_open_is_woken_by_the_holders_open():
     assert woken == [True]
 
 
-def test_wait_open_times_out_on_a_held_gate_and_returns_at_once_on_an_open_one():
+def test_wait_open_times_out_on_a_held_gate_and_returns_at_once_on_an_open_one() -> None:
     gate = AdmissionGate()
     assert gate.wait_open(0) is True
     gate.close("ck-1")
@@ -171,7 +172,7 @@ def test_wait_open_times_out_on_a_held_gate_and_returns_at_once_on_an_open_one()
     assert gate.holder == "ck-1"
 
 
-def test_wait_open_sees_the_lease_run_out_without_another_call():
+def test_wait_open_sees_the_lease_run_out_without_another_call() -> None:
     clock = FakeClock()
     gate = AdmissionGate(clock)
     gate.close("ck-1", lease_s=5)
@@ -180,7 +181,7 @@ def test_wait_open_sees_the_lease_run_out_without_another_call():
     assert gate.expired("ck-1") == 5
 
 
-def test_the_expiry_hook_runs_outside_the_gates_lock_and_is_told_how_long_it_held():
+def test_the_expiry_hook_runs_outside_the_gates_lock_and_is_told_how_long_it_held() -> None:
     """The hook logs and records a metric: it may read the gate (under the lock this would
     deadlock) and never holds up admission."""
     clock, seen = FakeClock(), []
@@ -195,7 +196,7 @@ def test_the_expiry_hook_runs_outside_the_gates_lock_and_is_told_how_long_it_hel
     assert seen == [("ck-1", 7.0, True)]
 
 
-def test_a_reopening_says_how_long_the_gate_was_closed():
+def test_a_reopening_says_how_long_the_gate_was_closed() -> None:
     clock = FakeClock()
     gate = AdmissionGate(clock)
     gate.close("ck-1", lease_s=10)

@@ -1,8 +1,8 @@
 """Who may import what (docs/architecture.md, "Layout"), checked on the source, statically:
 
 - the pure core (``rollsafe.core``) imports neither Temporal, Ray, nor any HTTP, object-storage
-  or tensor library, and nothing of rollsafe outside the core but ``errors``, ``faults``, the
-  data-plane protocol and the snapshot format;
+  or tensor library, and nothing of rollsafe outside the core but ``errors``, the data-plane
+  protocol and the snapshot's bounded JSON (no snapshot file I/O);
 - nothing imports the top-level folders by their generic names (``workflows``, ``activities``,
   ``workers``, ``reference``): they are installed, and imported, as ``rollsafe.*`` only.
 """
@@ -21,9 +21,8 @@ FORBIDDEN_IN_CORE = ("temporalio", "ray", "httpx", "uvicorn", "starlette", "fssp
 CORE_MAY_IMPORT = (
     "rollsafe.core",
     "rollsafe.errors",
-    "rollsafe.faults",
     "rollsafe.dataplane",
-    "rollsafe.snapshot",
+    "rollsafe.snapshot.bounded",
 )
 # What of rollsafe outside the core each core module may import (the core itself aside), module
 # by module: a new dependency of the core is a decision this list records.
@@ -33,18 +32,15 @@ CORE_IMPORTS: dict[str, frozenset[str]] = {
     "buffer/__init__.py": frozenset(),
     "buffer/index.py": ERRORS,
     "buffer/samplers.py": ERRORS,
-    # The snapshot's file layout: its tensor files, written into a draft, read from a reader.
-    "capture.py": ERRORS | {"rollsafe.snapshot", "rollsafe.snapshot.tensorfile"},
+    "capture.py": ERRORS,
     "columns.py": ERRORS,
     "config.py": frozenset(),
     "gate.py": ERRORS,
     "ids.py": ERRORS,
     "ledger.py": ERRORS | {"rollsafe.snapshot.bounded"},  # bounded JSON for its metadata
     "phases.py": frozenset(),
-    # Rows through the data-plane protocol; a capture written into, a restore read from, the
-    # snapshot store; the capture's fault point.
-    "run_state.py": ERRORS
-    | {"rollsafe.dataplane", "rollsafe.dataplane.protocol", "rollsafe.faults", "rollsafe.snapshot"},
+    # Rows through the data-plane protocol (the snapshot's files: rollsafe.snapshot.state_files).
+    "run_state.py": ERRORS | {"rollsafe.dataplane"},
     "states.py": ERRORS,
     "wire.py": frozenset(),
 }

@@ -27,7 +27,7 @@ from rollsafe.evidence.scenario import commit_rollout, row_content
 from rollsafe.journal.format import RecordKind, encode_header, new_journal_id
 from rollsafe.journal.run import JOURNAL_DIR, RunJournal
 from rollsafe.journal.segments import SUFFIX, read_journal, segment_name
-from rollsafe.snapshot import SnapshotStore
+from rollsafe.snapshot import SnapshotStore, state_files
 from rollsafe.snapshot.location import open_snapshot_store
 
 RUN = "jr"
@@ -53,7 +53,7 @@ class Run:
 
     def checkpoint(self) -> None:
         self.checkpoints += 1
-        self.state.checkpoint(self.store, f"c-{self.checkpoints}")
+        state_files.checkpoint(self.state, self.store, f"c-{self.checkpoints}")
         self.journal.compact(self.store)
 
     def crash(self) -> None:
@@ -62,7 +62,7 @@ class Run:
 
     def restore(self, weight_version: int | None = None) -> RestorePlan:
         self.journal = RunJournal.for_store(self.store, flush_ms=None)
-        state, plan = RunState.restore(
+        state, plan = state_files.restore(
             config(),
             self.store,
             make_dataplane("memory"),
@@ -115,7 +115,7 @@ def busy_after_a_checkpoint(tmp_path: Path) -> Run:
     return run
 
 
-def test_a_crash_between_snapshots_restores_every_change_after_the_snapshot(tmp_path):
+def test_a_crash_between_snapshots_restores_every_change_after_the_snapshot(tmp_path: Path) -> None:
     run = busy_after_a_checkpoint(tmp_path)
     before = picture(run.state)
     run.crash()
@@ -132,7 +132,7 @@ def test_a_crash_between_snapshots_restores_every_change_after_the_snapshot(tmp_
     assert picture(after)[2:] == before[2:]
 
 
-def test_a_second_crash_replays_the_first_restore_the_same_way(tmp_path):
+def test_a_second_crash_replays_the_first_restore_the_same_way(tmp_path: Path) -> None:
     run = busy_after_a_checkpoint(tmp_path)
     run.crash()
     run.restore()
@@ -144,7 +144,9 @@ def test_a_second_crash_replays_the_first_restore_the_same_way(tmp_path):
     assert run.state.index.state(3) == GroupState.READY
 
 
-def test_a_restore_that_moved_an_episode_off_a_lost_instance_replays_the_same_way(tmp_path):
+def test_a_restore_that_moved_an_episode_off_a_lost_instance_replays_the_same_way(
+    tmp_path: Path,
+) -> None:
     turn = config().model_copy(update={"restore_level": "turn"})
     run = Run(tmp_path)
     run.state = RunState(turn, make_dataplane("memory"))
@@ -155,7 +157,7 @@ def test_a_restore_that_moved_an_episode_off_a_lost_instance_replays_the_same_wa
     run.crash()
     moved = EnvironmentsRestored({lost: "w0"}, moved=frozenset({lost}), lost={"w-lost": "gone"})
     run.journal = RunJournal.for_store(run.store, flush_ms=None)
-    run.state, plan = RunState.restore(
+    run.state, plan = state_files.restore(
         turn, run.store, make_dataplane("memory"),
         environments=moved, journal=run.journal.replayer(None),
     )  # fmt: skip
@@ -165,13 +167,13 @@ def test_a_restore_that_moved_an_episode_off_a_lost_instance_replays_the_same_wa
     before = picture(run.state)
     run.crash()
     run.journal = RunJournal.for_store(run.store, flush_ms=None)
-    run.state, _ = RunState.restore(
+    run.state, _ = state_files.restore(
         turn, run.store, make_dataplane("memory"), journal=run.journal.replayer(None)
     )
     assert picture(run.state) == before  # replayed: owned by w0, not refused as a stranger
 
 
-def test_commits_past_the_trainers_weights_are_rolled_back_with_their_rows(tmp_path):
+def test_commits_past_the_trainers_weights_are_rolled_back_with_their_rows(tmp_path: Path) -> None:
     run = busy_after_a_checkpoint(tmp_path)
     run.crash()
     plan = run.restore(weight_version=0)  # the trainer lost step 0
@@ -187,14 +189,14 @@ def test_commits_past_the_trainers_weights_are_rolled_back_with_their_rows(tmp_p
     assert run.state.weight_version == 0 and run.state.index.state(1) == GroupState.READY
 
 
-def test_weights_the_journal_never_reached_are_refused(tmp_path):
+def test_weights_the_journal_never_reached_are_refused(tmp_path: Path) -> None:
     run = busy_after_a_checkpoint(tmp_path)
     run.crash()
     with pytest.raises(NoValidSnapshot, match="reaches weight version 1, not the 5"):
         run.restore(weight_version=5)
 
 
-def test_a_torn_last_record_stops_the_replay_and_changes_nothing_on_disk(tmp_path):
+def test_a_torn_last_record_stops_the_replay_and_changes_nothing_on_disk(tmp_path: Path) -> None:
     run = busy_after_a_checkpoint(tmp_path)
     run.crash()
     segment = sorted(run.directory.glob(f"*{SUFFIX}"))[-1]
@@ -214,7 +216,7 @@ def test_a_torn_last_record_stops_the_replay_and_changes_nothing_on_disk(tmp_pat
     assert run.state.index.state(3) == GroupState.READY
 
 
-def test_a_flipped_byte_stops_at_its_record_and_nothing_after_it_is_applied(tmp_path):
+def test_a_flipped_byte_stops_at_its_record_and_nothing_after_it_is_applied(tmp_path: Path) -> None:
     run = busy_after_a_checkpoint(tmp_path)
     run.crash()
     segment = sorted(run.directory.glob(f"*{SUFFIX}"))[-1]
@@ -234,7 +236,7 @@ def test_a_flipped_byte_stops_at_its_record_and_nothing_after_it_is_applied(tmp_
     assert run.state.ledger.sealed(3) == []
 
 
-def test_a_segment_of_another_run_is_refused_and_the_fence_stays_up(tmp_path):
+def test_a_segment_of_another_run_is_refused_and_the_fence_stays_up(tmp_path: Path) -> None:
     run = busy_after_a_checkpoint(tmp_path)
     run.crash()
     stranger = run.directory / segment_name(10_000)
@@ -248,7 +250,7 @@ def test_a_segment_of_another_run_is_refused_and_the_fence_stays_up(tmp_path):
     assert sorted((p.name, p.read_bytes()) for p in run.directory.iterdir()) == listing
 
 
-def test_a_journal_that_does_not_continue_the_snapshot_is_refused(tmp_path):
+def test_a_journal_that_does_not_continue_the_snapshot_is_refused(tmp_path: Path) -> None:
     run = busy_after_a_checkpoint(tmp_path)
     run.state.handout([4])
     run.checkpoint()  # covers everything so far; the journal goes on in a new segment
@@ -269,7 +271,7 @@ def test_a_journal_that_does_not_continue_the_snapshot_is_refused(tmp_path):
         run.restore()
 
 
-def test_compaction_deletes_only_what_every_retained_snapshot_covers(tmp_path):
+def test_compaction_deletes_only_what_every_retained_snapshot_covers(tmp_path: Path) -> None:
     run = Run(tmp_path)  # keep_latest_k 2 (the default)
     for idx in range(4):
         run.state.handout([idx])
@@ -286,7 +288,7 @@ def test_compaction_deletes_only_what_every_retained_snapshot_covers(tmp_path):
     assert run.state.ledger.sealed(3) == [0]
 
 
-def test_a_seal_is_acknowledged_only_once_its_record_is_durable(tmp_path):
+def test_a_seal_is_acknowledged_only_once_its_record_is_durable(tmp_path: Path) -> None:
     entered, release = threading.Event(), threading.Event()
     syncs = {"n": 0}
 
@@ -338,7 +340,7 @@ class FailingEnvironments:
         raise LedgerInvariantViolation("w0 restored an episode the run does not own")
 
 
-def test_a_restore_failing_after_the_replay_writes_nothing(tmp_path):
+def test_a_restore_failing_after_the_replay_writes_nothing(tmp_path: Path) -> None:
     run = busy_after_a_checkpoint(tmp_path)
     run.crash()
     listing = sorted((p.name, p.read_bytes()) for p in run.directory.iterdir())
@@ -373,7 +375,7 @@ def test_on_object_storage_a_lost_machine_loses_only_what_was_not_mirrored(
     journal.start(state)
     state.handout([0, 1])
     commit_rollout(state, 0, 0)
-    state.checkpoint(store, "c-1")
+    state_files.checkpoint(state, store, "c-1")
     journal.compact(store)
     commit_rollout(state, 0, 1)
     commit_rollout(state, 1, 0)
@@ -385,7 +387,7 @@ def test_on_object_storage_a_lost_machine_loses_only_what_was_not_mirrored(
 
     elsewhere = open_snapshot_store(bucket, RUN, cache_dir=tmp_path / "host-b")
     again = RunJournal.for_store(elsewhere, flush_ms=None, mirror_every_s=None)
-    restored, plan = RunState.restore(
+    restored, plan = state_files.restore(
         config(), elsewhere, make_dataplane("memory"), journal=again.replayer()
     )
     again.resume()

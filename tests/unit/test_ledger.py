@@ -32,7 +32,7 @@ def ledger(
     return led
 
 
-def test_dispatch_then_seal():
+def test_dispatch_then_seal() -> None:
     led = ledger()
     episode = led.dispatch(7, 0)
     assert episode.key == "run-7_g0"
@@ -46,7 +46,7 @@ def test_dispatch_then_seal():
     assert led.sealed(7) == [0] and led.unsealed(7) == [1]
 
 
-def test_refused_dispatch_goes_back_to_reserved_without_spending_an_attempt():
+def test_refused_dispatch_goes_back_to_reserved_without_spending_an_attempt() -> None:
     led = ledger()
     led.dispatch(7, 1)
     led.refuse(7, 1)
@@ -55,7 +55,7 @@ def test_refused_dispatch_goes_back_to_reserved_without_spending_an_attempt():
     assert led.retirements() == []
 
 
-def test_identical_seal_is_idempotent_and_different_seal_is_an_error():
+def test_identical_seal_is_idempotent_and_different_seal_is_an_error() -> None:
     led = ledger()
     led.dispatch(7, 0)
     led.seal(7, 0, 0, digest("row"))
@@ -65,7 +65,7 @@ def test_identical_seal_is_idempotent_and_different_seal_is_an_error():
     assert led.sealed_row_matches(7, 0, digest("row"))
 
 
-def test_seal_from_a_stale_attempt_is_refused():
+def test_seal_from_a_stale_attempt_is_refused() -> None:
     led = ledger()
     led.dispatch(7, 0)
     led.fail(7, 0)
@@ -75,13 +75,13 @@ def test_seal_from_a_stale_attempt_is_refused():
         led.seal(7, 0, 0, digest("late"))
 
 
-def test_seal_needs_a_dispatched_attempt():
+def test_seal_needs_a_dispatched_attempt() -> None:
     led = ledger()
     with pytest.raises(IllegalTransition, match=r"run-7_g0.*RESERVED -> SEALED"):
         led.seal(7, 0, 0, digest("row"))
 
 
-def test_abandon_queues_retirement_and_retry_keeps_the_rollout_id():
+def test_abandon_queues_retirement_and_retry_keeps_the_rollout_id() -> None:
     led = ledger()
     led.dispatch(7, 0, owner="env-0")
     led.abandon(7, 0)
@@ -94,7 +94,7 @@ def test_abandon_queues_retirement_and_retry_keeps_the_rollout_id():
     assert led.retirements() == []
 
 
-def test_abandoning_a_reserved_attempt_retires_nothing():
+def test_abandoning_a_reserved_attempt_retires_nothing() -> None:
     led = ledger()
     led.abandon(7, 0)
     assert led.retirements() == []
@@ -125,7 +125,7 @@ def test_transition_table_is_enforced(current: AttemptState, target: AttemptStat
         assert led.state(7, 0) == current
 
 
-def test_unknown_group_and_sibling_are_named():
+def test_unknown_group_and_sibling_are_named() -> None:
     led = ledger()
     with pytest.raises(UnknownGroup, match="group 8"):
         led.dispatch(8, 0)
@@ -145,7 +145,7 @@ def _half_done(
     return led, led.restart(7, restored)
 
 
-def test_prompt_group_restart_abandons_every_sibling():
+def test_prompt_group_restart_abandons_every_sibling() -> None:
     led, outcome = _half_done(RestoreLevel.PROMPT_GROUP)
     assert outcome.kept == () and outcome.dropped_rows == (0,)
     assert outcome.regenerate == (0, 1, 2)
@@ -154,7 +154,7 @@ def test_prompt_group_restart_abandons_every_sibling():
     assert {r.episode.key for r in led.retirements()} == {"run-7_g0", "run-7_g1"}
 
 
-def test_sibling_restart_keeps_sealed_siblings():
+def test_sibling_restart_keeps_sealed_siblings() -> None:
     led, outcome = _half_done(RestoreLevel.SIBLING)
     assert outcome.kept == (0,) and outcome.regenerate == (1, 2) and outcome.resumed == ()
     assert led.state(7, 0) == A.SEALED and led.sealed_row_matches(7, 0, digest("a"))
@@ -163,7 +163,7 @@ def test_sibling_restart_keeps_sealed_siblings():
 
 
 @pytest.mark.parametrize("level", [RestoreLevel.TURN, RestoreLevel.PREFIX])
-def test_turn_restart_keeps_the_attempt_on_its_instance(level):
+def test_turn_restart_keeps_the_attempt_on_its_instance(level: RestoreLevel) -> None:
     led, outcome = _half_done(level, restored={1: "env-1"})
     assert outcome.resumed == (1,) and outcome.kept == (0,) and outcome.regenerate == (2,)
     assert led.attempt(7, 1) == 1 and led.state(7, 1) == A.RESERVED
@@ -173,13 +173,13 @@ def test_turn_restart_keeps_the_attempt_on_its_instance(level):
     assert led.dispatch(7, 1, owner="env-1").key == "run-7_g1-a1"
 
 
-def test_turn_restart_without_an_environment_restore_falls_back_to_sibling():
+def test_turn_restart_without_an_environment_restore_falls_back_to_sibling() -> None:
     led, outcome = _half_done(RestoreLevel.TURN)
     assert outcome.resumed == () and outcome.regenerate == (1, 2)
     assert led.owner(7, 1) is None
 
 
-def test_a_failed_environment_restore_restarts_the_sibling_past_its_retired_attempt():
+def test_a_failed_environment_restore_restarts_the_sibling_past_its_retired_attempt() -> None:
     led = ledger(RestoreLevel.PREFIX, size=3)
     led.dispatch(7, 0, owner="env-1")
     led.seal(7, 0, 0, digest("a"))
@@ -194,7 +194,7 @@ def test_a_failed_environment_restore_restarts_the_sibling_past_its_retired_atte
     assert led.dispatch(7, 1, owner="env-2").key == "run-7_g1-a2"
 
 
-def test_a_restart_moves_an_episode_off_a_lost_instance_to_the_one_that_restored_it():
+def test_a_restart_moves_an_episode_off_a_lost_instance_to_the_one_that_restored_it() -> None:
     led = ledger(RestoreLevel.TURN, size=3)
     led.dispatch(7, 1, owner="env-lost")
     outcome = led.restart(7, {1: "env-2"}, moved={1})
@@ -205,22 +205,22 @@ def test_a_restart_moves_an_episode_off_a_lost_instance_to_the_one_that_restored
     assert led.dispatch(7, 1, owner="env-2").key == "run-7_g1-a1"
 
 
-def test_turn_restart_refuses_a_different_instance():
+def test_turn_restart_refuses_a_different_instance() -> None:
     with pytest.raises(LedgerInvariantViolation, match="owned by 'env-1' but 'env-9'"):
         _half_done(RestoreLevel.TURN, restored={1: "env-9"})
 
 
-def test_restored_episode_without_dispatched_attempt_is_an_error():
+def test_restored_episode_without_dispatched_attempt_is_an_error() -> None:
     with pytest.raises(LedgerInvariantViolation, match=r"siblings \[2\]"):
         _half_done(RestoreLevel.TURN, restored={2: "env-1"})
 
 
-def test_restored_episodes_at_sibling_level_are_refused():
+def test_restored_episodes_at_sibling_level_are_refused() -> None:
     with pytest.raises(LedgerInvariantViolation, match="level sibling"):
         _half_done(RestoreLevel.SIBLING, restored={1: "env-1"})
 
 
-def test_capture_restore_round_trip():
+def test_capture_restore_round_trip() -> None:
     led = ledger(groups=(3, 9, 5), size=2)
     led.dispatch(9, 0, owner="env-a")
     led.seal(9, 0, 0, digest("x"))
@@ -239,7 +239,7 @@ def test_capture_restore_round_trip():
     assert m2 == meta and all((a2[k] == arrays[k]).all() for k in arrays)
 
 
-def test_a_capture_copies_nothing_and_keeps_its_bytes_through_every_later_write():
+def test_a_capture_copies_nothing_and_keeps_its_bytes_through_every_later_write() -> None:
     led = ledger(groups=(3, 5, 9), size=2)
     led.dispatch(3, 0, owner="env-a")
     arrays, meta = led.capture()
@@ -263,7 +263,7 @@ def test_a_capture_copies_nothing_and_keeps_its_bytes_through_every_later_write(
     assert led.groups()[:3] == [5, 9, 11] and led.attempt(5, 1) == 1
 
 
-def test_restore_refuses_bad_metadata_and_states():
+def test_restore_refuses_bad_metadata_and_states() -> None:
     led = ledger()
     arrays, meta = led.capture()
     with pytest.raises(SnapshotCorrupt, match="format_version"):
@@ -281,7 +281,7 @@ def test_restore_refuses_bad_metadata_and_states():
         Ledger.restore({k: v for k, v in arrays.items() if k != "owner"}, meta, "f")
 
 
-def test_drop_group_retires_in_flight_attempts():
+def test_drop_group_retires_in_flight_attempts() -> None:
     led = ledger()
     led.dispatch(7, 0, owner="env-0")
     led.drop_group(7)
@@ -289,7 +289,7 @@ def test_drop_group_retires_in_flight_attempts():
     assert [r.episode.key for r in led.retirements()] == ["run-7_g0"]
 
 
-def test_a_seal_digest_covers_every_field_of_the_entry_and_the_row():
+def test_a_seal_digest_covers_every_field_of_the_entry_and_the_row() -> None:
     led = ledger(level=RestoreLevel.TURN)
     led.dispatch(7, 0, owner="env-a")
     led.seal(7, 0, 0, digest("row"))
@@ -305,7 +305,7 @@ def test_a_seal_digest_covers_every_field_of_the_entry_and_the_row():
         assert not restored_with(column, value).sealed_row_matches(7, 0, digest("row")), column
 
 
-def test_an_earlier_rollsafes_ledger_of_row_digests_is_still_read():
+def test_an_earlier_rollsafes_ledger_of_row_digests_is_still_read() -> None:
     led = ledger()
     led.dispatch(7, 0)
     led.seal(7, 0, 0, digest("row"))

@@ -14,7 +14,7 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,7 @@ def _meter_provider() -> None:
 
 
 @pytest.fixture(autouse=True)
-def _no_faults(monkeypatch):
+def _no_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv(ENV_VAR, raising=False)
     disarm_all()
     yield
@@ -124,7 +124,7 @@ def manifest_bytes(ops: Controller, run_id: str) -> int:
     return sum(f.bytes for f in manifest.files.values())
 
 
-def test_a_snapshot_and_a_restore_record_exact_values(tmp_path):
+def test_a_snapshot_and_a_restore_record_exact_values(tmp_path: Path) -> None:
     run_id = new_run()
     ops = make_ops(tmp_path, run_id)
     started = time.monotonic()
@@ -150,7 +150,7 @@ def test_a_snapshot_and_a_restore_record_exact_values(tmp_path):
     assert counter(run_id, "rollsafe.restore.rollouts", "kind") == expected
 
 
-def test_units_and_run_id_on_every_measurement(tmp_path):
+def test_units_and_run_id_on_every_measurement(tmp_path: Path) -> None:
     run_id = new_run()
     run_phases(make_ops(tmp_path, run_id), run_id)
     metrics.record_restored_prefix_tokens(run_id, 3)
@@ -169,7 +169,7 @@ def test_units_and_run_id_on_every_measurement(tmp_path):
     assert units["rollsafe.restore.prefix_tokens"] == "{token}"
 
 
-def test_replayed_phases_record_nothing_again(tmp_path):
+def test_replayed_phases_record_nothing_again(tmp_path: Path) -> None:
     run_id = new_run()
     ops = make_ops(tmp_path, run_id)
     run_phases(ops, run_id)
@@ -184,7 +184,7 @@ def test_replayed_phases_record_nothing_again(tmp_path):
     ]
 
 
-def test_capture_bytes_count_once_when_publish_is_retried(tmp_path):
+def test_capture_bytes_count_once_when_publish_is_retried(tmp_path: Path) -> None:
     run_id = new_run()
     ops = make_ops(tmp_path, run_id)
     spec = SnapshotSpec(run_id=run_id, seq=1)
@@ -204,7 +204,7 @@ def test_capture_bytes_count_once_when_publish_is_retried(tmp_path):
 
 
 @pytest.mark.parametrize("order", ["resume_then_abort", "abort_only"])
-def test_an_aborted_checkpoint_records_its_park_once(tmp_path, order):
+def test_an_aborted_checkpoint_records_its_park_once(tmp_path: Path, order: str) -> None:
     run_id = new_run()
     ops = make_ops(tmp_path, run_id)
     spec = SnapshotSpec(run_id=run_id, seq=1)
@@ -274,7 +274,7 @@ class FakeParticipants:
         return EnvironmentsRestored({episode: "w0"}), None
 
 
-def test_participant_phases_record_cuts_drain_and_resumed_rollouts(tmp_path):
+def test_participant_phases_record_cuts_drain_and_resumed_rollouts(tmp_path: Path) -> None:
     run_id = new_run()
     fake = FakeParticipants(run_id)
     ops = make_ops(tmp_path, run_id, fake)
@@ -303,7 +303,7 @@ def test_participant_phases_record_cuts_drain_and_resumed_rollouts(tmp_path):
     assert counter(run_id, "rollsafe.restore.rollouts", "kind") == expected
 
 
-def test_restored_prefix_tokens_add_up():
+def test_restored_prefix_tokens_add_up() -> None:
     run_id = new_run()
     metrics.record_restored_prefix_tokens(run_id, 12)
     metrics.record_restored_prefix_tokens(run_id, 30)
@@ -321,12 +321,12 @@ def test_restored_prefix_tokens_add_up():
         (" OTLP ", OTLPMetricExporter),
     ],
 )
-def test_the_exporter_follows_the_standard_variable(value, expected):
+def test_the_exporter_follows_the_standard_variable(value: str | None, expected: type) -> None:
     environ = {} if value is None else {metrics.EXPORTER_ENV: value}
     assert isinstance(metrics.exporter_from_env(environ), expected)
 
 
-def test_an_unknown_exporter_names_the_variable_and_the_choices():
+def test_an_unknown_exporter_names_the_variable_and_the_choices() -> None:
     with pytest.raises(InvalidInput) as error:
         metrics.exporter_from_env({metrics.EXPORTER_ENV: "prometheus"})
     assert str(error.value) == (
@@ -358,7 +358,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_console_exports_at_exit_and_none_installs_nothing():
+def test_console_exports_at_exit_and_none_installs_nothing() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True

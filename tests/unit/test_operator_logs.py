@@ -45,6 +45,7 @@ from rollsafe.errors import (
     EnvNotReady,
     EnvUnavailable,
     InjectedFault,
+    RollsafeError,
     SnapshotCorrupt,
     SnapshotLost,
 )
@@ -116,7 +117,9 @@ def test_each_phase_outcome_is_one_line_with_its_fields(
     assert "captured 2 groups, 2 sealed rollouts" in capture
 
 
-def test_a_failed_phase_names_the_error_class_and_its_transience(tmp_path, logs):
+def test_a_failed_phase_names_the_error_class_and_its_transience(
+    tmp_path: Path, logs: pytest.LogCaptureFixture
+) -> None:
     ops = controller(tmp_path)
     spec = SnapshotSpec(run_id=ops.store.run_id, seq=1)
     for phase in PHASES[:-1]:
@@ -134,7 +137,9 @@ def test_a_failed_phase_names_the_error_class_and_its_transience(tmp_path, logs)
     assert "phase publish failed" in failed.getMessage() and "InjectedFault" in failed.getMessage()
 
 
-def test_a_restore_is_one_line_with_the_plans_counts(tmp_path, logs):
+def test_a_restore_is_one_line_with_the_plans_counts(
+    tmp_path: Path, logs: pytest.LogCaptureFixture
+) -> None:
     ops = controller(tmp_path)
     snapshot(ops, 1)
     plan = ops.restore(RestoreRequest(run_id=ops.store.run_id, restore_id="r1"))
@@ -147,7 +152,9 @@ def test_a_restore_is_one_line_with_the_plans_counts(tmp_path, logs):
     assert "replayed" in again.getMessage()
 
 
-def test_the_store_logs_publishes_and_retention(tmp_path, logs):
+def test_the_store_logs_publishes_and_retention(
+    tmp_path: Path, logs: pytest.LogCaptureFixture
+) -> None:
     ops = controller(tmp_path, keep_latest_k=1)
     snapshot(ops, 1)
     snapshot(ops, 2)
@@ -159,7 +166,9 @@ def test_the_store_logs_publishes_and_retention(tmp_path, logs):
     assert all(r.levelno == logging.INFO for r in lines if r.snapshot in published)
 
 
-def test_a_restore_names_each_candidate_it_passed_over(tmp_path, logs):
+def test_a_restore_names_each_candidate_it_passed_over(
+    tmp_path: Path, logs: pytest.LogCaptureFixture
+) -> None:
     ops = controller(tmp_path)
     snapshot(ops, 1)
     spec = snapshot(ops, 2)
@@ -184,7 +193,9 @@ def parked(checkpoint_id: str, restarts: tuple[EpisodeRef, ...]) -> FleetPrepare
     )
 
 
-def test_participants_log_stragglers_lost_cuts_unexported_and_restarts(logs):
+def test_participants_log_stragglers_lost_cuts_unexported_and_restarts(
+    logs: pytest.LogCaptureFixture,
+) -> None:
     ref = EpisodeRef(rollout_id="run-3_g0", attempt=1)
     loop = LoopThread("test-logs")
     try:
@@ -244,7 +255,7 @@ def test_each_failing_instance_is_one_line_without_its_token(
     assert "prepare failed on environment instance w0: EnvNotReady" in lines[0].getMessage()
 
 
-def test_no_line_holds_a_token(tmp_path, logs):
+def test_no_line_holds_a_token(tmp_path: Path, logs: pytest.LogCaptureFixture) -> None:
     """Every line the other tests here produce, once more, searched for the token."""
     test_each_failing_instance_is_one_line_without_its_token(logs)
     test_each_phase_outcome_is_one_line_with_its_fields(tmp_path, logs)
@@ -290,7 +301,9 @@ async def run_activity(client: PhaseClient, phase: Phase) -> PhaseResult:
 
 
 @pytest.mark.parametrize("replayed", [False, True])
-async def test_a_phase_activity_logs_its_outcome_at_info(caplog, replayed):
+async def test_a_phase_activity_logs_its_outcome_at_info(
+    caplog: pytest.LogCaptureFixture, replayed: bool
+) -> None:
     caplog.set_level(logging.INFO, logger="temporalio.activity")
     await run_activity(PhaseClient(replayed=replayed), Phase.DRAIN)
     [line] = records(caplog, "temporalio.activity")
@@ -308,7 +321,9 @@ async def test_a_phase_activity_logs_its_outcome_at_info(caplog, replayed):
     ("error", "transient"),
     [(SnapshotLost("draft gone"), True), (SnapshotCorrupt("bad digest"), False)],
 )
-async def test_a_failed_phase_activity_warns_with_type_and_transience(caplog, error, transient):
+async def test_a_failed_phase_activity_warns_with_type_and_transience(
+    caplog: pytest.LogCaptureFixture, error: RollsafeError, transient: bool
+) -> None:
     caplog.set_level(logging.INFO, logger="temporalio.activity")
     with pytest.raises(ApplicationError):
         await run_activity(PhaseClient(error=error), Phase.CAPTURE)

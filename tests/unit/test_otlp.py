@@ -76,7 +76,9 @@ from rollsafe.observability import metrics, otlp
         ),
     ],
 )
-def test_each_signal_gets_the_exporter_its_variables_name(environ, spans, measurements):
+def test_each_signal_gets_the_exporter_its_variables_name(
+    environ: dict[str, str], spans: type, measurements: type
+) -> None:
     assert isinstance(otlp.span_exporter(environ), spans)
     assert isinstance(otlp.metric_exporter(environ), measurements)
 
@@ -99,20 +101,24 @@ def test_each_signal_gets_the_exporter_its_variables_name(environ, spans, measur
         ),
     ],
 )
-def test_a_bad_value_names_the_variable_and_the_allowed_values(environ, message):
+def test_a_bad_value_names_the_variable_and_the_allowed_values(
+    environ: dict[str, str], message: str
+) -> None:
     with pytest.raises(InvalidInput) as error:
         otlp.span_exporter(environ)
     assert str(error.value) == message
 
 
-def test_a_protocol_is_read_only_for_otlp():
+def test_a_protocol_is_read_only_for_otlp() -> None:
     """``console`` ignores the protocol: a value meant for another tool is not refused."""
     environ = {"OTEL_METRICS_EXPORTER": "console", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}
     assert isinstance(otlp.metric_exporter(environ), ConsoleMetricExporter)
 
 
 @pytest.mark.parametrize("signal", ["traces", "metrics"])
-def test_grpc_without_its_package_names_the_package(monkeypatch, signal):
+def test_grpc_without_its_package_names_the_package(
+    monkeypatch: pytest.MonkeyPatch, signal: str
+) -> None:
     kind = "trace" if signal == "traces" else "metric"
     # None in sys.modules makes the import fail as if the package were not installed.
     monkeypatch.setitem(
@@ -146,11 +152,13 @@ def test_grpc_without_its_package_names_the_package(monkeypatch, signal):
         ),
     ],
 )
-def test_the_metrics_endpoint_resolves_as_the_exporter_does(environ, endpoint):
+def test_the_metrics_endpoint_resolves_as_the_exporter_does(
+    environ: dict[str, str], endpoint: str
+) -> None:
     assert otlp.metrics_endpoint(environ) == endpoint
 
 
-def test_the_python_exporter_agrees_on_the_endpoint(monkeypatch):
+def test_the_python_exporter_agrees_on_the_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
@@ -158,7 +166,7 @@ def test_the_python_exporter_agrees_on_the_endpoint(monkeypatch):
     assert exporter._endpoint == otlp.metrics_endpoint() == "http://collector:4318/v1/metrics"
 
 
-def test_headers_interval_and_temporality():
+def test_headers_interval_and_temporality() -> None:
     environ = {
         "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer%20general,x-a=1",
         "OTEL_EXPORTER_OTLP_METRICS_HEADERS": "authorization=Bearer%20metrics",
@@ -173,14 +181,16 @@ def test_headers_interval_and_temporality():
 
 
 @pytest.mark.parametrize("value", ["soon", "0", "-5", "nan", "inf"])
-def test_a_bad_interval_is_refused(value):
+def test_a_bad_interval_is_refused(value: str) -> None:
     with pytest.raises(InvalidInput, match="OTEL_METRIC_EXPORT_INTERVAL="):
         otlp.export_interval_s({"OTEL_METRIC_EXPORT_INTERVAL": value})
 
 
 @pytest.mark.parametrize("exporter", ["console", "otlp"])
 @pytest.mark.parametrize("value", ["soon", "0", "inf"])
-def test_every_metrics_path_refuses_a_bad_interval_naming_it(exporter, value, monkeypatch):
+def test_every_metrics_path_refuses_a_bad_interval_naming_it(
+    exporter: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """rollsafe's own meter provider and Temporal's runtime read the interval through one
     function: with either exporter both refuse it, naming the variable and its value."""
     environ = {"OTEL_METRICS_EXPORTER": exporter, "OTEL_METRIC_EXPORT_INTERVAL": value}
@@ -197,7 +207,7 @@ def test_every_metrics_path_refuses_a_bad_interval_naming_it(exporter, value, mo
     assert not metrics._configured
 
 
-def test_the_interval_is_read_once_for_every_exporter():
+def test_the_interval_is_read_once_for_every_exporter() -> None:
     assert otlp.metrics_export({"OTEL_METRIC_EXPORT_INTERVAL": "soon"}) is None  # none: unread
     console = {"OTEL_METRICS_EXPORTER": "console", "OTEL_METRIC_EXPORT_INTERVAL": "250"}
     assert otlp.metrics_export(console) == otlp.MetricsExport(exporter="console", interval_s=0.25)
@@ -206,7 +216,7 @@ def test_the_interval_is_read_once_for_every_exporter():
     )
 
 
-def test_a_command_with_a_bad_interval_exits_2_naming_it(monkeypatch):
+def test_a_command_with_a_bad_interval_exits_2_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """`rollsafe inspect` connects as a worker does: the console exporter's bad interval is
     refused before any server is dialled (none listens at the address given)."""
     from typer.testing import CliRunner
@@ -232,12 +242,12 @@ def test_a_command_with_a_bad_interval_exits_2_naming_it(monkeypatch):
 
 
 @pytest.mark.parametrize("exporter", [None, "none", "console"])
-def test_temporal_keeps_its_default_runtime_unless_otlp(exporter):
+def test_temporal_keeps_its_default_runtime_unless_otlp(exporter: str | None) -> None:
     environ = {} if exporter is None else {"OTEL_METRICS_EXPORTER": exporter}
     assert metrics.temporal_metrics_config(environ) is None
 
 
-def test_temporal_metrics_go_where_rollsafes_go():
+def test_temporal_metrics_go_where_rollsafes_go() -> None:
     environ = {
         "OTEL_METRICS_EXPORTER": "otlp",
         "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318",
@@ -296,7 +306,7 @@ def collector() -> Iterator[Collector]:
     found.server.server_close()
 
 
-def test_a_temporal_runtime_exports_to_the_collector(collector):
+def test_a_temporal_runtime_exports_to_the_collector(collector: Collector) -> None:
     """The config drives Temporal's Rust exporter for real: the path, the headers and the
     prefix-free metric made through the runtime's meter arrive at the collector."""
     config = metrics.temporal_metrics_config(
@@ -325,7 +335,7 @@ def test_a_temporal_runtime_exports_to_the_collector(collector):
     assert "rollsafe_probe" in names
 
 
-def test_one_runtime_per_process_made_lazily(monkeypatch):
+def test_one_runtime_per_process_made_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
     made: list[TelemetryConfig] = []
 
     class FakeRuntime:

@@ -45,7 +45,7 @@ from rollsafe.core.states import AttemptState, GroupState
 from rollsafe.dataplane import DataPlane
 from rollsafe.errors import SealConflict, UnknownGroup
 from rollsafe.evidence.scenario import row_content, same_row
-from rollsafe.snapshot import SnapshotStore
+from rollsafe.snapshot import SnapshotStore, state_files
 
 RUN_ID = "props"
 PARTITION = "rollouts"
@@ -415,7 +415,7 @@ class RunMachine(RuleBasedStateMachine):
     def checkpoint(self) -> None:
         self.checkpoints += 1
         checkpoint_id = f"props-checkpoint-{self.checkpoints}"
-        manifest = self.run.checkpoint(self.store, checkpoint_id=checkpoint_id)
+        manifest = state_files.checkpoint(self.run, self.store, checkpoint_id=checkpoint_id)
         assert (manifest.loader_position, manifest.weight_version) == (
             self.model.loader_position,
             self.model.weight_version,
@@ -476,7 +476,7 @@ class RunMachine(RuleBasedStateMachine):
         # Only the damaged snapshots newer than the chosen one were tried and refused.
         newer = self.snapshots[self.snapshots.index(chosen) + 1 :]
         expected = expected_restore(chosen.model)
-        controller, plan = RunState.restore(
+        controller, plan = state_files.restore(
             self.config, SnapshotStore(self.store.root, RUN_ID), self.planes()
         )
         assert plan.snapshot == chosen.name

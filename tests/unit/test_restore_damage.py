@@ -30,7 +30,7 @@ from rollsafe.errors import (
 from rollsafe.evidence.scenario import commit_rollout
 from rollsafe.journal.run import JOURNAL_DIR, SET_ASIDE_DIR, RunJournal
 from rollsafe.journal.segments import SUFFIX, read_journal
-from rollsafe.snapshot import MANIFEST_NAME, SnapshotStore
+from rollsafe.snapshot import MANIFEST_NAME, SnapshotStore, state_files
 from rollsafe.snapshot.tensorfile import HashingWriter, read_tensors, write_tensors
 from rollsafe.testing.damage import DEEP, replace_resealed
 
@@ -59,7 +59,7 @@ class Run:
 
     def checkpoint(self) -> None:
         self.checkpoints += 1
-        self.state.checkpoint(self.store, f"c-{self.checkpoints}")
+        state_files.checkpoint(self.state, self.store, f"c-{self.checkpoints}")
         self.journal.compact(self.store)
 
     def crash(self) -> None:
@@ -69,7 +69,7 @@ class Run:
     def restore(self, *, accept_loss: bool = False) -> RestorePlan:
         self.journal = RunJournal.for_store(self.store, flush_ms=None, mirror_every_s=None)
         try:
-            self.state, plan = RunState.restore(
+            self.state, plan = state_files.restore(
                 CONFIG,
                 self.store,
                 make_dataplane("memory"),
@@ -118,7 +118,9 @@ def corrupt_record(segment: Path, n: int) -> bytes:
 # ---- 1. the journal: nothing dropped without a word, nothing overwritten --------------------
 
 
-def test_a_corrupt_first_record_is_a_reported_stop_and_its_segment_stays_whole(tmp_path):
+def test_a_corrupt_first_record_is_a_reported_stop_and_its_segment_stays_whole(
+    tmp_path: Path,
+) -> None:
     run = busy(tmp_path)
     segment = run.segments()[-1]
     damaged = corrupt_record(segment, 0)
@@ -141,7 +143,7 @@ def test_a_corrupt_first_record_is_a_reported_stop_and_its_segment_stays_whole(t
         run.crash()
 
 
-def test_a_stop_before_a_later_restores_segment_stays_reported(tmp_path):
+def test_a_stop_before_a_later_restores_segment_stays_reported(tmp_path: Path) -> None:
     run = busy(tmp_path)
     segment = run.segments()[-1]
     corrupt_record(segment, 1)  # records after the first are lost to this restore
@@ -156,7 +158,7 @@ def test_a_stop_before_a_later_restores_segment_stays_reported(tmp_path):
     assert second.journal.records == first.journal.records + 3
 
 
-def test_compaction_sets_a_damaged_segment_aside_rather_than_deleting_it(tmp_path):
+def test_compaction_sets_a_damaged_segment_aside_rather_than_deleting_it(tmp_path: Path) -> None:
     run = busy(tmp_path)
     segment = run.segments()[-1]
     damaged = corrupt_record(segment, 1)
@@ -169,8 +171,8 @@ def test_compaction_sets_a_damaged_segment_aside_rather_than_deleting_it(tmp_pat
 
 @pytest.mark.parametrize("what", ["newest segment", "HEAD", "journal folder"])
 def test_a_missing_part_of_the_journal_is_a_named_refusal_unless_the_loss_is_accepted(
-    tmp_path, what
-):
+    tmp_path: Path, what: str
+) -> None:
     run = busy(tmp_path)
     if what == "newest segment":
         run.segments()[-1].unlink()
@@ -193,7 +195,7 @@ def test_a_missing_part_of_the_journal_is_a_named_refusal_unless_the_loss_is_acc
     assert again.journal is not None and again.journal.accepted_loss == []
 
 
-def test_a_journal_of_another_run_with_the_same_id_is_refused(tmp_path):
+def test_a_journal_of_another_run_with_the_same_id_is_refused(tmp_path: Path) -> None:
     ours = busy(tmp_path / "ours")
     theirs = busy(tmp_path / "theirs")
     for path in ours.folder.iterdir():
@@ -210,7 +212,7 @@ def test_a_journal_of_another_run_with_the_same_id_is_refused(tmp_path):
     )
 
 
-def test_an_edited_journal_position_is_refused_by_the_manifests_digest(tmp_path):
+def test_an_edited_journal_position_is_refused_by_the_manifests_digest(tmp_path: Path) -> None:
     run = busy(tmp_path)
     snapshot = next(run.store.snapshots_dir.iterdir())
     manifest = json.loads((snapshot / MANIFEST_NAME).read_bytes())
@@ -248,8 +250,8 @@ def two_snapshots(root: Path) -> tuple[Run, Path, Path]:
     ],
 )
 def test_a_snapshot_assembled_from_two_snapshots_is_refused_naming_what_disagrees(
-    tmp_path, relpath, named
-):
+    tmp_path: Path, relpath: str, named: str
+) -> None:
     run, older, newer = two_snapshots(tmp_path)
     replace_resealed(newer, relpath, (older / relpath).read_bytes())
     with pytest.raises(SnapshotCorrupt) as refused:
@@ -257,7 +259,9 @@ def test_a_snapshot_assembled_from_two_snapshots_is_refused_naming_what_disagree
     assert newer.name in str(refused.value) and named in str(refused.value)
 
 
-def test_a_newer_loader_over_an_older_index_is_refused_before_groups_go_missing(tmp_path):
+def test_a_newer_loader_over_an_older_index_is_refused_before_groups_go_missing(
+    tmp_path: Path,
+) -> None:
     # Group 3 handed out, in neither the older ledger nor its index: with the newer loader
     # (manifest and all made to agree) it would never be generated, nor ever be owed.
     run, older, newer = two_snapshots(tmp_path)
@@ -272,7 +276,7 @@ def test_a_newer_loader_over_an_older_index_is_refused_before_groups_go_missing(
         run.restore()
 
 
-def test_a_sealed_rollouts_attempt_edited_in_the_ledger_is_refused(tmp_path):
+def test_a_sealed_rollouts_attempt_edited_in_the_ledger_is_refused(tmp_path: Path) -> None:
     run = busy(tmp_path)
     snapshot = next(run.store.snapshots_dir.iterdir())
     arrays, metadata = read_tensors((snapshot / "ledger.safetensors").read_bytes(), "ledger")
@@ -289,7 +293,7 @@ def test_a_sealed_rollouts_attempt_edited_in_the_ledger_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("target", ["manifest.json", "LATEST", "ledger.safetensors", "HEAD"])
-def test_json_nested_thousands_deep_is_refused_by_name(tmp_path, target):
+def test_json_nested_thousands_deep_is_refused_by_name(tmp_path: Path, target: str) -> None:
     run = busy(tmp_path)
     snapshot = next(run.store.snapshots_dir.iterdir())
     deep = b"[" * 1000 + b"]" * 1000  # five times a bounded parser's depth, within every size
@@ -313,7 +317,9 @@ def test_json_nested_thousands_deep_is_refused_by_name(tmp_path, target):
 
 
 @pytest.mark.parametrize("what", ["folder", "fifo", "link to /dev/zero"])
-def test_something_not_a_file_named_like_a_segment_is_refused_at_once(tmp_path, what):
+def test_something_not_a_file_named_like_a_segment_is_refused_at_once(
+    tmp_path: Path, what: str
+) -> None:
     run = busy(tmp_path)
     odd = run.folder / f"{10**9:020d}{SUFFIX}"
     if what == "folder":
@@ -326,7 +332,7 @@ def test_something_not_a_file_named_like_a_segment_is_refused_at_once(tmp_path, 
         run.restore()
 
 
-def test_a_journal_folder_that_is_a_file_is_refused_by_name(tmp_path):
+def test_a_journal_folder_that_is_a_file_is_refused_by_name(tmp_path: Path) -> None:
     run = busy(tmp_path)
     for path in run.folder.iterdir():
         path.unlink()
@@ -336,7 +342,7 @@ def test_a_journal_folder_that_is_a_file_is_refused_by_name(tmp_path):
         run.restore(accept_loss=True)  # no choice can make a file a folder
 
 
-def test_one_bad_snapshot_leaves_the_listing_of_the_others_whole(tmp_path):
+def test_one_bad_snapshot_leaves_the_listing_of_the_others_whole(tmp_path: Path) -> None:
     run = busy(tmp_path)
     run.restore()
     run.checkpoint()
@@ -352,7 +358,7 @@ def test_one_bad_snapshot_leaves_the_listing_of_the_others_whole(tmp_path):
 # ---- restore plan: offline, nothing written ---------------------------------------------------
 
 
-def test_restore_plan_says_what_a_restore_would_do_and_changes_nothing(tmp_path):
+def test_restore_plan_says_what_a_restore_would_do_and_changes_nothing(tmp_path: Path) -> None:
     run = busy(tmp_path)
     corrupt_record(run.segments()[-1], 2)
     before = tree(tmp_path)

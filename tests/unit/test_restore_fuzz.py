@@ -40,7 +40,7 @@ from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import RollsafeError
 from rollsafe.evidence.scenario import commit_rollout
 from rollsafe.journal.run import SET_ASIDE_DIR, RunJournal
-from rollsafe.snapshot import SnapshotStore
+from rollsafe.snapshot import SnapshotStore, state_files
 from rollsafe.testing.damage import Mutation, mutations
 
 RUN = "fuzz"
@@ -62,7 +62,7 @@ def build_run(root: Path) -> None:
     for idx, i in ((0, 0), (0, 1), (1, 0)):
         commit_rollout(state, idx, i, owner="w0")
     state.dispatch(2, 0, owner="w0")
-    state.checkpoint(store, "c-1")
+    state_files.checkpoint(state, store, "c-1")
     journal.compact(store)
     commit_rollout(state, 1, 1, owner="w0")
     state.claim([0], step=0)
@@ -73,7 +73,7 @@ def build_run(root: Path) -> None:
     state.handout([3, 4])
     commit_rollout(state, 3, 0, owner="w0")
     state.evict(4)
-    state.checkpoint(store, "c-2")
+    state_files.checkpoint(state, store, "c-2")
     journal = _attached(state)
     journal.compact(store)
     commit_rollout(state, 3, 1, owner="w0")
@@ -94,7 +94,7 @@ def restore(root: Path, *, accept_loss: bool = False) -> tuple[RunState, Restore
     store = SnapshotStore(root, RUN)
     journal = RunJournal.for_store(store, flush_ms=None, mirror_every_s=None)
     try:
-        state, plan = RunState.restore(
+        state, plan = state_files.restore(
             CONFIG,
             store,
             make_dataplane("memory"),

@@ -96,7 +96,9 @@ def run_scenario(
 
 @pytest.mark.parametrize("sampler", SAMPLERS)
 @pytest.mark.parametrize("situation", sorted(EXPECTED))
-def test_restore_matrix(situation, sampler, tmp_path, dataplane_factory):
+def test_restore_matrix(
+    situation: str, sampler: str, tmp_path: Path, dataplane_factory: Callable[[], DataPlane]
+) -> None:
     loader, version, groups, selections = EXPECTED[situation]
     runner, report = run_scenario(situation, sampler, tmp_path, dataplane_factory)
     assert report.loader_position == loader
@@ -115,7 +117,7 @@ def test_restore_matrix(situation, sampler, tmp_path, dataplane_factory):
 
 
 @pytest.mark.parametrize("sampler", SAMPLERS)
-def test_restore_is_the_same_as_before_the_crash(sampler, tmp_path):
+def test_restore_is_the_same_as_before_the_crash(sampler: str, tmp_path: Path) -> None:
     """Restoring changes nothing that the checkpoint captured (claims aside)."""
     raw = json.loads((SCENARIOS / "s4_two_batches_in_flight.json").read_text())
     raw.update(sampler=sampler, events=raw["events"][:-2])  # stop right after the checkpoint
@@ -126,7 +128,7 @@ def test_restore_is_the_same_as_before_the_crash(sampler, tmp_path):
 
 
 @pytest.mark.parametrize("sampler", SAMPLERS)
-def test_claimed_groups_of_an_uncommitted_step_come_back(sampler, tmp_path):
+def test_claimed_groups_of_an_uncommitted_step_come_back(sampler: str, tmp_path: Path) -> None:
     events = [
         {"op": "handout", "groups": [0, 1, 2, 3]},
         *({"op": "commit", "group": g, "rollouts": [0, 1]} for g in range(4)),
@@ -149,7 +151,9 @@ def test_claimed_groups_of_an_uncommitted_step_come_back(sampler, tmp_path):
 
 
 @pytest.mark.parametrize("sampler", SAMPLERS)
-def test_prompt_group_level_regenerates_the_whole_partial_group(sampler, tmp_path):
+def test_prompt_group_level_regenerates_the_whole_partial_group(
+    sampler: str, tmp_path: Path
+) -> None:
     runner, report = run_scenario(
         "s3_one_batch_part_done", sampler, tmp_path, restore_level="prompt_group"
     )

@@ -17,6 +17,7 @@ from rollsafe.core.run_state import ROLLOUT_PARTITION
 from rollsafe.errors import AdmissionClosed, AwaitingRestore, InvalidInput
 from rollsafe.evidence.scenario import row_content
 from rollsafe.rollouts import Rollouts, SyncRollouts
+from rollsafe.snapshot import state_files
 from rollsafe.testing.waiting import eventually, eventually_async
 
 RUN = "byo"
@@ -114,7 +115,7 @@ def test_a_restore_leaves_owed_exactly_what_was_not_sealed(tmp_path: Path) -> No
     first.dispatch(half, 1)  # in flight at the crash
     controller = first.controller
     assert isinstance(controller, Controller)
-    controller.state.checkpoint(controller.store, "ck-1")
+    state_files.checkpoint(controller.state, controller.store, "ck-1")
 
     restarted = Controller(CONFIG, tmp_path)  # a fresh process: awaits its restore
     again = SyncRollouts(restarted)

@@ -46,7 +46,7 @@ AFTER_A_CHECKPOINT: list[dict[str, Any]] = [
 ]
 
 
-def test_with_the_journal_a_crash_loses_nothing_sealed_after_the_checkpoint(tmp_path):
+def test_with_the_journal_a_crash_loses_nothing_sealed_after_the_checkpoint(tmp_path: Path) -> None:
     report = run([*AFTER_A_CHECKPOINT, {"op": "restore"}], tmp_path, journal=True)
     assert report.loader_position == 4 and report.weight_version == 1
     assert set(report.groups) == {"1", "2"}  # 0 trained, 3 evicted
@@ -55,13 +55,13 @@ def test_with_the_journal_a_crash_loses_nothing_sealed_after_the_checkpoint(tmp_
     assert report.groups["2"].regenerate == [1]
 
 
-def test_without_it_the_scenario_means_what_it_meant(tmp_path):
+def test_without_it_the_scenario_means_what_it_meant(tmp_path: Path) -> None:
     report = run([*AFTER_A_CHECKPOINT, {"op": "restore"}], tmp_path)
     assert report.loader_position == 1 and report.weight_version == 0
     assert set(report.groups) == {"0"} and report.groups["0"].state == "ready"
 
 
-def test_restore_at_older_weights_rolls_back_the_steps_after_them(tmp_path):
+def test_restore_at_older_weights_rolls_back_the_steps_after_them(tmp_path: Path) -> None:
     events = [*AFTER_A_CHECKPOINT, {"op": "restore", "weight_version": 0}]
     report = run(events, tmp_path, journal=True)
     assert report.weight_version == 0
@@ -69,13 +69,13 @@ def test_restore_at_older_weights_rolls_back_the_steps_after_them(tmp_path):
     assert report.groups["0"].restored_rollouts == [0, 1]
 
 
-def test_weights_the_run_never_reached_are_an_error_naming_them(tmp_path):
+def test_weights_the_run_never_reached_are_an_error_naming_them(tmp_path: Path) -> None:
     events = [*AFTER_A_CHECKPOINT, {"op": "restore", "weight_version": 3}]
     with pytest.raises(ScenarioError, match="not the 3 the trainer restored"):
         run(events, tmp_path, journal=True)
 
 
-def test_a_second_process_restores_a_journal_run_and_leaves_it_restorable(tmp_path):
+def test_a_second_process_restores_a_journal_run_and_leaves_it_restorable(tmp_path: Path) -> None:
     # The first process crashes; each later one starts with "restore", as `rollsafe scenario
     # run` does when it continues a run: nothing is written before its restore succeeded.
     run(AFTER_A_CHECKPOINT, tmp_path, journal=True)
@@ -90,7 +90,7 @@ def test_a_second_process_restores_a_journal_run_and_leaves_it_restorable(tmp_pa
     assert again.groups["2"].restored_rollouts == [0, 1]
 
 
-def test_a_scenario_checkpoint_runs_the_controllers_phases(tmp_path):
+def test_a_scenario_checkpoint_runs_the_controllers_phases(tmp_path: Path) -> None:
     """Scenario checkpoints take the worker's path: the ten phases in order (so the matrices
     exercise capture in the park window, the write after resume, deletions held)."""
     events: list[dict[str, Any]] = [

@@ -2,11 +2,12 @@
 
 import os
 import sys
+from pathlib import Path
 
 from rollsafe.http.served import ServedProcess
 
 
-def test_a_served_process_runs_at_the_niceness_asked_and_stops_by_pid(tmp_path):
+def test_a_served_process_runs_at_the_niceness_asked_and_stops_by_pid(tmp_path: Path) -> None:
     command = [sys.executable, "-c", "import time; time.sleep(60)"]
     ours = os.getpriority(os.PRIO_PROCESS, 0)
     server = ServedProcess(command, tmp_path / "logs", niceness=10)

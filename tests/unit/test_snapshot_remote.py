@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,6 @@ from rollsafe.checkpoint.controller import Controller  # noqa: E402
 from rollsafe.core.config import RunConfig  # noqa: E402
 from rollsafe.core.ids import checkpoint_id_for  # noqa: E402
 from rollsafe.core.phases import PHASES, Phase, PhaseRequest, RestoreRequest, SnapshotSpec  # noqa: E402
-from rollsafe.core.run_state import RunState  # noqa: E402
 from rollsafe.core.states import AttemptState  # noqa: E402
 from rollsafe.dataplane import make_dataplane  # noqa: E402
 from rollsafe.errors import (  # noqa: E402
@@ -45,6 +45,7 @@ from rollsafe.snapshot import (  # noqa: E402
     SnapshotKind,
     SnapshotStore,
     accept_weight_versions,
+    state_files,
 )
 from rollsafe.snapshot import _objects as objects  # noqa: E402
 from rollsafe.snapshot.location import open_snapshot_store  # noqa: E402
@@ -60,7 +61,7 @@ class Crash(Exception):
 
 
 @pytest.fixture
-def url():
+def url() -> Iterator[str]:
     """A fresh memory:// bucket per test (the memory filesystem is one per process)."""
     bucket = f"memory://rollsafe-{uuid.uuid4().hex[:12]}"
     yield bucket
@@ -94,7 +95,9 @@ def remote_keys(store: RemoteSnapshotStore) -> list[str]:
 # -- publish, select, verify ---------------------------------------------------------------
 
 
-def test_publish_uploads_files_then_manifest_and_select_round_trips(url, tmp_path):
+def test_publish_uploads_files_then_manifest_and_select_round_trips(
+    url: str, tmp_path: Path
+) -> None:
     store = store_at(url, tmp_path / "writer")
     draft = store.begin(SnapshotKind.ROLLOUT, "ck-1")
     draft.write_bytes("state.bin", b"state")
@@ -126,7 +129,7 @@ def test_publish_uploads_files_then_manifest_and_select_round_trips(url, tmp_pat
     assert pointer is not None and pointer.snapshot == "00000001-rollout"
 
 
-def test_the_next_seq_and_the_pointer_follow_the_remote_store(url, tmp_path):
+def test_the_next_seq_and_the_pointer_follow_the_remote_store(url: str, tmp_path: Path) -> None:
     first = store_at(url, tmp_path / "a")
     publish(first, "ck-1")
     second = store_at(url, tmp_path / "b")  # another machine, empty cache
@@ -137,11 +140,11 @@ def test_the_next_seq_and_the_pointer_follow_the_remote_store(url, tmp_path):
     assert {e.state for e in first.list()} == {EntryState.VALID}
 
 
-def test_a_controller_restores_from_object_storage(url, tmp_path):
+def test_a_controller_restores_from_object_storage(url: str, tmp_path: Path) -> None:
     run = busy_run(RUN, make_dataplane("memory"))
-    run.checkpoint(store_at(url, tmp_path / "trainer-host"), "ck-1")
+    state_files.checkpoint(run, store_at(url, tmp_path / "trainer-host"), "ck-1")
 
-    restored, plan = RunState.restore(
+    restored, plan = state_files.restore(
         run.config, store_at(url, tmp_path / "new-host"), make_dataplane("memory")
     )
     assert plan.loader_position == 3 and plan.ready == [0]
@@ -152,7 +155,9 @@ def test_a_controller_restores_from_object_storage(url, tmp_path):
 
 
 @pytest.mark.parametrize("point", ["before_manifest", "before_rename"])
-def test_a_publish_that_dies_before_the_manifest_leaves_nothing_visible(url, tmp_path, point):
+def test_a_publish_that_dies_before_the_manifest_leaves_nothing_visible(
+    url: str, tmp_path: Path, point: str
+) -> None:
     publish(store_at(url, tmp_path / "w0"), "ck-1")
 
     def crash(at: str) -> None:
@@ -180,7 +185,7 @@ def test_a_publish_that_dies_before_the_manifest_leaves_nothing_visible(url, tmp
     assert store_at(url, tmp_path / "r2").select().name == "00000002-rollout"
 
 
-def test_nothing_published_is_no_valid_snapshot_naming_the_url(url, tmp_path):
+def test_nothing_published_is_no_valid_snapshot_naming_the_url(url: str, tmp_path: Path) -> None:
     with pytest.raises(NoValidSnapshot, match=f"no snapshot under {url}/{RUN}/snapshots"):
         store_at(url, tmp_path).select()
 
@@ -196,7 +201,9 @@ def test_nothing_published_is_no_valid_snapshot_naming_the_url(url, tmp_path):
     ],
     ids=["resized", "same-size", "missing", "unlisted", "manifest"],
 )
-def test_a_corrupted_object_is_refused_by_name(url, tmp_path, damage, reason):
+def test_a_corrupted_object_is_refused_by_name(
+    url: str, tmp_path: Path, damage: Callable[[Any, str], object], reason: str
+) -> None:
     store = store_at(url, tmp_path / "w")
     publish(store, "ck-1")
     publish(store, "ck-2")
@@ -213,7 +220,7 @@ def test_a_corrupted_object_is_refused_by_name(url, tmp_path, damage, reason):
     assert "snapshots/00000002-rollout/manifest.json" in remote_keys(store)
 
 
-def test_when_no_candidate_verifies_every_one_is_named(url, tmp_path):
+def test_when_no_candidate_verifies_every_one_is_named(url: str, tmp_path: Path) -> None:
     store = store_at(url, tmp_path / "w")
     publish(store, "ck-1")
     store.fs.pipe_file(f"{store.remote_run}/snapshots/00000001-rollout/state.bin", b"ck-X")
@@ -222,7 +229,7 @@ def test_when_no_candidate_verifies_every_one_is_named(url, tmp_path):
     assert "sha256 does not match" in caught.value.reasons["00000001-rollout"]
 
 
-def test_an_object_key_outside_the_snapshot_grammar_is_refused(url, tmp_path):
+def test_an_object_key_outside_the_snapshot_grammar_is_refused(url: str, tmp_path: Path) -> None:
     store = store_at(url, tmp_path / "w")
     publish(store, "ck-1")
     store.fs.pipe_file(f"{store.remote_run}/snapshots/00000001-rollout/a/../b", b"x")
@@ -234,11 +241,11 @@ def test_an_object_key_outside_the_snapshot_grammar_is_refused(url, tmp_path):
 
 
 @pytest.fixture(params=["memory", "file"])
-def any_url(request, url, tmp_path):
+def any_url(request: pytest.FixtureRequest, url: str, tmp_path: Path) -> str:
     return url if request.param == "memory" else f"file://{tmp_path / 'bucket'}"
 
 
-def test_conditional_create_has_exactly_one_winner(any_url):
+def test_conditional_create_has_exactly_one_winner(any_url: str) -> None:
     fs, root = objects.open_filesystem(any_url)
     path = f"{root}/{RUN}/latest/00000001.json"
     results = all_at_once(
@@ -248,7 +255,9 @@ def test_conditional_create_has_exactly_one_winner(any_url):
     assert fs.cat_file(path).startswith(b"writer ")
 
 
-def test_two_concurrent_publishers_of_one_seq_exactly_one_wins(any_url, tmp_path):
+def test_two_concurrent_publishers_of_one_seq_exactly_one_wins(
+    any_url: str, tmp_path: Path
+) -> None:
     stores = [store_at(any_url, tmp_path / f"host-{i}") for i in range(2)]
     drafts = []
     for i, store in enumerate(stores):
@@ -271,7 +280,9 @@ def test_two_concurrent_publishers_of_one_seq_exactly_one_wins(any_url, tmp_path
     assert reader.latest_problem is None
 
 
-def test_republishing_a_seq_reuses_the_same_checkpoint_and_refuses_another(url, tmp_path):
+def test_republishing_a_seq_reuses_the_same_checkpoint_and_refuses_another(
+    url: str, tmp_path: Path
+) -> None:
     store = store_at(url, tmp_path / "w")
     first = publish(store, "ck-1", seq=1)
     again = publish(store_at(url, tmp_path / "w2"), "ck-1", seq=1)
@@ -285,7 +296,9 @@ def test_republishing_a_seq_reuses_the_same_checkpoint_and_refuses_another(url, 
 # -- retention -----------------------------------------------------------------------------
 
 
-def test_retention_keeps_the_newest_k_and_deletes_the_rest_everywhere(url, tmp_path):
+def test_retention_keeps_the_newest_k_and_deletes_the_rest_everywhere(
+    url: str, tmp_path: Path
+) -> None:
     store = store_at(url, tmp_path / "w", keep_latest_k=2)
     for i in range(1, 5):
         publish(store, f"ck-{i}")
@@ -304,12 +317,14 @@ def test_retention_keeps_the_newest_k_and_deletes_the_rest_everywhere(url, tmp_p
     assert cached == ["00000003-rollout", "00000004-rollout"]
 
 
-def test_retention_deletes_the_manifest_first(url, tmp_path, monkeypatch):
+def test_retention_deletes_the_manifest_first(
+    url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = store_at(url, tmp_path / "w", keep_latest_k=1)
     publish(store, "ck-1")
     real_rm = store.fs.rm_file
 
-    def rm_manifests_only(path):
+    def rm_manifests_only(path: str) -> None:
         if not path.endswith(MANIFEST_NAME):
             raise PermissionError(path)  # retention dies right after the manifest went
         real_rm(path)
@@ -330,7 +345,7 @@ def test_retention_deletes_the_manifest_first(url, tmp_path, monkeypatch):
 # -- configuration -------------------------------------------------------------------------
 
 
-def test_an_unknown_scheme_is_refused_by_name(tmp_path):
+def test_an_unknown_scheme_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(InvalidInput, match="unsupported snapshot storage scheme 'ftp'"):
         RemoteSnapshotStore("ftp://host/snaps", RUN, tmp_path)
     with pytest.raises(InvalidInput, match="scheme 'hdfs'"):
@@ -339,7 +354,7 @@ def test_an_unknown_scheme_is_refused_by_name(tmp_path):
         open_snapshot_store("s3://bucket/snaps", RUN)
 
 
-def test_a_path_is_the_posix_store_and_a_url_the_object_store(url, tmp_path):
+def test_a_path_is_the_posix_store_and_a_url_the_object_store(url: str, tmp_path: Path) -> None:
     posix = open_snapshot_store(tmp_path / "shared", RUN)
     assert type(posix) is SnapshotStore and posix.root == tmp_path / "shared"
     assert type(open_snapshot_store(f"file://{tmp_path}/x", RUN)) is SnapshotStore
@@ -347,11 +362,13 @@ def test_a_path_is_the_posix_store_and_a_url_the_object_store(url, tmp_path):
     assert isinstance(remote, RemoteSnapshotStore)
 
 
-def test_uploads_are_read_back_and_checked(url, tmp_path, monkeypatch):
+def test_uploads_are_read_back_and_checked(
+    url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = store_at(url, tmp_path / "w")
     real_put = store.fs.put_file
 
-    def corrupting_put(lpath, rpath, **kwargs):
+    def corrupting_put(lpath: str, rpath: str, **kwargs: Any) -> None:
         real_put(lpath, rpath, **kwargs)
         if rpath.endswith("state.bin"):
             store.fs.pipe_file(rpath, b"ck-X")  # same size, other bytes
@@ -363,8 +380,8 @@ def test_uploads_are_read_back_and_checked(url, tmp_path, monkeypatch):
 
 
 def test_a_hung_upload_is_abandoned_as_transient_and_the_retry_publishes(
-    url, tmp_path, monkeypatch
-):
+    url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An upload that never answers must not hold publish (and the controller's publish
     lock) forever: past its time limit it fails as transient, so Temporal retries."""
     monkeypatch.setattr(objects, "OBJECT_TIMEOUT_S", 0.2)
@@ -372,7 +389,7 @@ def test_a_hung_upload_is_abandoned_as_transient_and_the_retry_publishes(
     release = threading.Event()
     real_put = store.fs.put_file
 
-    def hung_put(lpath, rpath, **kwargs):
+    def hung_put(lpath: str, rpath: str, **kwargs: Any) -> Any:  # what fsspec's put_file gives
         release.wait(60)  # a connection that never answers
         return real_put(lpath, rpath, **kwargs)
 
@@ -393,7 +410,7 @@ def test_a_hung_upload_is_abandoned_as_transient_and_the_retry_publishes(
     assert store_at(url, tmp_path / "r").select().read_bytes("state.bin") == b"state"
 
 
-def test_snapshot_digest_helper_matches_hashlib(url, tmp_path):
+def test_snapshot_digest_helper_matches_hashlib(url: str, tmp_path: Path) -> None:
     fs, root = objects.open_filesystem(url)
     fs.pipe_file(f"{root}/blob", b"x" * 3_000_000)
     entry = objects.hash_object(fs, f"{root}/blob")
@@ -401,7 +418,7 @@ def test_snapshot_digest_helper_matches_hashlib(url, tmp_path):
     assert entry.sha256 == hashlib.sha256(b"x" * 3_000_000).hexdigest()
 
 
-def test_a_damaged_published_seq_blocks_republishing_it(url, tmp_path):
+def test_a_damaged_published_seq_blocks_republishing_it(url: str, tmp_path: Path) -> None:
     store = store_at(url, tmp_path / "w")
     publish(store, "ck-1", seq=1)
     store.fs.pipe_file(f"{store.remote_run}/snapshots/00000001-rollout/state.bin", b"ck-X")
@@ -409,7 +426,9 @@ def test_a_damaged_published_seq_blocks_republishing_it(url, tmp_path):
         publish(store_at(url, tmp_path / "w2"), "ck-1", seq=1)
 
 
-def test_a_missing_backend_package_is_named(tmp_path, monkeypatch):
+def test_a_missing_backend_package_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # As if gcsfs were not installed (it is, for the GCS tests): None in sys.modules makes
     # every import of it raise ImportError, and fsspec forgets the class it may have cached.
     registry = importlib.import_module("fsspec.registry")
@@ -420,7 +439,9 @@ def test_a_missing_backend_package_is_named(tmp_path, monkeypatch):
         RemoteSnapshotStore("gs://bucket/snaps", RUN, tmp_path)
 
 
-def test_checkpoint_ops_publish_to_and_restore_from_object_storage(url, tmp_path):
+def test_checkpoint_ops_publish_to_and_restore_from_object_storage(
+    url: str, tmp_path: Path
+) -> None:
     run = busy_run(RUN, make_dataplane("memory"))
     config = run.config
     ops = Controller.from_parts(run, store_at(url, tmp_path / "host-a"))
@@ -440,7 +461,9 @@ def test_checkpoint_ops_publish_to_and_restore_from_object_storage(url, tmp_path
     assert other.next_seq() == 2
 
 
-def test_a_publish_that_dies_after_the_manifest_is_published_and_its_retry_reuses_it(url, tmp_path):
+def test_a_publish_that_dies_after_the_manifest_is_published_and_its_retry_reuses_it(
+    url: str, tmp_path: Path
+) -> None:
     publish(store_at(url, tmp_path / "w0"), "ck-1")
 
     def crash(at: str) -> None:
@@ -459,7 +482,9 @@ def test_a_publish_that_dies_after_the_manifest_is_published_and_its_retry_reuse
     assert store_at(url, tmp_path / "r2").select().latest_problem is None
 
 
-def test_a_retried_publish_whose_cache_is_gone_reuses_the_snapshot_in_the_bucket(url, tmp_path):
+def test_a_retried_publish_whose_cache_is_gone_reuses_the_snapshot_in_the_bucket(
+    url: str, tmp_path: Path
+) -> None:
     """A publish attempt created the manifest in the bucket, then failed; its retry runs
     where the local draft cache is gone (a wiped disk, another host): it downloads and
     verifies the published snapshot and reuses it, never refuses it as corrupt."""
@@ -497,7 +522,9 @@ def test_a_retried_publish_whose_cache_is_gone_reuses_the_snapshot_in_the_bucket
         other.run_phase(PhaseRequest(spec=trainer, phase=Phase.PUBLISH))
 
 
-def test_a_retried_publish_finding_only_an_unfinished_upload_is_lost_not_corrupt(url, tmp_path):
+def test_a_retried_publish_finding_only_an_unfinished_upload_is_lost_not_corrupt(
+    url: str, tmp_path: Path
+) -> None:
     """Objects of seq 2 without a manifest (an upload that died) are not a published
     snapshot: the retry must start over (transient), not fail the run as corrupt."""
     publish(store_at(url, tmp_path / "w0"), "ck-1")
@@ -520,7 +547,7 @@ def test_a_retried_publish_finding_only_an_unfinished_upload_is_lost_not_corrupt
     assert caught.value.transient
 
 
-def test_accept_is_asked_before_a_candidate_is_downloaded(url, tmp_path):
+def test_accept_is_asked_before_a_candidate_is_downloaded(url: str, tmp_path: Path) -> None:
     store = store_at(url, tmp_path / "w")
     for weight_version in (1, 2):
         draft = store.begin(SnapshotKind.ROLLOUT, f"ck-{weight_version}")

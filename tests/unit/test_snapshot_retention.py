@@ -6,7 +6,7 @@ every few steps while a snapshot is taken every step."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,7 +23,7 @@ def names(*seqs: int) -> list[tuple[int, str]]:
     return [(seq, snapshot_dir_name(seq, "rollout")) for seq in seqs]
 
 
-def test_without_anchors_the_newest_k_are_kept():
+def test_without_anchors_the_newest_k_are_kept() -> None:
     versions = {name: seq for seq, name in names(1, 2, 3, 4, 5)}
     plan = plan_retention(names(3, 1, 5, 2, 4), versions.get, keep_latest_k=2)
     assert sorted(plan.keep) == ["00000004-rollout", "00000005-rollout"]
@@ -31,7 +31,7 @@ def test_without_anchors_the_newest_k_are_kept():
     assert plan.cut == 4
 
 
-def test_the_newest_snapshot_at_each_anchor_is_kept_however_old():
+def test_the_newest_snapshot_at_each_anchor_is_kept_however_old() -> None:
     # seq -> weight version: two snapshots at version 3, one at 6, then later ones
     version = {1: 3, 2: 3, 3: 4, 4: 5, 5: 6, 6: 7, 7: 8}
     read = {name: version[seq] for seq, name in names(*version)}.get
@@ -41,19 +41,19 @@ def test_the_newest_snapshot_at_each_anchor_is_kept_however_old():
     assert plan.cut == 6  # anchor 99 has no snapshot: nothing is kept for it
 
 
-def test_a_damaged_snapshot_is_left_when_newer_than_the_cut_and_never_counted():
+def test_a_damaged_snapshot_is_left_when_newer_than_the_cut_and_never_counted() -> None:
     read = {"00000005-rollout": None, "00000004-rollout": 1, "00000002-rollout": None}
     plan = plan_retention(names(2, 3, 4, 5, 6), lambda name: read.get(name, 1), 2)
     assert sorted(plan.keep) == ["00000004-rollout", "00000005-rollout", "00000006-rollout"]
     assert plan.delete == ("00000003-rollout", "00000002-rollout")
 
 
-def test_with_fewer_than_k_readable_nothing_is_deleted():
+def test_with_fewer_than_k_readable_nothing_is_deleted() -> None:
     plan = plan_retention(names(1, 2, 3), lambda name: None if name < "00000003" else 1, 2)
     assert plan.delete == () and plan.cut is None and len(plan.keep) == 3
 
 
-def test_manifests_are_read_only_while_they_can_change_the_answer():
+def test_manifests_are_read_only_while_they_can_change_the_answer() -> None:
     reads: list[str] = []
 
     def read(name: str) -> int:
@@ -71,7 +71,9 @@ def test_manifests_are_read_only_while_they_can_change_the_answer():
 
 
 @pytest.fixture(params=["posix", "memory"])
-def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[object]:
+def make_store(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[Callable[[int], SnapshotStore]]:
     def posix(keep: int) -> SnapshotStore:
         return SnapshotStore(tmp_path / "snapshots", RUN, keep_latest_k=keep)
 
@@ -114,7 +116,9 @@ def train(store: SnapshotStore, steps: int, *, declare_anchors: bool) -> set[int
     return held
 
 
-def test_an_anchored_restore_always_finds_its_snapshot(make_store):
+def test_an_anchored_restore_always_finds_its_snapshot(
+    make_store: Callable[[int], SnapshotStore],
+) -> None:
     store = make_store(2)
     held = train(store, 14, declare_anchors=True)
     assert held == {9, 12}
@@ -123,7 +127,9 @@ def test_an_anchored_restore_always_finds_its_snapshot(make_store):
     assert kept == [snapshot_dir_name(seq, "rollout") for seq in (9, 12, 13, 14)]
 
 
-def test_without_anchors_periodic_snapshots_push_the_anchored_one_out(make_store):
+def test_without_anchors_periodic_snapshots_push_the_anchored_one_out(
+    make_store: Callable[[int], SnapshotStore],
+) -> None:
     """What retention did before it knew of anchors: the restore anchored to the trainer's
     newest checkpoint finds nothing to restore."""
     store = make_store(2)

@@ -2,7 +2,7 @@ import io
 import json
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import pytest
@@ -30,7 +30,7 @@ def encode(
     return buffer.getvalue(), writer
 
 
-def test_round_trip_keeps_dtype_shape_and_bytes():
+def test_round_trip_keeps_dtype_shape_and_bytes() -> None:
     data, writer = encode(metadata={"format": "x"})
     arrays, metadata = read_tensors(data, "t")
     assert metadata == {"format": "x"}
@@ -40,21 +40,21 @@ def test_round_trip_keeps_dtype_shape_and_bytes():
     assert writer.size == len(data)
 
 
-def test_the_safetensors_library_reads_our_files():
+def test_the_safetensors_library_reads_our_files() -> None:
     data, _ = encode()
     loaded = safetensors.numpy.load(data)
     assert set(loaded) == set(ARRAYS)
     assert all(np.array_equal(loaded[k], ARRAYS[k]) for k in ARRAYS)
 
 
-def test_writer_hash_matches_the_bytes():
+def test_writer_hash_matches_the_bytes() -> None:
     import hashlib
 
     data, writer = encode()
     assert writer.hexdigest() == hashlib.sha256(data).hexdigest()
 
 
-def test_non_contiguous_and_big_endian_inputs_are_written_correctly():
+def test_non_contiguous_and_big_endian_inputs_are_written_correctly() -> None:
     arrays = {"t": np.arange(12, dtype=">i4").reshape(3, 4).T}
     data, _ = encode(arrays)
     back, _ = read_tensors(data, "t")
@@ -71,13 +71,15 @@ def test_non_contiguous_and_big_endian_inputs_are_written_correctly():
         (lambda d: d[:8] + b"[" + d[9:], "unreadable header"),
     ],
 )
-def test_damage_is_snapshot_corrupt_naming_the_source(mutate, message):
+def test_damage_is_snapshot_corrupt_naming_the_source(
+    mutate: Callable[[bytes], bytes], message: str
+) -> None:
     data, _ = encode()
     with pytest.raises(SnapshotCorrupt, match=f"src: .*{message}"):
         read_tensors(mutate(data), "src")
 
 
-def test_unknown_dtype_is_refused():
+def test_unknown_dtype_is_refused() -> None:
     data, _ = encode({"x": np.zeros(2, dtype=np.int32)})
     damaged = data.replace(b'"I32"', b'"Q99"')
     with pytest.raises(SnapshotCorrupt, match="bad header entry for 'x'"):
@@ -130,7 +132,9 @@ def refused(data: bytes, message: str) -> None:
     ],
     ids=["partial", "identical", "out-of-order", "empty-inside"],
 )
-def test_overlapping_tensors_are_refused_naming_both(entries, size, message):
+def test_overlapping_tensors_are_refused_naming_both(
+    entries: dict[str, tuple[str, list[int], int, int]], size: int, message: str
+) -> None:
     refused(crafted(entries, bytes(size)), message)
 
 
@@ -150,11 +154,13 @@ def test_overlapping_tensors_are_refused_naming_both(entries, size, message):
     ],
     ids=["between", "leading"],
 )
-def test_a_gap_between_tensors_is_refused(entries, size, message):
+def test_a_gap_between_tensors_is_refused(
+    entries: dict[str, tuple[str, list[int], int, int]], size: int, message: str
+) -> None:
     refused(crafted(entries, bytes(size)), message)
 
 
-def test_an_empty_tensor_may_share_its_offset_with_its_neighbours():
+def test_an_empty_tensor_may_share_its_offset_with_its_neighbours() -> None:
     data = crafted(
         {"a": ("U8", [0], 0, 0), "b": ("U8", [4], 0, 4), "c": ("I8", [0], 4, 4)}, b"abcd"
     )
@@ -173,7 +179,9 @@ def test_an_empty_tensor_may_share_its_offset_with_its_neighbours():
     ],
     ids=["negative-dims", "string-offsets", "float-dim", "product-past-int64"],
 )
-def test_shapes_and_offsets_must_be_non_negative_integers(shape, offsets, message):
+def test_shapes_and_offsets_must_be_non_negative_integers(
+    shape: list[int] | list[float], offsets: list[int] | list[str], message: str
+) -> None:
     header = json.dumps({"x": {"dtype": "I32", "shape": shape, "data_offsets": offsets}})
     data = struct.pack("<Q", len(header)) + header.encode() + bytes(16)
     with pytest.raises(SnapshotCorrupt, match=f"^src: {re.escape(message)}$"):

@@ -4,6 +4,7 @@ tests/integration/test_timeline_temporal.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,7 +37,7 @@ def a_run() -> Timeline:
     )
 
 
-def test_renders_a_png_atomically(tmp_path):
+def test_renders_a_png_atomically(tmp_path: Path) -> None:
     out = tmp_path / "timeline.png"
     render_timeline(a_run(), out)
     data = out.read_bytes()
@@ -46,26 +47,26 @@ def test_renders_a_png_atomically(tmp_path):
     assert out.read_bytes().startswith(PNG_SIGNATURE) and out.read_bytes() != data
 
 
-def test_many_steps_and_instant_spans_still_render(tmp_path):
+def test_many_steps_and_instant_spans_still_render(tmp_path: Path) -> None:
     spans = [Span(kind="step", label=f"s{k}", start_s=k / 10, end_s=k / 10) for k in range(200)]
     render_timeline(Timeline(spans=spans), tmp_path / "t.png")
     assert (tmp_path / "t.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
-def test_an_empty_timeline_is_refused_and_writes_nothing(tmp_path):
+def test_an_empty_timeline_is_refused_and_writes_nothing(tmp_path: Path) -> None:
     out = tmp_path / "timeline.png"
     with pytest.raises(InvalidInput, match="no spans: nothing to draw"):
         render_timeline(Timeline(spans=[]), out)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_failed_write_leaves_no_file(tmp_path):
+def test_a_failed_write_leaves_no_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         render_timeline(a_run(), tmp_path / "missing-dir" / "timeline.png")
     assert list(tmp_path.iterdir()) == []
 
 
-def test_models_refuse_bad_spans():
+def test_models_refuse_bad_spans() -> None:
     with pytest.raises(ValidationError, match="ends"):
         Span(kind="step", label="s", start_s=2.0, end_s=1.0)
     with pytest.raises(ValidationError):
@@ -117,7 +118,7 @@ def history(resume: bool, closed: bool) -> list[HistoryEvent]:
     return events
 
 
-def test_the_park_window_runs_from_close_to_resume_or_to_the_end():
+def test_the_park_window_runs_from_close_to_resume_or_to_the_end() -> None:
     assert _park(history(resume=True, closed=True), 102.0) == pytest.approx((100.5, 101.25))
     start, end, how = _bounds(history(resume=False, closed=True))
     assert (start, end, how) == (pytest.approx(100.0), pytest.approx(102.0), "failed")  # type: ignore[comparison-overlap]  # pytest types an Approx as unequal to a float

@@ -16,7 +16,7 @@ from rollsafe.core.phases import PhaseResult, PublishedSnapshotInfo
 from rollsafe.core.run_state import Capture, Captured
 from rollsafe.errors import CheckpointRefused, SnapshotLost
 from rollsafe.observability import metrics
-from rollsafe.snapshot import PublishedSnapshot
+from rollsafe.snapshot import PublishedSnapshot, state_files
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def _publish_draft(ctx: PhaseContext, entry: OpenCheckpoint) -> PublishedSnapsho
         done = entry.captured or _write_capture(ctx, entry, entry.capture)
         if entry.draft.path.exists():
             ctx.run.state.journaled(done)
-            published = done.publish(entry.draft, spec.anchor_step, spec.anchors)
+            published = state_files.publish(entry.draft, done, spec.anchor_step, spec.anchors)
             ctx.effect(not published.reused)
     ctx.drafts.closed(entry)
     return published
@@ -71,7 +71,7 @@ def _write_capture(ctx: PhaseContext, entry: OpenCheckpoint, capture: Capture) -
     would collide with the files written): the snapshot is taken again, nothing of the run is
     lost. The caller holds ``entry.lock``."""
     try:
-        entry.captured = ctx.run.state.write_capture(entry.draft, capture)
+        entry.captured = state_files.write_capture(ctx.run.state, entry.draft, capture)
     except BaseException as exc:
         why = f"writing the capture failed ({type(exc).__name__}: {exc})"
         ctx.drafts.discard_locked(entry, why)
