@@ -82,7 +82,9 @@ async def _beat(on_beat: Beat, detail: str) -> None:
     try:
         await asyncio.wait_for(on_beat(), HEARTBEAT_EVERY_S)
     except (RollsafeError, TimeoutError) as exc:
-        activity.logger.warning("%s: renewing the admission lease failed: %s", detail, exc)
+        activity.logger.warning(  # the type too: a TimeoutError's message is empty
+            "%s: renewing the admission lease failed (%s: %s)", detail, type(exc).__name__, exc
+        )
 
 
 def _failure(error: BaseException) -> tuple[str, bool]:

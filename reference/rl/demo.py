@@ -215,8 +215,9 @@ class Demo:
     def _crash_hold(self, crashes: dict[str, int]) -> HoldRule | None:
         """The engine (reference or vLLM) holds the calls of the next step that crashes after
         a snapshot mid-generation (run, env-lost) after their first token until a cut freezes
-        them, so that snapshot is sure to cut calls mid-generation (the restore then resumes
-        them from their prefixes) instead of hoping to catch some."""
+        them, so that snapshot is sure to cut calls mid-generation, and holds them on after the
+        cut (``keep_cut``), so the crash finds them in flight however slow it is (the restore
+        then resumes them from their prefixes) instead of hoping to catch some."""
         steps = [step for kind, step in crashes.items() if kind in ("run", "env-lost")]
         if not steps:
             return None
@@ -226,8 +227,9 @@ class Demo:
                 after_tokens=HELD_AFTER_TOKENS,
                 from_weight_version=min(steps),
                 once=False,
+                keep_cut=True,
             )
-        return HoldRule(from_weight_version=min(steps), once=False)
+        return HoldRule(from_weight_version=min(steps), once=False, keep_cut=True)
 
     def _make_model(self) -> None:
         """--engine vllm: the tiny Hugging Face model the engine serves and the trainer

@@ -24,9 +24,11 @@ Tests and drills can have an engine (the reference engine, vLLM) *hold* calls
 (:class:`HoldRule`, from ``ROLLSAFE_ENGINE_HOLD``): a held call stops after its first tokens
 and waits, generating nothing. By default the engine's first cut ends the hold: every held
 call goes on (a cut one once it is released) and no call is held again; with ``once=False`` a
-cut ends it only for the calls it froze, and later calls are held as before. A snapshot then
-always finds the calls it is meant to catch, however loaded the machine is, where a test would
-otherwise race the decode.
+cut ends it only for the calls it froze, and later calls are held as before; with
+``keep_cut`` too, a call a cut froze is held again when the cut is released (it goes on only
+where a resume restarts it from its prefix). A snapshot then always finds the calls it is meant
+to catch, and a drill that kills the run after it finds them still in flight, however loaded
+the machine is, where a test would otherwise race the decode.
 """
 
 from __future__ import annotations
@@ -45,7 +47,14 @@ from functools import partial
 from typing import Any, Generic, Literal, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from rollsafe.engine.protocol import (
     CUT_BATCH,
@@ -91,7 +100,9 @@ class HoldRule(BaseModel):
     ``after_tokens`` tokens while the engine serves weight version ``from_weight_version`` or
     later (so a test can let the first steps run free). ``once``: the engine's first cut ends
     the hold for every call (a run goes on after the snapshot that caught it); otherwise each
-    cut ends it for the calls it froze (an engine many tests cut in turn)."""
+    cut ends it for the calls it froze (an engine many tests cut in turn). ``keep_cut`` (with
+    ``once`` off): the calls a cut froze are held again when it is released, so the run is
+    killed with them in flight (a drill's crash after a snapshot), however slow that kill."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -99,6 +110,7 @@ class HoldRule(BaseModel):
     after_tokens: int = Field(default=1, ge=1)
     from_weight_version: int = Field(default=0, ge=0)
     once: bool = True
+    keep_cut: bool = False
 
     @field_validator("calls")
     @classmethod
@@ -108,6 +120,12 @@ class HoldRule(BaseModel):
         except re.error as exc:  # not a ValueError: pydantic would not report it as the field's
             raise ValueError(f"not a regular expression: {exc}") from None
         return calls
+
+    @model_validator(mode="after")
+    def _keep_cut_outlives_the_first_cut(self) -> HoldRule:
+        if self.keep_cut and self.once:
+            raise ValueError("keep_cut needs once=false: the first cut ends a once rule")
+        return self
 
     def holds(self, call: CallState, weight_version: int) -> bool:
         return (
@@ -148,7 +166,7 @@ class CallState:
     versions: list[int] = field(default_factory=list)
     routes: list[Route] | None = None  # MoE models: one per token
     frozen: bool = False
-    held: bool = False  # stopped by the engine's HoldRule until a cut
+    held: bool = False  # stopped by the engine's HoldRule until a cut (past it: keep_cut)
     # Cut at least once, here or (a resume) where its prefix was staged: never held again.
     cut: bool = False
 
@@ -425,7 +443,7 @@ class EngineLoop(Generic[CallT]):
             if not call.frozen:
                 self._freeze(call)
             call.cut = True
-            call.held = False
+            call.held = call.held and self._hold is not None and self._hold.keep_cut
             routes = tuple(call.routes) if call.routes is not None else None
             state = (tuple(call.tokens), tuple(call.logprobs), tuple(call.versions), routes)
             frozen.append(Frozen(call.request, *state))
@@ -439,9 +457,13 @@ class EngineLoop(Generic[CallT]):
         released = 0
         for call_id in call_ids:
             call = self._calls.get(call_id)
-            if call is not None and call.frozen:
+            if call is None or not call.frozen:
+                continue
+            if call.held:  # keep_cut: its hold outlives the cut; it does not generate
+                call.frozen = False
+            else:
                 self._thaw(call)
-                released += 1
+            released += 1
         return released
 
     def _info(self) -> EngineInfo:

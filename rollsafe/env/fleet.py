@@ -386,16 +386,25 @@ class EnvFleet:
 
     async def keep_run_lease(self, lease: RunLease, every_s: float) -> None:
         """Renew ``lease`` on every instance every ``every_s`` until cancelled: while this
-        runs, the episodes dispatched under it make effects. A failed renewal is logged and
-        tried again next round (an instance restarted learns the lease from either)."""
-        failing: set[str] = set()
+        runs, the episodes dispatched under it make effects. Each instance on its own
+        schedule: a slow or unreachable instance never holds back another's renewal (in one
+        round for all, each would be renewed only as often as the slowest answered, and a
+        loaded instance could let the others' leases run out). A failed renewal is logged
+        once per outage and tried again next time (an instance restarted learns the lease
+        from either)."""
+        await asyncio.gather(
+            *(self._keep_run_lease_on(name, lease, every_s) for name in self.names)
+        )
+
+    async def _keep_run_lease_on(self, name: str, lease: RunLease, every_s: float) -> None:
+        loop, failing = asyncio.get_running_loop(), False
         while True:
-            _, failed = await self._instances.each(self.names, lambda _, c: c.lease(lease))
-            for name, exc in failed.items():
-                if name not in failing:  # once per outage, not every round
-                    log.warning("run lease %s on %s not renewed: %s", lease.holder, name, exc)
-            failing = set(failed)
-            await asyncio.sleep(every_s)
+            started = loop.time()
+            _, failed = await self._instances.each((name,), lambda _, c: c.lease(lease))
+            if failed and not failing:  # once per outage, not every round
+                log.warning("run lease %s on %s not renewed: %s", lease.holder, name, failed[name])
+            failing = bool(failed)
+            await asyncio.sleep(max(0.0, every_s - (loop.time() - started)))  # every every_s
 
     # -- lifecycle ------------------------------------------------------------------------------
 

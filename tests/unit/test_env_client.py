@@ -23,6 +23,7 @@ from rollsafe.env.protocol import (
     EpisodeRef,
     EpisodeResult,
     ErrorReply,
+    LeaseReply,
     ParkedEpisode,
     ParticipantManifest,
     PrepareReply,
@@ -186,6 +187,10 @@ class FakeInstance:
         self.phase = "restored"
         restored = tuple(r.next_attempt() for r in request.episodes)
         return RestoreReply(restored=restored, lease_expires_ts=request.deadline_ts + 1)
+
+    def _lease(self, body: Any) -> LeaseReply:
+        lease = RunLease.model_validate(body)
+        return LeaseReply(holder=lease.holder, expires_ts=time.time() + lease.ttl_s)
 
     def _run(self, body: Any) -> BaseModel:
         run = RunEpisode.model_validate(body)
@@ -526,6 +531,32 @@ async def test_run_episode_gives_up_after_max_wait() -> None:
                 "env-a", RunEpisode(episode=ref(1)), parked_retry_s=0.01, max_wait_s=0.1
             )
     assert any("still parked" in note for note in info.value.__notes__)
+
+
+async def test_an_instance_that_does_not_answer_never_holds_back_another_instances_run_lease() -> (
+    None
+):
+    """Each instance's run lease is renewed on its own schedule: while b sits on its first
+    renewal, a's lease goes on being renewed (in one round for all, a would wait for b, and
+    a loaded instance could let the others' leases run out)."""
+    a, b = FakeInstance("env-a"), FakeInstance("env-b")
+    answer_b = asyncio.Event()
+
+    async def stuck(request: httpx.Request) -> httpx.Response | None:
+        await answer_b.wait()
+        return None  # then the protocol's reply
+
+    b.faults["lease"] = stuck
+    async with fleet_of(a, b) as fleet:
+        keeper = asyncio.create_task(fleet.keep_run_lease(RunLease(holder="d-1", ttl_s=5.0), 0.01))
+        try:
+            await eventually_async(lambda: len(a.bodies("lease")) >= 3, what="a renewed again")
+            assert len(b.bodies("lease")) == 1  # still on its first
+            answer_b.set()
+            await eventually_async(lambda: len(b.bodies("lease")) >= 2, what="b renewed again")
+        finally:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
 
 
 # -- EnvFleet: input checks -----------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The scripted engine: the first rule whose pattern occurs in the prompt's last message picks
 the reply, emitted token by token and ended with the end-of-turn token; a call cut at any
-token resumes on a fresh engine with exactly the rest; a reply may name its match's groups; a
-prompt no rule matches and a
+token resumes on a fresh engine with exactly the rest (and, held past its cut, makes nothing
+more where it was cut); a reply may name its match's groups; a prompt no rule matches and a
 malformed script are refused by name."""
 
 from __future__ import annotations
@@ -103,6 +103,35 @@ async def test_a_cut_call_resumes_with_exactly_the_rest(
 
 async def _held(scripted: EngineLoop[ScriptedCall]) -> bool:
     return (await scripted.info()).held == 1
+
+
+async def test_a_keep_cut_hold_holds_a_cut_call_again_when_the_cut_is_released(
+    codec: ChatCodec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A drill's crash after a snapshot finds the calls it cut still in flight: released, the
+    call makes no token while another call runs to its end, and a second cut finds the same
+    prefix."""
+    rule = HoldRule(calls="^held$", after_tokens=3, once=False, keep_cut=True)
+    monkeypatch.setenv(HOLD_ENV, rule.model_dump_json())
+    async with engine(codec) as scripted:
+        stream = scripted.generate(request(codec, AFTER_TOOL, "held"))
+        await anext(stream)
+        await eventually_async(lambda: _held(scripted), what="the call held after 3 tokens")
+        [first] = (await scripted.cut(["held"])).prefixes
+        assert await scripted.release(["held"]) == 1
+        other = request(codec, AFTER_TOOL, "free")  # rounds in which a thawed call would go on
+        done = completion_of("free", [e async for e in scripted.generate(other)])
+        info = await scripted.info()
+        [again] = (await scripted.cut(["held"])).prefixes
+        await stream.aclose()
+    assert len(done.tokens) > len(first.tokens) == 3
+    assert (info.held, info.frozen) == (1, 0)
+    assert again.tokens == first.tokens
+
+
+def test_a_keep_cut_hold_that_the_first_cut_would_end_is_refused() -> None:
+    with pytest.raises(ValueError, match="keep_cut needs once=false"):
+        HoldRule(keep_cut=True)
 
 
 async def test_a_prompt_no_rule_matches_is_refused(codec: ChatCodec) -> None:
