@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
+import tempfile
 import threading
 import time
 import uuid
@@ -232,16 +234,41 @@ def test_a_root_under_a_file_is_named(tmp_path: Path) -> None:
     assert "is a file, not a directory" in check.fix and str(root) in check.fix
 
 
-@pytest.mark.skipif(AS_ROOT, reason="root writes through directory permissions")
-def test_a_read_only_root_is_named_with_the_permission_fix(tmp_path: Path) -> None:
-    locked = tmp_path / "locked"
-    locked.mkdir(mode=0o500)
-    try:
-        check = check_storage(locked)
-    finally:
-        locked.chmod(0o700)
+def test_a_read_only_root_is_named_with_the_permission_fix() -> None:
+    # Root writes through directory permissions (and CI runs as root): there the check runs
+    # in a child that drops to nobody, in a directory nobody may enter but not write.
+    with tempfile.TemporaryDirectory() as parent:
+        os.chmod(parent, 0o755)
+        locked = Path(parent) / "locked"
+        locked.mkdir(mode=0o555)
+        check = _check_storage_as_nobody(locked) if AS_ROOT else check_storage(locked)
     assert check.status is Status.FAILED and "Permission denied" in check.detail
     assert f"write access to {locked}" in check.fix
+
+
+def _check_storage_as_nobody(root: Path) -> DoctorCheck:
+    """check_storage in a forked child that has dropped to nobody (not exec'd: the
+    interpreter may live where nobody cannot read, as pyenv's under /root does)."""
+    nobody = pwd.getpwnam("nobody")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        status = 1
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(nobody.pw_gid)
+            os.setuid(nobody.pw_uid)
+            os.write(write, check_storage(root).model_dump_json().encode())
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write)
+    with os.fdopen(read, "rb") as answer:
+        reply = answer.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the check failed in the child"
+    return DoctorCheck.model_validate_json(reply)
 
 
 def test_a_filesystem_whose_flock_does_not_exclude_fails(
