@@ -397,13 +397,16 @@ class EnvFleet:
         )
 
     async def _keep_run_lease_on(self, name: str, lease: RunLease, every_s: float) -> None:
-        loop, failing = asyncio.get_running_loop(), False
+        client, loop, failing = self._instances.client(name), asyncio.get_running_loop(), False
         while True:
             started = loop.time()
-            _, failed = await self._instances.each((name,), lambda _, c: c.lease(lease))
-            if failed and not failing:  # once per outage, not every round
-                log.warning("run lease %s on %s not renewed: %s", lease.holder, name, failed[name])
-            failing = bool(failed)
+            try:
+                await client.lease(lease)
+                failing = False
+            except Exception as exc:  # whatever it was: tried again next time
+                if not failing:  # once per outage, not every round
+                    log.warning("run lease %s on %s not renewed: %s", lease.holder, name, exc)
+                failing = True
             await asyncio.sleep(max(0.0, every_s - (loop.time() - started)))  # every every_s
 
     # -- lifecycle ------------------------------------------------------------------------------
