@@ -9,6 +9,8 @@ client, Ray, HTTP library or torch is imported until a name that needs one is to
   (Temporal), :class:`PhaseOptions` and :class:`SupervisorConfig` (the checkpoint workflows);
 - the trainer SDK: :class:`Checkpointer` and :class:`SyncCheckpointer` (its status
   :class:`CheckpointerStatus`), and what a restore hands back, :class:`RestorePlan`;
+- the rollout source, what a trainer's loop pulls its batches from: :class:`RolloutSource`
+  and :class:`SyncRolloutSource`, and what it hands out, :class:`Batch`;
 - the run side, for a framework's own rollout loop: :class:`Rollouts` and
   :class:`SyncRollouts` over the run's :class:`Controller` (:func:`start_controller_actor`),
   what it owes, :class:`OwedRollout`, and a rollout's training row, :class:`Row` (named
@@ -37,6 +39,9 @@ _WHERE = {
     "CheckpointerStatus": "rollsafe.client",
     "SyncCheckpointer": "rollsafe.client",
     "Settings": "rollsafe.settings",
+    "RolloutSource": "rollsafe.source",
+    "SyncRolloutSource": "rollsafe.source",
+    "Batch": "rollsafe.source",
     "Rollouts": "rollsafe.rollouts",
     "SyncRollouts": "rollsafe.rollouts",
     "OwedRollout": "rollsafe.checkpoint.controller",
@@ -64,6 +69,7 @@ _WHERE = {
 }
 
 __all__ = [
+    "Batch",
     "Checkpointer",
     "CheckpointerStatus",
     "Completion",
@@ -80,6 +86,7 @@ __all__ = [
     "PhaseOptions",
     "PrefixRecord",
     "RestorePlan",
+    "RolloutSource",
     "Rollouts",
     "RollsafeError",
     "Row",
@@ -88,6 +95,7 @@ __all__ = [
     "Settings",
     "SupervisorConfig",
     "SyncCheckpointer",
+    "SyncRolloutSource",
     "SyncRollouts",
     "TransientError",
     "__version__",
@@ -117,6 +125,7 @@ if TYPE_CHECKING:
     from rollsafe.observability.telemetry import configure_telemetry
     from rollsafe.rollouts import Rollouts, SyncRollouts
     from rollsafe.settings import Settings
+    from rollsafe.source import Batch, RolloutSource, SyncRolloutSource
     from rollsafe.temporal.connect import ConnectionSettings
     from rollsafe.workflows.models import PhaseOptions, SupervisorConfig
 

@@ -43,6 +43,7 @@
     │   ├── EffectDiverged             asked again with other arguments than it was applied with
     │   ├── SnapshotsFailed            the SDK: the run's supervisor failed
     │   ├── RestoreFailed              the SDK: the run could not be restored
+    │   ├── CheckpointMismatch         a trainer checkpoint that is not this run's (names why)
     │   ├── SupervisorNotRunning       the SDK: no supervisor runs for the run
     │   └── InjectedInvariantFault     an armed fault point, action ``invariant``
     ├── InvalidInput                   malformed user input (scenario file, CLI argument, id)
@@ -356,6 +357,11 @@ class SnapshotsFailed(InvariantError):
 
 class RestoreFailed(InvariantError):
     """The run could not be restored (no snapshot verifies, topology differs, ...)."""
+
+
+class CheckpointMismatch(InvariantError):
+    """A trainer checkpoint a restart resumes from does not go with the run: another run's, or
+    saved without rollsafe, or of another shape (names which, and the fix). Nothing is changed."""
 
 
 class SupervisorNotRunning(InvariantError):

@@ -25,7 +25,7 @@ from rollsafe.checkpoint.participants import Participants
 from rollsafe.core.config import RunConfig
 from rollsafe.core.ids import EpisodeId
 from rollsafe.env.protocol import EpisodeResult
-from rollsafe.evidence.files import GenerationEvent, append_lines
+from rollsafe.evidence.recorder import record_generation
 from rollsafe.reference.rl.workloads import WorkloadName, make_workload
 from rollsafe.rollouts import Rollouts
 
@@ -184,10 +184,4 @@ class _Dispatcher:
 
     def _record(self, event: Literal["started", "sealed"], episode: EpisodeId) -> None:
         if self.run.generations is not None:
-            line = GenerationEvent(
-                event=event,
-                rollout_id=episode.rollout.key,
-                attempt=episode.attempt,
-                at_unix=time.time(),
-            )
-            append_lines(self.run.generations, [line])
+            record_generation(self.run.generations, event, episode)

@@ -44,10 +44,6 @@ def row_from_result(result: EpisodeResult, task: Task) -> dict[str, np.ndarray]:
     }
 
 
-def tokens_sha256(row: Mapping[str, np.ndarray]) -> str:
-    return hashlib.sha256(np.ascontiguousarray(row["tokens"], "<i4").tobytes()).hexdigest()
-
-
 def samples_from_row(rollout_id: str, row: Mapping[str, Any]) -> list[Sample]:
     """One sample per turn, each with its episode's reward (siblings share a task, so every
     rollout of a group has as many turns: the group's advantages are the episodes')."""

@@ -27,7 +27,6 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollsafe.core.config import RestoreLevelName, RunConfig, SamplerName
-from rollsafe.core.ids import GroupId
 from rollsafe.core.phases import (
     PHASES,
     Phase,
@@ -42,32 +41,24 @@ from rollsafe.engine.model import ModelConfig
 from rollsafe.evidence.files import (
     FAULTS,
     GENERATIONS,
-    HANDED_OUT,
     MUTATIONS,
     REPORT,
     TRAINED,
     FaultRecord,
-    HandedOut,
     RunReport,
-    TrainedRow,
     append_lines,
-    read_lines,
-    replace_lines,
     write_report,
 )
+from rollsafe.evidence.lineage import EVICTED, Evicted, roll_back, undo_evictions
+from rollsafe.evidence.recorder import trained_row, write_handed_out
 from rollsafe.loop_thread import LoopThread
 from rollsafe.reference.rl.controller import Endpoints, ReferenceController
 from rollsafe.reference.rl.lineage import (
-    EVICTED,
-    Evicted,
     checkpoint_dir,
     checkpoint_versions,
-    roll_back,
     set_aside_checkpoints,
-    undo_evictions,
 )
 from rollsafe.reference.rl.policy import PolicyModel
-from rollsafe.reference.rl.rollouts import tokens_sha256
 from rollsafe.reference.rl.trainer import PolicyTrainer, StepResult
 from rollsafe.reference.rl.workloads import WorkloadName, make_workload, mutations_of_row
 
@@ -272,17 +263,8 @@ class ReferenceRun:
     def finish(self, totals: dict[str, float] | None = None) -> RunReport:
         """Write handed_out.jsonl and report.json from the controller's final state."""
         (self.out / FAULTS).touch()  # a run without faults says so with an empty file
-        trained = {row.group_idx for row in read_lines(self.out / TRAINED, TrainedRow)}
-        evicted = {e.group_idx for e in read_lines(self.root / EVICTED, Evicted, optional=True)}
-        lines = [
-            HandedOut(
-                group_idx=idx,
-                group_id=GroupId(self.settings.run_id, idx).key,
-                status="trained" if idx in trained else "evicted" if idx in evicted else "owed",
-            )
-            for idx in range(self.controller.loader_position())
-        ]
-        replace_lines(self.out / HANDED_OUT, lines)
+        position = self.controller.loader_position()
+        write_handed_out(self.out, self.settings.run_id, position, self.root / EVICTED)
         report = RunReport(
             run_id=self.settings.run_id,
             seed=self.settings.seed,
@@ -342,18 +324,7 @@ class ReferenceRun:
         if result.weight_version % self.settings.checkpoint_every == 0:
             saved = checkpoint_dir(self.root / TRAINER_DIR, result.weight_version)
             self.trainer.save(saved)
-        trained = [
-            TrainedRow(
-                step=self.step,
-                group_idx=idx,
-                rollout_id=key,
-                attempt=attempt,
-                n_tokens=int(rows[key]["tokens"].size),
-                tokens_sha256=tokens_sha256(rows[key]),
-                restored_prefix_tokens=int(rows[key]["restored_prefix_tokens"]),
-            )
-            for idx, _, key, attempt in rollouts
-        ]
+        trained = [trained_row(self.step, i, key, n, rows[key]) for i, _, key, n in rollouts]
         mutations = [m for _, _, key, _ in rollouts for m in mutations_of_row(rows[key])]
         self.controller.commit_step(groups)
         append_lines(self.out / TRAINED, trained)

@@ -1,13 +1,13 @@
 """The reference run's server processes: one ``rollsafe engine serve`` and the environment
-instances, each ``rollsafe env serve workplace`` or, with a script (``demo --gym``), a gateway
-in front of NeMo Gym's own agent and resources server; started fresh, killed by pid (a crash
-is SIGKILL), stopped by pid at the end."""
+instances, each ``rollsafe env serve workplace`` (or another built-in environment: ``completion``)
+or, with a script (``demo --gym``), a gateway in front of NeMo Gym's own agent and resources
+server; started fresh, killed by pid (a crash is SIGKILL), stopped by pid at the end."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 from rollsafe.engine.loop import HOLD_ENV, HoldRule
 from rollsafe.engine.model import ModelConfig
@@ -30,6 +30,7 @@ ENGINE_START_S = 240.0  # vLLM: import it and load the model, on a busy 2-core m
 # work the engine starves (a test waiting for a call to start timed out, on a machine running
 # more tests). Not vLLM: its cut waits for the running step, which a lower priority lengthens.
 DEMO_ENGINE_NICENESS = 10
+Environment = Literal["workplace", "completion"]  # built-in environments (rollsafe env serve)
 
 
 class _Process(Protocol):
@@ -52,6 +53,7 @@ class RunServers:
         snapshot_root: Path | None = None,
         engine_niceness: int = 0,
         script: Path | None = None,
+        environment: Environment = "workplace",
     ) -> None:
         self.logs, self.instances, self.seed = logs, tuple(instances), seed
         self.engine_token, self.env_token = engine_token, env_token
@@ -63,6 +65,7 @@ class RunServers:
         # The scripted policy's replies: NeMo Gym's agents behind gateways (``model`` is then
         # the Hugging Face directory whose tokenizer they share).
         self.script = script
+        self.environment = environment  # what each instance serves (completion: max_tokens unused)
         self.started: list[_Process] = []
         self.current: list[_Process] = []
         self.current_envs: dict[str, _Process] = {}  # this generation's, by instance
@@ -98,14 +101,15 @@ class RunServers:
         """Instance ``name``, started and listening; returns its URL."""
         if self.script is not None:
             return self._start_gym(name, engine_url, tokens)
-        args = ["env", "serve", "workplace", "--port", "0", "--engine-url", engine_url]
+        args = ["env", "serve", self.environment, "--port", "0", "--engine-url", engine_url]
         args += ["--instance", name, "--lease-grace-s", "5"]
-        args += ["--max-tokens", str(self.max_tokens)]
+        if self.environment == "workplace":  # a completion's tokens are its task's
+            args += ["--max-tokens", str(self.max_tokens)]
         if self.snapshot_root is not None:
             args += ["--snapshot-root", str(self.snapshot_root)]
         if self.generation == 1 and name in self.env_faults:
             args += ["--faults", self.env_faults[name]]
-        banner = ENV_BANNER.format(name="workplace", instance=name)
+        banner = ENV_BANNER.format(name=self.environment, instance=name)
         server = self._start(args, banner, name, tokens)
         self.current_envs[name] = server
         return server.url

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from rollsafe.env.hooks import EnvironmentHooks
     from rollsafe.reference.envs.workplace.faults import FaultSwitches
 
-ENVIRONMENTS = ("workplace",)
+ENVIRONMENTS = ("workplace", "completion")
 
 
 # The engine's token, named in the errors that ask for it.
@@ -104,7 +104,7 @@ def env_serve(
     token_file: EnvTokenFile = None,
     token: EnvToken = None,
     name: Annotated[
-        str | None, typer.Argument(help="a built-in environment: workplace (or use --hooks)")
+        str | None, typer.Argument(help="a built-in environment: workplace or completion (or use --hooks)")
     ] = None,
     hooks: Annotated[
         str | None,
@@ -191,7 +191,7 @@ def env_serve(
             "tool_wait_s": tool_wait_s,
             "snapshot_root": snapshot_root,
         }
-        factory = _workplace(max_tokens) if hooks is None else load_hooks_factory(hooks)
+        factory = _builtin(name, max_tokens) if hooks is None else load_hooks_factory(hooks)
         options = hooks_options(hooks_option or (), hooks_options_file)
         context = ServeContext(engine=None, instance=instance, options=options)
         asyncio.run(_serve_hooks(factory, context, engine_url, engine_secret, switches, served))
@@ -296,8 +296,13 @@ def _verdict(report: ConformanceReport) -> str:
     return line
 
 
-def _workplace(max_tokens: int) -> HooksFactory:
-    """The built-in ``workplace`` environment, as a hooks factory like any other."""
+def _builtin(name: str | None, max_tokens: int) -> HooksFactory:
+    """A built-in environment, as a hooks factory like any other: ``workplace`` (the reference
+    tool environment) or ``completion`` (one model call per episode: rollsafe.env.completion)."""
+    if name == "completion":
+        from rollsafe.env.completion import CompletionEnv
+
+        return CompletionEnv
     from rollsafe.reference.envs.workplace.env import WorkplaceEnv
 
     def make(context: ServeContext) -> EnvironmentHooks:

@@ -1,8 +1,9 @@
 """examples/grpo_loop.py as a user meets it (docs/integrating.md): configured by environment
 variables only, against a Temporal server, vLLM behind ``rollsafe engine serve`` and two
-workplace environment instances; SIGKILLed mid-run (episodes of the next step in flight),
-started again with the same command, restored, run to the end. Verified from the trainer's own
-checkpoints: every group handed out is trained exactly once, every row has its tokens."""
+``completion`` environment instances; SIGKILLed mid-run (the next step's rollouts generating),
+started again with the same command, restored, run to the end. Verified from the run's evidence
+alone (``rollsafe verify``'s checks: every group trained once, whole; no sealed rollout generated
+twice) and from the trainer's checkpoints (one per step, the weights changed by training)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,17 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from safetensors.torch import load_file
 
+from rollsafe.evidence.files import GENERATIONS, Evidence, GenerationEvent, append_lines
+from rollsafe.evidence.verify import verify
 from rollsafe.reference.rl.controller import Endpoints
 from rollsafe.reference.rl.policy import HfModel
 from rollsafe.reference.rl.servers import RunServers
@@ -26,26 +31,26 @@ pytest.importorskip("vllm")
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "grpo_loop.py"
 STEPS, GROUP_SIZE, GROUPS_PER_STEP = 4, 2, 2
-# Killed at the first episode dispatched after the snapshot at weight version 2: the
-# environments and vLLM are running it, no snapshot has it.
-KILL_AFTER = "[step 1]"
-KILL_AT = "[episode]"
+KILL_AFTER = "[step 1]"  # step 2's rollouts generate meanwhile: no snapshot holds them whole
 
 
 @pytest.fixture(scope="module")
-def endpoints(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoints]:
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rollsafe.engine.vllm.models import ModelSpec, make_model
 
-    root = tmp_path_factory.mktemp("example-servers")
-    model = make_model(root / "model", ModelSpec(arch="dense", seed=0))
+    return make_model(tmp_path_factory.mktemp("example-model") / "model", ModelSpec(seed=0))
+
+
+@pytest.fixture(scope="module")
+def endpoints(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iterator[Endpoints]:
     servers = RunServers(
-        root / "logs",
+        tmp_path_factory.mktemp("example-servers"),
         ["env-0", "env-1"],
         seed=0,
         engine_token=uuid.uuid4().hex,
         env_token=uuid.uuid4().hex,
-        max_tokens=8,
         model=HfModel(path=model),
+        environment="completion",
     )
     try:
         yield servers.start()
@@ -63,7 +68,6 @@ def example_env(server: Any, endpoints: Endpoints, tmp_path: Path) -> dict[str, 
         "ROLLSAFE_RUN__GROUP_SIZE": str(GROUP_SIZE),
         "ROLLSAFE_RUN__GROUPS_PER_STEP": str(GROUPS_PER_STEP),
         "ROLLSAFE_RUN__SAMPLER": "in_order",
-        "ROLLSAFE_RUN__RESTORE_LEVEL": "prefix",
         "ROLLSAFE_PARTICIPANTS__ENVS": json.dumps(endpoints.envs),
         "ROLLSAFE_PARTICIPANTS__ENGINES": json.dumps({"vllm": endpoints.engine_url}),
         "ROLLSAFE_ENV_TOKEN": endpoints.env_token,
@@ -73,52 +77,56 @@ def example_env(server: Any, endpoints: Endpoints, tmp_path: Path) -> dict[str, 
     }
 
 
-def command(trainer_dir: Path) -> list[str]:
+def command(model: Path, tmp_path: Path) -> list[str]:
     return [
         sys.executable,
         str(EXAMPLE),
-        "-v",
-        "--steps",
-        str(STEPS),
-        "--trainer-dir",
-        str(trainer_dir),
+        *("--model", str(model), "--steps", str(STEPS)),
+        *("--trainer-dir", str(tmp_path / "trainer"), "--evidence", str(tmp_path / "evidence")),
     ]
 
 
 @pytest.mark.timeout(900)
 def test_the_example_killed_mid_run_restores_and_trains_every_group_once(
-    server: Any, endpoints: Endpoints, tmp_path: Path
+    server: Any, endpoints: Endpoints, model: Path, tmp_path: Path
 ) -> None:
-    env, trainer_dir = example_env(server, endpoints, tmp_path), tmp_path / "trainer"
+    env = example_env(server, endpoints, tmp_path)
     with (tmp_path / "first.err").open("wb") as err:
         first = subprocess.Popen(
-            command(trainer_dir), stdout=subprocess.PIPE, stderr=err, env=env, text=True
+            command(model, tmp_path), stdout=subprocess.PIPE, stderr=err, env=env, text=True
         )
         try:
             seen: list[str] = []
             assert first.stdout is not None
             for line in first.stdout:  # events: the lines the example prints, no timing
                 seen.append(line)
-                stepped = any(s.startswith(KILL_AFTER) for s in seen)
-                if stepped and line.startswith(KILL_AT):
+                if line.startswith(KILL_AFTER):
                     first.kill()
                     break
-            assert seen and seen[-1].startswith(KILL_AT), seen
+            assert seen and seen[-1].startswith(KILL_AFTER), seen
         finally:
             first.kill()
             first.wait()
+    killed = GenerationEvent(event="killed", at_unix=time.time())
+    append_lines(tmp_path / "evidence" / GENERATIONS, [killed])
     second = subprocess.run(
-        command(trainer_dir), capture_output=True, text=True, env=env, timeout=600
+        command(model, tmp_path), capture_output=True, text=True, env=env, timeout=600
     )
     assert second.returncode == 0, second.stderr[-4000:]
     lines = second.stdout.splitlines()
-    [restored] = [line for line in lines if line.startswith("[restore]")]
-    assert "weight version 2" in restored or "weight version 3" in restored, restored
-    assert lines[-1] == f"[done] {STEPS} steps, {STEPS * GROUPS_PER_STEP} groups trained"
+    assert lines[0] == "[restore] weight version 2", lines  # the checkpoint step 1 saved
+    assert [line.split("]")[0] for line in lines[1:]] == ["[step 2", "[step 3", "[done"], lines
 
-    history = json.loads((trainer_dir / f"v{STEPS}.json").read_text())
-    trained = sorted(entry["group"] for entry in history)
-    assert trained == list(range(STEPS * GROUPS_PER_STEP))  # each once: none lost, none twice
-    assert [entry["step"] for entry in history] == [s for s in range(STEPS) for _ in "ab"]
-    assert all(len(e["tokens"]) == GROUP_SIZE and min(e["tokens"]) > 0 for e in history)
-    assert sorted(int(p.stem[1:]) for p in trainer_dir.glob("v*.json")) == list(range(STEPS + 1))
+    evidence = Evidence.read(tmp_path / "evidence")
+    checks = {check.name: check for check in verify(evidence)}
+    assert all(check.ok for check in checks.values()), checks
+    assert "no sealed rollout generated twice" in checks  # the journal kept every seal
+    trained = sorted(row.group_idx for row in evidence.trained)
+    assert trained == sorted(list(range(STEPS * GROUPS_PER_STEP)) * GROUP_SIZE)
+    assert all(row.n_tokens > 0 for row in evidence.trained)
+    checkpoints = tmp_path / "trainer"
+    assert sorted(p.name for p in checkpoints.glob("v*.safetensors")) == [
+        f"v{v}.safetensors" for v in range(STEPS + 1)
+    ]
+    first_weights, last_weights = (load_file(checkpoints / f"v{v}.safetensors") for v in (0, STEPS))
+    assert any(not first_weights[k].equal(last_weights[k]) for k in first_weights)  # it trained

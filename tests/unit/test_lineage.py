@@ -1,6 +1,7 @@
-"""One lineage of evidence across restores (rollsafe.reference.rl.lineage): what a restore undid
-leaves the evidence files, evictions the restored run owns again are undone, trainer checkpoints of
-undone steps are set aside; and the trainer-checkpoint anchors a restore accepts."""
+"""One lineage of evidence across restores (rollsafe.evidence.lineage, and the trainer's side:
+rollsafe.reference.rl.lineage): what a restore undid leaves the evidence files, evictions the
+restored run owns again are undone, trainer checkpoints of undone steps are set aside; and the
+trainer-checkpoint anchors a restore accepts."""
 
 from __future__ import annotations
 
@@ -18,14 +19,8 @@ from rollsafe.evidence.files import (
     append_lines,
     read_lines,
 )
-from rollsafe.reference.rl.lineage import (
-    Evicted,
-    checkpoint_dir,
-    checkpoint_versions,
-    roll_back,
-    set_aside_checkpoints,
-    undo_evictions,
-)
+from rollsafe.evidence.lineage import Evicted, roll_back, undo_evictions
+from rollsafe.reference.rl.lineage import checkpoint_dir, checkpoint_versions, set_aside_checkpoints
 from rollsafe.snapshot import accept_weight_versions
 
 SHA = "0" * 64
