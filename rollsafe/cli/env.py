@@ -104,7 +104,8 @@ def env_serve(
     token_file: EnvTokenFile = None,
     token: EnvToken = None,
     name: Annotated[
-        str | None, typer.Argument(help="a built-in environment: workplace or completion (or use --hooks)")
+        str | None,
+        typer.Argument(help="a built-in environment: workplace or completion (or use --hooks)"),
     ] = None,
     hooks: Annotated[
         str | None,

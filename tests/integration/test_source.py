@@ -62,7 +62,8 @@ async def test_a_run_given_up_mid_step_restores_at_the_trainers_version_and_lose
     run_id, generate, out = f"src-{uuid.uuid4().hex[:8]}", Generations(), tmp_path / "evidence"
     config = settings(server, tmp_path, run_id)
     trained: list[tuple[int, tuple[int, ...]]] = []
-    with pytest.raises(RuntimeError, match="the trainer died"):
+
+    async def first_life() -> None:
         async with RolloutSource(config, generate=generate, evidence=out) as source:
             assert source.plan is None and source.weight_version == 0
             for _ in range(2):
@@ -72,6 +73,9 @@ async def test_a_run_given_up_mid_step_restores_at_the_trainers_version_and_lose
             third = await source.batch()  # claimed, never committed
             assert third.step == 2 and third.groups == (4, 5)
             raise RuntimeError("the trainer died")
+
+    with pytest.raises(RuntimeError, match="the trainer died"):
+        await first_life()
     assert trained == [(0, (0, 1)), (1, (2, 3))]
     sealed_before = set(generate.made)
 
@@ -120,7 +124,8 @@ def test_a_restart_must_say_which_weights_it_holds_and_nothing_changes(
 
 
 def test_bad_options_are_refused_by_name() -> None:
+    plain = Settings.load({"run_id": "x"}, env={})
     with pytest.raises(InvalidInput, match="give task= and to_row="):
-        RolloutSource(Settings.load({"run_id": "x"}, env={}))
+        RolloutSource(plain)
     with pytest.raises(InvalidInput, match="ahead_steps"):
-        RolloutSource(Settings.load({"run_id": "x"}, env={}), generate=Generations(), ahead_steps=-1)
+        RolloutSource(plain, generate=Generations(), ahead_steps=-1)
