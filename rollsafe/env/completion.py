@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 from typing import Annotated, Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from rollsafe.engine.protocol import Completion, Engine, FinishReason, GenerateRequest
@@ -141,6 +142,18 @@ class CompletionEnv(EnvironmentHooks):
             top_p=task.top_p,
             stop_token_ids=task.stop,
         )
+
+
+def completion_row(result: EpisodeResult) -> dict[str, np.ndarray]:
+    """An episode's training row: its ``prompt``, the completion's ``tokens`` and ``logprobs``,
+    and ``restored_prefix_tokens`` (this attempt's tokens taken from a cut's prefix)."""
+    info = result.info
+    return {
+        "prompt": np.asarray(info["prompt"], np.int64),
+        "tokens": np.asarray(info["tokens"], np.int64),
+        "logprobs": np.asarray(info["logprobs"], np.float32),
+        "restored_prefix_tokens": np.asarray(info["attempt"]["resumed_tokens"], np.int64),
+    }
 
 
 def _completed(completion: Completion) -> Completed:

@@ -1,0 +1,244 @@
+"""The trainers users already run, under rollsafe, as a user meets them, on one vLLM engine
+behind ``rollsafe engine serve`` (a tiny model built here) and two ``completion`` environment
+instances, against a Temporal server; each SIGKILLed mid-run and started again with the same
+command, then verified from the run's evidence alone (``rollsafe verify``'s checks: every group
+trained once, whole; no sealed rollout generated twice):
+
+- examples/grpo_loop.py (docs/integrating.md), configured by environment variables only, killed
+  while the next step's rollouts generate; its checkpoints (one per step) show it trained;
+- TRL's GRPOTrainer, real and unmodified, with rollsafe's rollouts
+  (rollsafe.integrations.trl.LosslessRollouts) and without, killed at the same point between two
+  of TRL's checkpoints and resumed as TRL's docs say (``trainer.train(resume_from_checkpoint=
+  True)``). With rollsafe, the calls the snapshot at checkpoint-2 cut stay held on the engine
+  until the kill, so the trainer is killed waiting for them in step 3; the resumed trainer
+  restores the run at checkpoint-2, resumes those calls from their prefixes, and trains step 2's
+  groups again from their sealed rows (not generated again). TRL alone generates step 2's
+  prompts again."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file
+
+from rollsafe.engine.http import EngineClient
+from rollsafe.engine.loop import HoldRule
+from rollsafe.evidence.files import GENERATIONS, Evidence, GenerationEvent, append_lines
+from rollsafe.evidence.verify import verify
+from rollsafe.loop_thread import LoopThread
+from rollsafe.reference.rl.controller import Endpoints
+from rollsafe.reference.rl.policy import HfModel
+from rollsafe.reference.rl.servers import RunServers
+from rollsafe.testing.trl_run import GROUP_SIZE, GROUPS_PER_STEP, PLAIN_GENERATIONS
+from rollsafe.testing.waiting import eventually
+
+pytest.importorskip("trl")
+pytest.importorskip("vllm")
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "grpo_loop.py"
+EXAMPLE_STEPS = 4
+EXAMPLE_KILL_AFTER = "[step 1]"  # step 2's rollouts generate meanwhile: no snapshot holds them
+
+RUN_ID = f"trl-{uuid.uuid4().hex[:8]}"  # the engine's hold rule names it
+STEPS, SAVE_STEPS = 6, 2
+HELD_GROUPS = (6, 7)  # step 3's: generating when checkpoint-2's snapshot cuts them
+KILL_AFTER = "[step 3]"  # then the trainer waits for step 3's held groups
+
+
+class Servers:
+    """The module's engine and environments, and where they listen now."""
+
+    def __init__(self, servers: RunServers, endpoints: Endpoints, model: Path) -> None:
+        self.servers, self.endpoints, self.model = servers, endpoints, model
+
+    def restart_environments(self) -> Endpoints:
+        self.endpoints = self.servers.restart_environments()
+        return self.endpoints
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    from rollsafe.engine.vllm.models import ModelSpec, make_model
+
+    model = make_model(tmp_path_factory.mktemp("trl-model") / "model", ModelSpec(seed=0))
+    groups = "|".join(str(idx) for idx in HELD_GROUPS)
+    hold = HoldRule(calls=rf"^{RUN_ID}-({groups})_g\d+/", after_tokens=2, once=False, keep_cut=True)
+    servers = RunServers(
+        tmp_path_factory.mktemp("trl-servers"),
+        ["env-0", "env-1"],
+        seed=0,
+        engine_token=uuid.uuid4().hex,
+        env_token=uuid.uuid4().hex,
+        model=HfModel(path=model),
+        environment="completion",
+    )
+    try:
+        yield Servers(servers, servers.start(hold=hold), model)
+    finally:
+        servers.stop()
+
+
+def user_env(server: Any, endpoints: Endpoints, root: Path, run_id: str) -> dict[str, str]:
+    """What the user exports: rollsafe's settings, Temporal's, the servers' tokens."""
+    connection = server.settings()
+    return {
+        **os.environ,
+        "ROLLSAFE_RUN_ID": run_id,
+        "ROLLSAFE_SNAPSHOT_ROOT": str(root / "snapshots"),
+        "ROLLSAFE_PARTICIPANTS__ENVS": json.dumps(endpoints.envs),
+        "ROLLSAFE_PARTICIPANTS__ENGINES": json.dumps({"vllm": endpoints.engine_url}),
+        "ROLLSAFE_ENV_TOKEN": endpoints.env_token,
+        "ROLLSAFE_ENGINE_TOKEN": endpoints.engine_token,
+        "ROLLSAFE_TRL_ENGINE_URL": endpoints.engine_url,
+        "TEMPORAL_ADDRESS": connection.address,
+        "TEMPORAL_NAMESPACE": connection.namespace,
+    }
+
+
+def example_command(model: Path, tmp_path: Path) -> list[str]:
+    return [
+        *(sys.executable, str(EXAMPLE), "--model", str(model), "--steps", str(EXAMPLE_STEPS)),
+        *("--trainer-dir", str(tmp_path / "trainer"), "--evidence", str(tmp_path / "evidence")),
+    ]
+
+
+def trl_command(mode: str, model: Path, out: Path, *, resume: bool = False) -> list[str]:
+    return [
+        *(sys.executable, "-m", "rollsafe.testing.trl_run", "--mode", mode),
+        *("--model", str(model), "--out", str(out)),
+        *("--max-steps", str(STEPS), "--save-steps", str(SAVE_STEPS)),
+        *(["--resume"] if resume else []),
+    ]
+
+
+def run_until(command: list[str], env: dict[str, str], line_start: str, err: Path) -> list[str]:
+    """Start ``command``, SIGKILL it as soon as it prints a line starting with ``line_start``
+    (an event, no timing); the lines it printed."""
+    with err.open("wb") as stderr:
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=stderr, env=env, text=True
+        )
+        try:
+            seen: list[str] = []
+            assert process.stdout is not None
+            for line in process.stdout:
+                seen.append(line)
+                if line.startswith(line_start):
+                    process.kill()
+                    break
+            assert seen and seen[-1].startswith(line_start), (seen, err.read_text()[-3000:])
+            return seen
+        finally:
+            process.kill()
+            process.wait()
+
+
+def run_to_end(command: list[str], env: dict[str, str]) -> list[str]:
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [line for line in done.stdout.splitlines() if line.startswith("[")]
+
+
+def engine_idle(endpoints: Endpoints) -> None:
+    """Until the engine holds no call: the killed environments' streams are gone."""
+    loop = LoopThread("trl-test")
+
+    async def calls() -> int:
+        async with EngineClient(endpoints.engine_url, endpoints.engine_token) as engine:
+            info = await engine.info()
+            return info.active + info.frozen + info.held
+
+    try:
+        eventually(lambda: loop.run(calls()) == 0, timeout_s=60, what="the engine let go")
+    finally:
+        loop.close()
+
+
+@pytest.mark.timeout(900)
+def test_the_example_killed_mid_run_restores_and_trains_every_group_once(
+    server: Any, servers: Servers, tmp_path: Path
+) -> None:
+    run_id, command = f"example-{uuid.uuid4().hex[:8]}", example_command(servers.model, tmp_path)
+    env = user_env(server, servers.endpoints, tmp_path, run_id)
+    env.update(ROLLSAFE_RUN__GROUP_SIZE="2", ROLLSAFE_RUN__GROUPS_PER_STEP="2")
+    env.update(ROLLSAFE_RUN__SAMPLER="in_order")
+    run_until(command, env, EXAMPLE_KILL_AFTER, tmp_path / "first.err")
+    killed = GenerationEvent(event="killed", at_unix=time.time())
+    append_lines(tmp_path / "evidence" / GENERATIONS, [killed])
+    lines = run_to_end(command, env)
+    assert lines[0] == "[restore] weight version 2", lines  # the checkpoint step 1 saved
+    assert [line.split("]")[0] for line in lines[1:]] == ["[step 2", "[step 3", "[done"], lines
+
+    evidence = Evidence.read(tmp_path / "evidence")
+    checks = {check.name: check for check in verify(evidence)}
+    assert all(check.ok for check in checks.values()), checks
+    assert "no sealed rollout generated twice" in checks  # the journal kept every seal
+    trained = Counter(row.group_idx for row in evidence.trained)
+    assert trained == {idx: 2 for idx in range(EXAMPLE_STEPS * 2)}  # once each, whole
+    assert all(row.n_tokens > 0 for row in evidence.trained)
+    checkpoints = tmp_path / "trainer"
+    assert sorted(p.name for p in checkpoints.glob("v*.safetensors")) == [
+        f"v{v}.safetensors" for v in range(EXAMPLE_STEPS + 1)
+    ]
+    first, last = (load_file(checkpoints / f"v{v}.safetensors") for v in (0, EXAMPLE_STEPS))
+    assert any(not first[k].equal(last[k]) for k in first)  # its optimizer changed the weights
+
+
+@pytest.mark.timeout(900)
+def test_trl_with_rollsafe_killed_between_checkpoints_loses_nothing(
+    server: Any, servers: Servers, tmp_path: Path
+) -> None:
+    env = user_env(server, servers.endpoints, tmp_path, RUN_ID)
+    command = trl_command("rollsafe", servers.model, tmp_path)
+    first = run_until(command, env, KILL_AFTER, tmp_path / "first.err")
+    assert "[saved 2]\n" in first and "[saved 4]\n" not in first
+    killed = GenerationEvent(event="killed", at_unix=time.time())
+    append_lines(tmp_path / "evidence" / GENERATIONS, [killed])
+    # The trainer's node died with its environments; the engine lives on and lets go of their
+    # calls. The user starts the same command again, resuming from TRL's newest checkpoint.
+    endpoints = servers.restart_environments()
+    engine_idle(endpoints)
+    env = user_env(server, endpoints, tmp_path, RUN_ID)
+    second = run_to_end(trl_command("rollsafe", servers.model, tmp_path, resume=True), env)
+    assert [line.split("]")[0] for line in second if line.startswith("[step")] == [
+        f"[step {n}" for n in range(3, STEPS + 1)
+    ], second
+
+    evidence = Evidence.read(tmp_path / "evidence")
+    checks = {check.name: check for check in verify(evidence)}
+    assert all(check.ok for check in checks.values()), checks
+    assert "no sealed rollout generated twice" in checks
+    trained = Counter(row.group_idx for row in evidence.trained)
+    assert trained == {idx: GROUP_SIZE for idx in range(STEPS * GROUPS_PER_STEP)}  # once each
+    rolled_back = {row.group_idx for row in evidence.rolled_back}
+    assert rolled_back == {4, 5}  # step 2 committed after checkpoint-2: trained again
+    resumed = {row.group_idx for row in evidence.trained if row.restored_prefix_tokens >= 2}
+    assert resumed == set(HELD_GROUPS)  # their cut calls resumed from the prefix, not redone
+    saved = sorted(p.name for p in (tmp_path / "trl").glob("checkpoint-*"))
+    assert saved == [f"checkpoint-{n}" for n in range(SAVE_STEPS, STEPS + 1, SAVE_STEPS)]
+
+
+@pytest.mark.timeout(900)
+def test_trl_alone_killed_at_the_same_point_generates_its_prompts_again(
+    server: Any, servers: Servers, tmp_path: Path
+) -> None:
+    env = user_env(server, servers.endpoints, tmp_path, RUN_ID)
+    run_until(trl_command("plain", servers.model, tmp_path), env, KILL_AFTER, tmp_path / "e")
+    second = run_to_end(trl_command("plain", servers.model, tmp_path, resume=True), env)
+    assert second[-1].startswith(f"[done {STEPS}]"), second
+
+    lines = (tmp_path / PLAIN_GENERATIONS).read_text().splitlines()
+    made = Counter((json.loads(line)["group"], json.loads(line)["sibling"]) for line in lines)
+    again = sorted({group for (group, _), n in made.items() if n > 1})
+    assert again[:2] == [4, 5], again  # step 2's prompts: finished, trained, generated again
