@@ -70,10 +70,14 @@ def main_options(
         ),
     ] = False,
 ) -> None:
-    """Options before any command; the command's telemetry, as the OTEL_* variables say."""
+    """Options before any command; the command's telemetry, as the OTEL_* variables say (a
+    bad one is a usage error, named: typer leaves an error raised here uncaught)."""
     from rollsafe.observability.telemetry import configure_telemetry
 
-    configure_telemetry()
+    try:
+        configure_telemetry()
+    except RollsafeError as exc:
+        fail(exc)
 
 
 @scenario_app.command("run", epilog=EXIT_CODES)
