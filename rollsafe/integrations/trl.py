@@ -116,7 +116,7 @@ class LosslessRollouts(TrainerCallback, ExportableState):  # type: ignore[misc]
         passes them): the next batch of the run, checked to be these very prompts."""
         source = self.source or self._open(trainer)
         batch = source.batch()
-        _check_prompts(batch, prompts, trainer, self._rows_per_epoch(trainer))
+        _check_prompts(batch, prompts, trainer.train_dataset, self._rows_per_epoch(trainer))
         rows = [row for idx in batch.groups for row in batch.rows[idx]]
         return {
             "prompt_ids": [row["prompt"].tolist() for row in rows],
@@ -319,11 +319,11 @@ def _shape(args: TrainingArguments) -> tuple[int, int]:
     return group_size, int(args.generation_batch_size) // group_size
 
 
-def _check_prompts(batch: Batch, prompts: Sequence[Any], trainer: GRPOTrainer, rows: int) -> None:
+def _check_prompts(batch: Batch, prompts: Sequence[Any], dataset: Any, rows: int) -> None:
     """TRL's prompts for this step are the batch's groups' rows, each ``group_size`` times: a
     dataloader that went another way (shuffled, another dataset) is named, never trained on."""
     size = len(prompts) // max(1, len(batch.groups))
-    expected = [trainer.train_dataset[idx % rows]["prompt"] for idx in batch.groups]
+    expected = [dataset[idx % rows]["prompt"] for idx in batch.groups]
     given = [prompts[j * size] for j in range(len(batch.groups))]
     if len(prompts) != size * len(batch.groups) or given != expected:
         raise InvalidInput(

@@ -16,7 +16,7 @@ import pytest
 
 from rollsafe.core.ids import EpisodeId
 from rollsafe.dataplane import Row
-from rollsafe.errors import InvalidInput
+from rollsafe.errors import CheckpointMismatch, InvalidInput
 from rollsafe.evidence.files import Evidence
 from rollsafe.evidence.verify import verify
 from rollsafe.settings import Settings
@@ -121,6 +121,17 @@ def test_a_restart_must_say_which_weights_it_holds_and_nothing_changes(
     with pytest.raises(InvalidInput, match=r"has snapshots: .*\(weight_versions=\[\.\.\.\]\)"):
         SyncRolloutSource(config, generate=Generations())
     assert sorted(p.name for p in (tmp_path / "snapshots").rglob("*")) == snapshots
+
+
+def test_a_trainer_resuming_a_run_that_has_no_snapshot_is_refused(
+    server: Any, tmp_path: Path
+) -> None:
+    config = settings(server, tmp_path, f"src-{uuid.uuid4().hex[:8]}")
+    with pytest.raises(
+        CheckpointMismatch, match=r"no snapshot under .* resumes from weight version 4"
+    ):
+        SyncRolloutSource(config, generate=Generations(), weight_versions=[4], must_restore=True)
+    assert not any(p.is_file() for p in (tmp_path / "snapshots").rglob("*"))  # nothing written
 
 
 def test_bad_options_are_refused_by_name() -> None:

@@ -42,7 +42,6 @@ from rollsafe.reference.rl.servers import RunServers
 from rollsafe.testing.trl_run import GROUP_SIZE, GROUPS_PER_STEP, PLAIN_GENERATIONS
 from rollsafe.testing.waiting import eventually
 
-pytest.importorskip("trl")
 pytest.importorskip("vllm")
 
 ROOT = Path(__file__).resolve().parents[2]
