@@ -52,6 +52,7 @@ from rollsafe.evidence.recorder import EvidenceRecorder, trained_row
 from rollsafe.loop_thread import LoopThread
 from rollsafe.rollouts import Rollouts
 from rollsafe.settings import Settings
+from rollsafe.snapshot.location import open_snapshot_store
 
 if TYPE_CHECKING:
     import torch
@@ -152,6 +153,8 @@ class RolloutSource:
             await self.let_go()
 
     async def _open(self, stack: contextlib.AsyncExitStack) -> None:
+        if self._must_restore and not self._start_over:
+            self._require_snapshots()  # before the controller: a refusal writes nothing
         controller = Controller.from_settings(
             self.settings, start_over=self._start_over, **self._run
         )
@@ -209,17 +212,21 @@ class RolloutSource:
 
     async def _begin(self) -> None:
         """A new run (or one started over), at the newest weight version the trainer holds."""
-        if self._must_restore and not self._start_over:
-            raise CheckpointMismatch(
-                f"run {self.run_id!r} has no snapshot under {self.settings.snapshot_root} to "
-                f"restore, and the trainer resumes from weight version {max(self._held or (0,))}: "
-                "check run_id and snapshot_root, or start a new run from the checkpoint"
-            )
         if self._evidence is not None and not self._start_over:
             self._evidence_is_new()
         start = max(self._held or (0,))
         if start > 0:
             await self.rollouts.set_weight_version(start)
+
+    def _require_snapshots(self) -> None:
+        root, run_id = self.settings.require_snapshot_root(), self.settings.require_run_id()
+        store = open_snapshot_store(root, run_id, cache_dir=self.settings.snapshots.cache)
+        if not store.has_published():
+            raise CheckpointMismatch(
+                f"run {run_id!r} has no snapshot under {root} to restore, and the trainer "
+                f"resumes from weight version {max(self._held or (0,))}: check run_id and "
+                "snapshot_root, or start a new run from the checkpoint"
+            )
 
     def _evidence_is_new(self) -> None:
         assert self._evidence is not None

@@ -78,7 +78,7 @@ from rollsafe.core.run_state import RunState
 from rollsafe.dataplane import Row, make_dataplane
 from rollsafe.errors import InvalidInput
 from rollsafe.journal.run import RunJournal
-from rollsafe.snapshot import EntryState, SnapshotStore
+from rollsafe.snapshot import SnapshotStore
 from rollsafe.snapshot.location import open_snapshot_store
 
 if TYPE_CHECKING:
@@ -104,7 +104,6 @@ class ControllerStatus(BaseModel):
 
 
 log = logging.getLogger(__name__)
-_PUBLISHED_STATES = (EntryState.VALID, EntryState.INVALID, EntryState.UNCHECKED)
 
 
 class Controller:
@@ -206,9 +205,7 @@ class Controller:
             )
         self.store = store
         self.gate = AdmissionGate(clock, on_expired=partial(log_lease_expired, store.run_id))
-        awaiting_restore = not start_over and any(
-            entry.state in _PUBLISHED_STATES for entry in store.list(verify=False)
-        )
+        awaiting_restore = not start_over and store.has_published()
         # The run's changes between snapshots (docs/journal.md); None: the journal is off.
         if journal is not None and not awaiting_restore:
             journal.start(state)  # else the restore attaches it, after replaying it

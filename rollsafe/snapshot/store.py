@@ -33,6 +33,7 @@ from rollsafe.snapshot.manifest import LatestPointer, SnapshotKind, SnapshotMani
 from rollsafe.snapshot.retention import plan_retention
 from rollsafe.snapshot.select import (
     Accept,
+    EntryState,
     SnapshotEntry,
     SnapshotReader,
     list_entries,
@@ -55,6 +56,7 @@ class FolderMirror(Protocol):
 
 
 log = logging.getLogger(__name__)
+PUBLISHED_STATES = (EntryState.VALID, EntryState.INVALID, EntryState.UNCHECKED)
 # Named points inside publish where a test can crash the process (docs/design.md section 12).
 FAULT_POINTS = ("before_manifest", "before_rename", "before_latest", "before_retention")
 _MAX_CHECKPOINT_ID = 512
@@ -123,6 +125,11 @@ class SnapshotStore:
 
     def list(self, *, verify: bool = True) -> list[SnapshotEntry]:
         return list_entries(self.run_dir, self.run_id, verify=verify)
+
+    def has_published(self) -> bool:
+        """Whether the run has published a snapshot (verified or not): a fresh controller of
+        it awaits its restore."""
+        return any(entry.state in PUBLISHED_STATES for entry in self.list(verify=False))
 
     def latest_pointer(self) -> LatestPointer | None:
         return read_latest(self.run_dir)
