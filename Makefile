@@ -113,6 +113,7 @@ bench: setup
 	$(BIN)/python bench/gateway_bench.py
 	$(BIN)/python bench/dataplane_bench.py
 	$(BIN)/python bench/run_bench.py
+	$(BIN)/python bench/trainer_resume_bench.py
 
 clean:
 	rm -rf $(VENV) $(GYM_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -129,6 +129,7 @@ class RolloutSource:
         self._failure: BaseException | None = None
         self._changed = asyncio.Event()  # wakes the dispatcher: a seal, a claim, a commit
         self._sealed = asyncio.Event()  # wakes batch(): a seal, or a failure
+        self._waiting = False  # batch() waits for groups: hand them out even at ahead_steps=0
         self._engine_offsets: dict[str, int] = {}
         self._version = 0
         self._exit: contextlib.AsyncExitStack | None = None
@@ -289,8 +290,12 @@ class RolloutSource:
             if groups := await self.rollouts.select():
                 break
             self._sealed.clear()
+            self._waiting = True
             self._changed.set()
-            await self._sealed.wait()
+            try:
+                await self._sealed.wait()
+            finally:
+                self._waiting = False
         step = self.weight_version
         await self.rollouts.claim(groups, step)
         rows = await self.rollouts.rows(groups)
@@ -366,13 +371,15 @@ class RolloutSource:
     # ---- generation ------------------------------------------------------------------------
 
     async def _dispatch_loop(self) -> None:
-        """Keep ``ahead_steps`` steps' worth of groups handed out besides those claimed, and an
-        episode running for every rollout the run owes."""
+        """Keep ``ahead_steps`` steps' worth of groups handed out besides those claimed (one
+        step's while :meth:`batch` waits, at 0), and an episode running for every rollout the
+        run owes."""
         per_step = self.controller.state.config.groups_per_step
         while True:
             self._changed.clear()
             claimed = sum(len(batch.groups) for batch in self._outstanding)
-            wanted = per_step * max(1, self._ahead) - (await self.rollouts.owned() - claimed)
+            ahead = max(self._ahead, 1 if self._waiting else 0)  # 0: only what batch() waits on
+            wanted = per_step * ahead - (await self.rollouts.owned() - claimed)
             if wanted > 0:
                 await self.rollouts.handout_next(wanted)
             for owed in await self.rollouts.owed():

@@ -254,12 +254,16 @@ class LosslessRollouts(TrainerCallback, ExportableState):  # type: ignore[misc]
     def _rows_per_epoch(self, trainer: GRPOTrainer) -> int:
         """Dataset rows an epoch hands out: TRL's sampler drops a last short step's prompts."""
         assert self._shape is not None
-        per_step = self._shape[1]
-        rows = (len(trainer.train_dataset) // per_step) * per_step
+        per_step, dataset = self._shape[1], trainer.train_dataset
+        if not hasattr(dataset, "__len__"):  # a group's prompt is found by its index
+            raise InvalidInput(
+                f"the train dataset is a {type(dataset).__name__}: rollsafe's rollouts need a "
+                "map-style one (datasets.Dataset), whose rows an index finds"
+            )
+        rows = (len(dataset) // per_step) * per_step
         if rows == 0:
             raise InvalidInput(
-                f"the dataset's {len(trainer.train_dataset)} prompts are fewer than a step's "
-                f"{per_step}"
+                f"the dataset's {len(dataset)} prompts are fewer than a step's {per_step}"
             )
         return rows
 

@@ -6,8 +6,9 @@ seeds. Two modes, the same trainer, the same engine:
 - ``rollsafe``: rollouts from :class:`rollsafe.integrations.trl.LosslessRollouts` (settings from
   ``ROLLSAFE_*``), its evidence in ``OUT/evidence``;
 - ``plain``: TRL alone, a stateless ``rollout_func`` calling the engine directly (what a TRL user
-  wires to an external engine today) and a callback sending each step's weights to it; every
-  completion it makes is one line of ``OUT/plain_generations.jsonl``.
+  wires to an external engine today) and a callback sending each step's weights to it; each
+  completion's start and end are lines of ``OUT/plain_generations.jsonl`` (the evidence's
+  ``generations.jsonl`` format: ``rollsafe.evidence.verify.account_generations`` reads both).
 
 It prints one line per event, flushed, for a test to wait on (never a timing): ``[step N]``
 when optimizer step N committed (and the wall clock then), ``[saved N]`` once checkpoint-N is
@@ -19,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from rollsafe.evidence.files import GenerationEvent, append_lines
 
 PROMPTS = 64
 GROUP_SIZE, GROUPS_PER_STEP, MAX_TOKENS = 2, 2, 8
@@ -40,10 +42,12 @@ class PlainRollouts:
     """TRL alone: each step's completions from the engine, nothing kept between calls; with
     the callback's weights sent after every step (:meth:`on_step_end`)."""
 
-    def __init__(self, engine_url: str, token: str, out: Path) -> None:
+    def __init__(self, engine_url: str, token: str, out: Path, args: argparse.Namespace) -> None:
         from rollsafe.engine.http import EngineClient
         from rollsafe.loop_thread import LoopThread
 
+        self.size, self.per_step = args.num_generations, args.groups_per_step
+        self.max_tokens = args.max_tokens
         self.loop = LoopThread("plain-trl")
         self.engine = self.loop.run(_client(EngineClient, engine_url, token))
         self.log = out / PLAIN_GENERATIONS
@@ -53,16 +57,10 @@ class PlainRollouts:
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
         from rollsafe.integrations.trl import prompt_ids
 
-        step, size = trainer.state.global_step, GROUP_SIZE
         ids = [prompt_ids(trainer.processing_class, p, {}) for p in prompts]
-        started = time.time()
-        made = self.loop.run(self._complete_all(step, ids, trainer.eos_token_ids))
-        seconds = time.time() - started
-        with self.log.open("a") as log:
-            for j in range(len(prompts)):  # one line per completion: its stream position
-                group = step * GROUPS_PER_STEP + j // size
-                line = {"group": group, "sibling": j % size, "seconds": seconds / len(prompts)}
-                log.write(json.dumps(line) + "\n")
+        made = self.loop.run(
+            self._complete_all(trainer.state.global_step, ids, trainer.eos_token_ids)
+        )
         return {
             "prompt_ids": ids,
             "completion_ids": [list(c.tokens) for c in made],
@@ -73,15 +71,23 @@ class PlainRollouts:
         from rollsafe.engine.protocol import GenerateRequest, SamplingParams, completion_of
 
         async def one(j: int, prompt: list[int]) -> Any:
-            group, sibling = step * GROUPS_PER_STEP + j // GROUP_SIZE, j % GROUP_SIZE
+            group, sibling = step * self.per_step + j // self.size, j % self.size
             sampling = SamplingParams(
-                seed=group * GROUP_SIZE + sibling, max_tokens=MAX_TOKENS, stop_token_ids=stop
+                seed=group * self.size + sibling, max_tokens=self.max_tokens, stop_token_ids=stop
             )
             call = f"plain-{self.run}-{group}_g{sibling}-{uuid.uuid4().hex[:6]}"
             request = GenerateRequest(call_id=call, prompt_tokens=prompt, sampling=sampling)
-            return completion_of(call, [e async for e in self.engine.generate(request)])
+            rollout = f"plain-{group}_g{sibling}"  # the same prompt's, in every process
+            self._record("started", rollout)
+            done = completion_of(call, [e async for e in self.engine.generate(request)])
+            self._record("sealed", rollout)
+            return done
 
         return await asyncio.gather(*(one(j, p) for j, p in enumerate(prompts)))
+
+    def _record(self, event: Literal["started", "sealed"], rollout: str) -> None:
+        line = GenerationEvent(event=event, rollout_id=rollout, attempt=0, at_unix=time.time())
+        append_lines(self.log, [line])
 
     def send_weights(self, weights: Any) -> None:
         async def send() -> None:
@@ -105,6 +111,8 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=6)
     parser.add_argument("--save-steps", type=int, default=2)
     parser.add_argument("--num-generations", type=int, default=GROUP_SIZE)
+    parser.add_argument("--groups-per-step", type=int, default=GROUPS_PER_STEP)
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     parser.add_argument("--ahead-steps", type=int, default=2)
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
@@ -123,9 +131,9 @@ def main() -> None:
         max_steps=args.max_steps,
         save_steps=args.save_steps,
         num_generations=args.num_generations,
-        per_device_train_batch_size=args.num_generations * GROUPS_PER_STEP,
+        per_device_train_batch_size=args.num_generations * args.groups_per_step,
         gradient_accumulation_steps=1,
-        max_completion_length=MAX_TOKENS,
+        max_completion_length=args.max_tokens,
         learning_rate=1e-3,
         shuffle_dataset=False,
         use_cpu=True,
@@ -142,9 +150,8 @@ def main() -> None:
         rollouts: Any = LosslessRollouts(evidence=evidence, ahead_steps=args.ahead_steps)
         callbacks: list[Any] = [rollouts]
     else:
-        plain = PlainRollouts(
-            os.environ["ROLLSAFE_TRL_ENGINE_URL"], os.environ["ROLLSAFE_ENGINE_TOKEN"], args.out
-        )
+        url, token = os.environ["ROLLSAFE_TRL_ENGINE_URL"], os.environ["ROLLSAFE_ENGINE_TOKEN"]
+        plain = PlainRollouts(url, token, args.out, args)
         rollouts, callbacks = plain, []
 
     class Events(TrainerCallback):  # type: ignore[misc]

@@ -33,8 +33,14 @@ from safetensors.torch import load_file
 
 from rollsafe.engine.http import EngineClient
 from rollsafe.engine.loop import HoldRule
-from rollsafe.evidence.files import GENERATIONS, Evidence, GenerationEvent, append_lines
-from rollsafe.evidence.verify import verify
+from rollsafe.evidence.files import (
+    GENERATIONS,
+    Evidence,
+    GenerationEvent,
+    append_lines,
+    read_lines,
+)
+from rollsafe.evidence.verify import account_generations, verify
 from rollsafe.loop_thread import LoopThread
 from rollsafe.reference.rl.controller import Endpoints
 from rollsafe.reference.rl.policy import HfModel
@@ -237,7 +243,6 @@ def test_trl_alone_killed_at_the_same_point_generates_its_prompts_again(
     second = run_to_end(trl_command("plain", servers.model, tmp_path, resume=True), env)
     assert second[-1].startswith(f"[done {STEPS}]"), second
 
-    lines = (tmp_path / PLAIN_GENERATIONS).read_text().splitlines()
-    made = Counter((json.loads(line)["group"], json.loads(line)["sibling"]) for line in lines)
-    again = sorted({group for (group, _), n in made.items() if n > 1})
+    spent = account_generations(read_lines(tmp_path / PLAIN_GENERATIONS, GenerationEvent))
+    again = sorted({int(rollout.split("-")[1].split("_")[0]) for rollout in spent.sealed_twice})
     assert again[:2] == [4, 5], again  # step 2's prompts: finished, trained, generated again
