@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import platform
 import statistics
@@ -54,27 +53,14 @@ from rollsafe.evidence.files import (
     read_lines,
 )
 from rollsafe.evidence.verify import account_generations, verify
-from rollsafe.reference.rl.controller import Endpoints
 from rollsafe.reference.rl.policy import HfModel
 from rollsafe.reference.rl.servers import RunServers
 from rollsafe.temporal.devserver import DevServer
-from rollsafe.testing.trl_run import PLAIN_GENERATIONS
+from rollsafe.testing.trl_run import PLAIN_GENERATIONS, user_env
 
 
-def user_env(dev: DevServer, endpoints: Endpoints, root: Path) -> dict[str, str]:
-    connection = dev.settings()
-    return {
-        **os.environ,
-        "ROLLSAFE_RUN_ID": f"bench-{uuid.uuid4().hex[:8]}",
-        "ROLLSAFE_SNAPSHOT_ROOT": str(root / "snapshots"),
-        "ROLLSAFE_PARTICIPANTS__ENVS": json.dumps(endpoints.envs),
-        "ROLLSAFE_PARTICIPANTS__ENGINES": json.dumps({"vllm": endpoints.engine_url}),
-        "ROLLSAFE_ENV_TOKEN": endpoints.env_token,
-        "ROLLSAFE_ENGINE_TOKEN": endpoints.engine_token,
-        "ROLLSAFE_TRL_ENGINE_URL": endpoints.engine_url,
-        "TEMPORAL_ADDRESS": connection.address,
-        "TEMPORAL_NAMESPACE": connection.namespace,
-    }
+def new_run_id() -> str:
+    return f"bench-{uuid.uuid4().hex[:8]}"
 
 
 def command(mode: str, model: Path, out: Path, args: argparse.Namespace, resume: bool) -> list[str]:
@@ -186,9 +172,9 @@ def main() -> None:
         try:
             endpoints = servers.start()
             modes = ("plain", "rollsafe")
-            env = {mode: user_env(dev, endpoints, root) for mode in modes}  # a run id each
+            env = {mode: user_env(dev.settings(), endpoints, root, new_run_id()) for mode in modes}
             rates = {mode: throughput(mode, env[mode], model, root, args) for mode in modes}
-            env = {mode: user_env(dev, endpoints, root) for mode in modes}
+            env = {mode: user_env(dev.settings(), endpoints, root, new_run_id()) for mode in modes}
             kills = {mode: kill_and_resume(mode, env[mode], model, root, args) for mode in modes}
         finally:
             servers.stop()

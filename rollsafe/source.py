@@ -154,8 +154,8 @@ class RolloutSource:
             await self.let_go()
 
     async def _open(self, stack: contextlib.AsyncExitStack) -> None:
-        if self._must_restore and not self._start_over:
-            self._require_snapshots()  # before the controller: a refusal writes nothing
+        if not self._start_over:  # before the controller: a refusal writes nothing
+            self._check_new_run()
         controller = Controller.from_settings(
             self.settings, start_over=self._start_over, **self._run
         )
@@ -213,29 +213,28 @@ class RolloutSource:
 
     async def _begin(self) -> None:
         """A new run (or one started over), at the newest weight version the trainer holds."""
-        if self._evidence is not None and not self._start_over:
-            self._evidence_is_new()
         start = max(self._held or (0,))
         if start > 0:
             await self.rollouts.set_weight_version(start)
 
-    def _require_snapshots(self) -> None:
+    def _check_new_run(self) -> None:
+        """A run without snapshots is a new run: refused for a trainer that resumes
+        (``must_restore``), and with evidence of an earlier run in the evidence directory."""
         root, run_id = self.settings.require_snapshot_root(), self.settings.require_run_id()
         store = open_snapshot_store(root, run_id, cache_dir=self.settings.snapshots.cache)
-        if not store.has_published():
+        if store.has_published():
+            return
+        if self._must_restore:
             raise CheckpointMismatch(
                 f"run {run_id!r} has no snapshot under {root} to restore, and the trainer "
                 f"resumes from weight version {max(self._held or (0,))}: check run_id and "
                 "snapshot_root, or start a new run from the checkpoint"
             )
-
-    def _evidence_is_new(self) -> None:
-        assert self._evidence is not None
         for name in (TRAINED, GENERATIONS):
-            path = self._evidence.out / name
-            if path.exists() and path.stat().st_size > 0:
+            path = self._evidence.out / name if self._evidence is not None else None
+            if path is not None and path.exists() and path.stat().st_size > 0:
                 raise InvalidInput(
-                    f"{path} holds evidence of an earlier run {self.run_id!r}, but the run has no "
+                    f"{path} holds evidence of an earlier run {run_id!r}, but the run has no "
                     "snapshot to restore: use another evidence directory, or start_over=True"
                 )
 

@@ -20,17 +20,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rollsafe.evidence.files import GenerationEvent, append_lines
+
+if TYPE_CHECKING:
+    from rollsafe.reference.rl.controller import Endpoints
+    from rollsafe.temporal.connect import ConnectionSettings
 
 PROMPTS = 64
 GROUP_SIZE, GROUPS_PER_STEP, MAX_TOKENS = 2, 2, 8
 PLAIN_GENERATIONS = "plain_generations.jsonl"
+ENGINE_URL_ENV = "ROLLSAFE_TRL_ENGINE_URL"  # TRL alone's engine
 
 
 def reward_low_tokens(completion_ids: list[list[int]], **_: Any) -> list[float]:
@@ -99,6 +105,25 @@ class PlainRollouts:
         self.loop.run(send())
 
 
+def user_env(
+    connection: ConnectionSettings, endpoints: Endpoints, root: Path, run_id: str
+) -> dict[str, str]:
+    """What a user of either mode exports: rollsafe's settings (the snapshot root under
+    ``root``), Temporal's, the servers' tokens, and TRL alone's engine."""
+    return {
+        **os.environ,
+        "ROLLSAFE_RUN_ID": run_id,
+        "ROLLSAFE_SNAPSHOT_ROOT": str(root / "snapshots"),
+        "ROLLSAFE_PARTICIPANTS__ENVS": json.dumps(endpoints.envs),
+        "ROLLSAFE_PARTICIPANTS__ENGINES": json.dumps({"vllm": endpoints.engine_url}),
+        "ROLLSAFE_ENV_TOKEN": endpoints.env_token,
+        "ROLLSAFE_ENGINE_TOKEN": endpoints.engine_token,
+        ENGINE_URL_ENV: endpoints.engine_url,
+        "TEMPORAL_ADDRESS": connection.address,
+        "TEMPORAL_NAMESPACE": connection.namespace,
+    }
+
+
 async def _client(cls: Any, url: str, token: str) -> Any:
     return cls(url, token)  # made on the loop that will use it
 
@@ -150,7 +175,7 @@ def main() -> None:
         rollouts: Any = LosslessRollouts(evidence=evidence, ahead_steps=args.ahead_steps)
         callbacks: list[Any] = [rollouts]
     else:
-        url, token = os.environ["ROLLSAFE_TRL_ENGINE_URL"], os.environ["ROLLSAFE_ENGINE_TOKEN"]
+        url, token = os.environ[ENGINE_URL_ENV], os.environ["ROLLSAFE_ENGINE_TOKEN"]
         plain = PlainRollouts(url, token, args.out, args)
         rollouts, callbacks = plain, []
 

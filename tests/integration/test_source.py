@@ -134,6 +134,18 @@ def test_a_trainer_resuming_a_run_that_has_no_snapshot_is_refused(
     assert not any(p.is_file() for p in (tmp_path / "snapshots").rglob("*"))  # nothing written
 
 
+def test_evidence_of_an_earlier_run_is_not_written_over_by_a_new_one(
+    server: Any, tmp_path: Path
+) -> None:
+    config, out = settings(server, tmp_path, f"src-{uuid.uuid4().hex[:8]}"), tmp_path / "ev"
+    out.mkdir()
+    (out / "trained_rows.jsonl").write_text('{"an": "earlier run"}\n')
+    with pytest.raises(InvalidInput, match=r"holds evidence of an earlier run"):
+        SyncRolloutSource(config, generate=Generations(), evidence=out)
+    assert (out / "trained_rows.jsonl").read_text() == '{"an": "earlier run"}\n'
+    assert not (tmp_path / "snapshots").exists()
+
+
 def test_bad_options_are_refused_by_name() -> None:
     plain = Settings.load({"run_id": "x"}, env={})
     with pytest.raises(InvalidInput, match="give task= and to_row="):

@@ -17,8 +17,6 @@ trained once, whole; no sealed rollout generated twice):
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 import time
@@ -45,7 +43,7 @@ from rollsafe.loop_thread import LoopThread
 from rollsafe.reference.rl.controller import Endpoints
 from rollsafe.reference.rl.policy import HfModel
 from rollsafe.reference.rl.servers import RunServers
-from rollsafe.testing.trl_run import GROUP_SIZE, GROUPS_PER_STEP, PLAIN_GENERATIONS
+from rollsafe.testing.trl_run import GROUP_SIZE, GROUPS_PER_STEP, PLAIN_GENERATIONS, user_env
 from rollsafe.testing.waiting import eventually
 
 pytest.importorskip("vllm")
@@ -92,23 +90,6 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
         yield Servers(servers, servers.start(hold=hold), model)
     finally:
         servers.stop()
-
-
-def user_env(server: Any, endpoints: Endpoints, root: Path, run_id: str) -> dict[str, str]:
-    """What the user exports: rollsafe's settings, Temporal's, the servers' tokens."""
-    connection = server.settings()
-    return {
-        **os.environ,
-        "ROLLSAFE_RUN_ID": run_id,
-        "ROLLSAFE_SNAPSHOT_ROOT": str(root / "snapshots"),
-        "ROLLSAFE_PARTICIPANTS__ENVS": json.dumps(endpoints.envs),
-        "ROLLSAFE_PARTICIPANTS__ENGINES": json.dumps({"vllm": endpoints.engine_url}),
-        "ROLLSAFE_ENV_TOKEN": endpoints.env_token,
-        "ROLLSAFE_ENGINE_TOKEN": endpoints.engine_token,
-        "ROLLSAFE_TRL_ENGINE_URL": endpoints.engine_url,
-        "TEMPORAL_ADDRESS": connection.address,
-        "TEMPORAL_NAMESPACE": connection.namespace,
-    }
 
 
 def example_command(model: Path, tmp_path: Path) -> list[str]:
@@ -175,7 +156,7 @@ def test_the_example_killed_mid_run_restores_and_trains_every_group_once(
     server: Any, servers: Servers, tmp_path: Path
 ) -> None:
     run_id, command = f"example-{uuid.uuid4().hex[:8]}", example_command(servers.model, tmp_path)
-    env = user_env(server, servers.endpoints, tmp_path, run_id)
+    env = user_env(server.settings(), servers.endpoints, tmp_path, run_id)
     env.update(ROLLSAFE_RUN__GROUP_SIZE="2", ROLLSAFE_RUN__GROUPS_PER_STEP="2")
     env.update(ROLLSAFE_RUN__SAMPLER="in_order")
     run_until(command, env, EXAMPLE_KILL_AFTER, tmp_path / "first.err")
@@ -204,7 +185,7 @@ def test_the_example_killed_mid_run_restores_and_trains_every_group_once(
 def test_trl_with_rollsafe_killed_between_checkpoints_loses_nothing(
     server: Any, servers: Servers, tmp_path: Path
 ) -> None:
-    env = user_env(server, servers.endpoints, tmp_path, RUN_ID)
+    env = user_env(server.settings(), servers.endpoints, tmp_path, RUN_ID)
     command = trl_command("rollsafe", servers.model, tmp_path)
     first = run_until(command, env, KILL_AFTER, tmp_path / "first.err")
     assert "[saved 2]\n" in first and "[saved 4]\n" not in first
@@ -214,7 +195,7 @@ def test_trl_with_rollsafe_killed_between_checkpoints_loses_nothing(
     # calls. The user starts the same command again, resuming from TRL's newest checkpoint.
     endpoints = servers.restart_environments()
     engine_idle(endpoints)
-    env = user_env(server, endpoints, tmp_path, RUN_ID)
+    env = user_env(server.settings(), endpoints, tmp_path, RUN_ID)
     second = run_to_end(trl_command("rollsafe", servers.model, tmp_path, resume=True), env)
     assert [line.split("]")[0] for line in second if line.startswith("[step")] == [
         f"[step {n}" for n in range(3, STEPS + 1)
@@ -238,7 +219,7 @@ def test_trl_with_rollsafe_killed_between_checkpoints_loses_nothing(
 def test_trl_alone_killed_at_the_same_point_generates_its_prompts_again(
     server: Any, servers: Servers, tmp_path: Path
 ) -> None:
-    env = user_env(server, servers.endpoints, tmp_path, RUN_ID)
+    env = user_env(server.settings(), servers.endpoints, tmp_path, RUN_ID)
     run_until(trl_command("plain", servers.model, tmp_path), env, KILL_AFTER, tmp_path / "e")
     second = run_to_end(trl_command("plain", servers.model, tmp_path, resume=True), env)
     assert second[-1].startswith(f"[done {STEPS}]"), second

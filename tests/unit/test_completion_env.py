@@ -5,11 +5,17 @@ end to end in tests/integration/test_trainers.py."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from rollsafe.engine.loop import HOLD_ENV, HoldRule
+from rollsafe.engine.model import ModelConfig
+from rollsafe.engine.torch_engine import TorchEngine
 from rollsafe.env.completion import (
     CompletionEnv,
     CompletionRecord,
@@ -17,11 +23,22 @@ from rollsafe.env.completion import (
     completion_row,
     parsed,
 )
-from rollsafe.env.protocol import EpisodeRef, EpisodeResult
+from rollsafe.env.participant import Participant
+from rollsafe.env.protocol import (
+    CommitRequest,
+    EpisodeRef,
+    EpisodeResult,
+    PrepareRequest,
+    RestoreRequest,
+    ResumeRequest,
+    RunEpisode,
+)
 from rollsafe.env.serve import ServeContext
 from rollsafe.errors import InvalidInput
+from rollsafe.testing.waiting import eventually_async
 
 TASK = {"prompt": [5, 6, 7], "max_tokens": 4}
+CONFIG = ModelConfig()
 
 
 @pytest.mark.parametrize(
@@ -67,3 +84,53 @@ def test_a_result_becomes_its_training_row() -> None:
     )
     assert row["prompt"].tolist() == [5, 6, 7] and row["tokens"].tolist() == [9, 10]
     assert row["logprobs"].dtype == np.float32 and int(row["restored_prefix_tokens"]) == 1
+
+
+async def test_a_call_cut_while_parked_resumes_from_its_prefix_on_a_fresh_instance(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The episode's call is held by the engine after 2 tokens, parked, cut, committed; a fresh
+    instance restores it as attempt 1, which takes those 2 tokens from the prefix and ends with
+    exactly the tokens an uncut run of the same rollout makes."""
+    monkeypatch.setenv(HOLD_ENV, HoldRule(calls=r"_g0/t0$", after_tokens=2).model_dump_json())
+    task = {"prompt": [5, 6, 7], "max_tokens": 6}
+    ref = EpisodeRef(rollout_id="run-1_g0", attempt=0)
+    async with TorchEngine(CONFIG, seed=0) as engine:
+        first = Participant("c-0", CompletionEnv(ServeContext(engine=engine)))
+        run = asyncio.ensure_future(first.run(RunEpisode(episode=ref, task=task)))
+        await eventually_async(lambda: _held(engine), what="the call held")
+        parked = await first.prepare(
+            PrepareRequest(checkpoint_id="ck1", deadline_ts=time.time() + 5)
+        )
+        [episode] = parked.parked
+        assert episode.activity == "generating" and episode.model_call_id is not None
+        cut = await engine.cut([episode.model_call_id])
+        [prefix] = cut.prefixes
+        await first.commit(CommitRequest(checkpoint_id="ck1", scope=(ref,), dest=str(tmp_path)))
+        run.cancel()
+
+        fresh = Participant("c-0", CompletionEnv(ServeContext(engine=engine)))
+        await fresh.restore(
+            RestoreRequest(
+                restore_id="r1",
+                source_checkpoint_id="ck1",
+                root=str(tmp_path),
+                scope=(ref,),
+                prefixes={prefix.call_id: prefix.model_dump(mode="json")},
+                deadline_ts=time.time() + 5,
+            )
+        )
+        await fresh.resume(ResumeRequest(checkpoint_id="r1"))  # the restore's own id
+        resumed = await fresh.run(RunEpisode(episode=ref.next_attempt(), task=task))
+        again = Participant("c-1", CompletionEnv(ServeContext(engine=engine)))
+        uncut = await again.run(RunEpisode(episode=ref, task=task))  # the hold has ended
+    assert resumed.info["attempt"]["resumed_tokens"] == len(prefix.tokens) == 2
+    assert resumed.info["tokens"][:2] == list(prefix.tokens)
+    assert resumed.info["tokens"] == uncut.info["tokens"] and len(uncut.info["tokens"]) == 6
+    assert uncut.info["attempt"]["resumed_tokens"] == 0
+    row = completion_row(resumed)
+    assert row["tokens"].tolist() == resumed.info["tokens"]
+
+
+async def _held(engine: TorchEngine) -> bool:
+    return (await engine.info()).held > 0

@@ -1,7 +1,8 @@
 """rollsafe.integrations.trl's checks, on TRL's own objects (GRPOConfig, TrainerState): a
 configuration its rollouts cannot serve, and a resumed checkpoint that is not this run's (saved
 without rollsafe, another run's, another group shape) are refused by name before any step, and
-the record a checkpoint carries comes back through TRL's own trainer_state.json."""
+the record a checkpoint carries comes back through TRL's own trainer_state.json; on a real
+GRPOTrainer, a group's task is its dataset row's prompt, tokenized as TRL would."""
 
 from __future__ import annotations
 
@@ -13,9 +14,16 @@ import pytest
 from datasets import Dataset
 from transformers import TrainerControl, TrainerState
 from trl.trainer.grpo_config import GRPOConfig
+from trl.trainer.grpo_trainer import GRPOTrainer
 
 from rollsafe.errors import CheckpointMismatch, InvalidInput
-from rollsafe.integrations.trl import LosslessRollouts, RunRecord, _check_prompts
+from rollsafe.integrations.trl import (
+    LosslessRollouts,
+    RunRecord,
+    _check_prompts,
+    _Tasks,
+    prompt_ids,
+)
 from rollsafe.settings import Settings
 from rollsafe.source import Batch
 
@@ -109,3 +117,62 @@ def test_prompts_from_another_order_are_refused(tmp_path: Path) -> None:
 def test_the_rollout_func_without_the_callback_is_refused() -> None:
     with pytest.raises(InvalidInput, match=r"pass it as both \(callbacks=\[rollouts\]\)"):
         rollouts()._open(None)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory: pytest.TempPathFactory) -> GRPOTrainer:
+    """A real GRPOTrainer on a tiny model built here, with the rollouts as its rollout_func
+    and callback (nothing trains: the tasks it would hand out are what is read)."""
+    from rollsafe.engine.vllm.models import ModelSpec, make_model
+
+    root = tmp_path_factory.mktemp("trl-trainer")
+    model = make_model(root / "model", ModelSpec(seed=0))
+    prompts = [f"prompt {i}" for i in range(5)]
+    rollouts = LosslessRollouts(Settings.load({"run_id": "run-a"}, env={}))
+    built = GRPOTrainer(
+        model=str(model),
+        reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+        args=config(root, max_completion_length=7, temperature=0.7, top_p=0.9),
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        rollout_func=rollouts,
+        callbacks=[rollouts],
+    )
+    rollouts.on_train_begin(built.args, built.state, TrainerControl())
+    return built
+
+
+def test_a_groups_task_is_its_dataset_rows_prompt_tokenized_as_trl_would(
+    trainer: GRPOTrainer,
+) -> None:
+    rollouts = next(
+        cb for cb in trainer.callback_handler.callbacks if isinstance(cb, LosslessRollouts)
+    )
+    rows = rollouts._rows_per_epoch(trainer)
+    assert rows == 4  # 5 prompts, 2 a step: TRL's sampler drops the last short step's
+    tasks = _Tasks(trainer, rows)
+    tokenizer = trainer.processing_class
+    assert tasks(1)["prompt"] == tokenizer("prompt 1")["input_ids"]
+    assert tasks(5) == tasks(1)  # the next epoch, in the same order
+    assert {k: tasks(0)[k] for k in ("max_tokens", "temperature", "top_p")} == {
+        "max_tokens": 7,
+        "temperature": 0.7,
+        "top_p": 0.9,
+    }
+    assert tokenizer.eos_token_id in tasks(0)["stop"]
+    chat = [{"role": "user", "content": "hello"}]
+    ids = prompt_ids(tokenizer, chat, {})
+    templated = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    assert ids == templated["input_ids"]  # transformers 5 answers a dict
+
+
+def test_a_streaming_dataset_is_refused_by_name(trainer: GRPOTrainer) -> None:
+    rollouts = next(
+        cb for cb in trainer.callback_handler.callbacks if isinstance(cb, LosslessRollouts)
+    )
+    streaming = trainer.train_dataset.to_iterable_dataset()
+    original, trainer.train_dataset = trainer.train_dataset, streaming
+    try:
+        with pytest.raises(InvalidInput, match=r"IterableDataset: .* map-style one"):
+            rollouts._rows_per_epoch(trainer)
+    finally:
+        trainer.train_dataset = original
