@@ -85,9 +85,12 @@ WORKERS = NodeSpec("workers", {"worker_node": 1}, num_cpus=0)  # a checkpoint wo
 OPTIONS = PhaseOptions(
     heartbeat_timeout_s=2, retry_initial_s=0.1, retry_maximum_s=0.5, local_park_window=False
 )
-# Capture sleeps this long in the controller the first time: the hosted worker is inside it
-# while the process worker starts and the node dies.
-HOLD_S = 15
+# Capture is held in the controller the first time (the fault point waits for this file,
+# made under the test's tmp_path): the hosted worker is inside it while the process worker
+# starts and the node dies, however long that takes on a loaded machine; the test then lets it
+# go. (A fixed 15 s sleep was the hold before: a worker that took longer to start under load
+# found capture over.)
+RELEASE = "capture-released"
 WAIT_S = 90.0  # any one wait: generous on a loaded 2-core machine, still fails a hang
 T0 = [time.monotonic()]
 
@@ -220,7 +223,7 @@ async def drill(
             await run.seal(idx, i)
 
         # ---- snapshot 1, its capture held by the worker on the doomed node -------------
-        client, ckpt = await start_checkpointer(run_id, dev, controller)
+        client, ckpt = await start_checkpointer(run_id, dev, controller, tmp_path / RELEASE)
         first = asyncio.create_task(ckpt.snapshot_now(timeout=WAIT_S * 2))
         snapshot_1 = client.get_workflow_handle(snapshot_workflow_id(run_id, 1))
         assert await capture_holder(snapshot_1) == doomed_pid  # the only worker so far
@@ -264,11 +267,11 @@ async def check_placement(
 
 
 async def start_checkpointer(
-    run_id: str, dev: DevServer, controller: Any
+    run_id: str, dev: DevServer, controller: Any, release: Path
 ) -> tuple[Client, Checkpointer]:
-    """Arm the controller's capture to take HOLD_S seconds (once), then start the run's
+    """Arm the controller's capture to wait for ``release`` (once), then start the run's
     checkpointer: the Temporal client and the started checkpointer."""
-    hold = f"sleep:{HOLD_S}"
+    hold = f"until:{release}"
     await controller.__ray_call__.remote(arm_fault, "phase.capture.before", hold, 1)
     client: Client = await connect(dev.settings())
     checkpointer = Checkpointer(run_id, client=client, options=OPTIONS, participants=False)
@@ -293,6 +296,7 @@ async def kill_the_workers_node(
     assert not first.done()
     killed = cluster.node(WORKERS.name).kill()
     assert doomed_pid in killed
+    (tmp_path / RELEASE).touch()  # the dead worker's capture may end now: nobody awaits it
     mark(f"second worker polling; workers node killed ({len(killed)} processes)")
     return survivor_pid
 

@@ -12,8 +12,8 @@ trained once, whole; no sealed rollout generated twice):
   True)``). With rollsafe, the calls the snapshot at checkpoint-2 cut stay held on the engine
   until the kill, so the trainer is killed waiting for them in step 3; the resumed trainer
   restores the run at checkpoint-2, resumes those calls from their prefixes, and trains step 2's
-  groups again from their sealed rows (not generated again). TRL alone generates step 2's
-  prompts again."""
+  groups again from their sealed rows (not generated again). TRL alone, run side by side with it,
+  generates step 2's prompts again."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -182,26 +183,53 @@ def test_the_example_killed_mid_run_restores_and_trains_every_group_once(
 
 
 @pytest.mark.timeout(900)
-def test_trl_with_rollsafe_killed_between_checkpoints_loses_nothing(
+def test_trl_with_and_without_rollsafe_killed_at_the_same_point(
     server: Any, servers: Servers, tmp_path: Path
 ) -> None:
+    """Side by side on the one engine: each mode's first life runs until step 3 committed and
+    is SIGKILLed (rollsafe's then waits on its held groups); then each is resumed from TRL's
+    newest checkpoint, checkpoint-2, and runs to the end."""
     env = user_env(server.settings(), servers.endpoints, tmp_path, RUN_ID)
-    command = trl_command("rollsafe", servers.model, tmp_path)
-    first = run_until(command, env, KILL_AFTER, tmp_path / "first.err")
-    assert "[saved 2]\n" in first and "[saved 4]\n" not in first
-    killed = GenerationEvent(event="killed", at_unix=time.time())
-    append_lines(tmp_path / "evidence" / GENERATIONS, [killed])
+    outs = {mode: tmp_path / mode for mode in ("rollsafe", "plain")}
+    for out in outs.values():
+        out.mkdir()
+    with ThreadPoolExecutor(2) as pool:
+        firsts = {
+            mode: pool.submit(
+                run_until, trl_command(mode, servers.model, out), env, KILL_AFTER, out / "err"
+            )
+            for mode, out in outs.items()
+        }
+        first = {mode: future.result() for mode, future in firsts.items()}
+    assert "[saved 2]\n" in first["rollsafe"] and "[saved 4]\n" not in first["rollsafe"]
+    for generations in (
+        outs["rollsafe"] / "evidence" / GENERATIONS,
+        outs["plain"] / PLAIN_GENERATIONS,
+    ):
+        append_lines(generations, [GenerationEvent(event="killed", at_unix=time.time())])
     # The trainer's node died with its environments; the engine lives on and lets go of their
     # calls. The user starts the same command again, resuming from TRL's newest checkpoint.
     endpoints = servers.restart_environments()
     engine_idle(endpoints)
     env = user_env(server.settings(), endpoints, tmp_path, RUN_ID)
-    second = run_to_end(trl_command("rollsafe", servers.model, tmp_path, resume=True), env)
-    assert [line.split("]")[0] for line in second if line.startswith("[step")] == [
-        f"[step {n}" for n in range(3, STEPS + 1)
-    ], second
+    with ThreadPoolExecutor(2) as pool:
+        seconds = {
+            mode: pool.submit(run_to_end, trl_command(mode, servers.model, out, resume=True), env)
+            for mode, out in outs.items()
+        }
+        second = {mode: future.result() for mode, future in seconds.items()}
+    for mode, lines in second.items():
+        steps = [line.split("]")[0] for line in lines if line.startswith("[step")]
+        assert steps == [f"[step {n}" for n in range(3, STEPS + 1)], (mode, lines)
+    check_rollsafe_lost_nothing(outs["rollsafe"])
+    # TRL alone: step 2's prompts were finished and trained, and are generated again.
+    spent = account_generations(read_lines(outs["plain"] / PLAIN_GENERATIONS, GenerationEvent))
+    again = sorted({int(rollout.split("-")[1].split("_")[0]) for rollout in spent.sealed_twice})
+    assert again[:2] == [4, 5], again
 
-    evidence = Evidence.read(tmp_path / "evidence")
+
+def check_rollsafe_lost_nothing(out: Path) -> None:
+    evidence = Evidence.read(out / "evidence")
     checks = {check.name: check for check in verify(evidence)}
     assert all(check.ok for check in checks.values()), checks
     assert "no sealed rollout generated twice" in checks
@@ -211,19 +239,5 @@ def test_trl_with_rollsafe_killed_between_checkpoints_loses_nothing(
     assert rolled_back == {4, 5}  # step 2 committed after checkpoint-2: trained again
     resumed = {row.group_idx for row in evidence.trained if row.restored_prefix_tokens >= 2}
     assert resumed == set(HELD_GROUPS)  # their cut calls resumed from the prefix, not redone
-    saved = sorted(p.name for p in (tmp_path / "trl").glob("checkpoint-*"))
+    saved = sorted(p.name for p in (out / "trl").glob("checkpoint-*"))
     assert saved == [f"checkpoint-{n}" for n in range(SAVE_STEPS, STEPS + 1, SAVE_STEPS)]
-
-
-@pytest.mark.timeout(900)
-def test_trl_alone_killed_at_the_same_point_generates_its_prompts_again(
-    server: Any, servers: Servers, tmp_path: Path
-) -> None:
-    env = user_env(server.settings(), servers.endpoints, tmp_path, RUN_ID)
-    run_until(trl_command("plain", servers.model, tmp_path), env, KILL_AFTER, tmp_path / "e")
-    second = run_to_end(trl_command("plain", servers.model, tmp_path, resume=True), env)
-    assert second[-1].startswith(f"[done {STEPS}]"), second
-
-    spent = account_generations(read_lines(tmp_path / PLAIN_GENERATIONS, GenerationEvent))
-    again = sorted({int(rollout.split("-")[1].split("_")[0]) for rollout in spent.sealed_twice})
-    assert again[:2] == [4, 5], again  # step 2's prompts: finished, trained, generated again
