@@ -190,23 +190,11 @@ def silent_port() -> Iterator[int]:
 # worker's first module: it starts a Ray cluster of its own, which a process that joined
 # another (the session's `ray_session`) cannot. Run without xdist, the order holds too.
 FIRST = ("test_demo.py", "test_multinode.py")
-# Then the other long modules, longest first (each 1.5-2.5 minutes in a fresh-clone run,
-# 2026-12-06), so that none of them is left for one worker to run alone at the end while the
-# other has finished: scheduled last in the plain order, test_trainers.py and the vLLM modules
-# were (the stage took 19:49, this order is what `make test` measures in docs/testing.md).
-LONG = (
-    "test_demo_gym.py",
-    "test_trainers.py",
-    "test_vllm_http.py",
-    "test_nothing_left_behind.py",
-    "test_checkpoint_crash.py",
-)
-ORDER = FIRST + LONG
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> int:
         name = item.path.name
-        return ORDER.index(name) if name in ORDER else len(ORDER)
+        return FIRST.index(name) if name in FIRST else len(FIRST)
 
     items.sort(key=rank)  # stable: the rest keep their order
