@@ -9,6 +9,9 @@ seeds. Two modes, the same trainer, the same engine:
   wires to an external engine today) and a callback sending each step's weights to it; each
   completion's start and end are lines of ``OUT/plain_generations.jsonl`` (the evidence's
   ``generations.jsonl`` format: ``rollsafe.evidence.verify.account_generations`` reads both).
+  ``--keep-engine-weights``: it sends none, for a run beside another trainer on the same engine
+  (two trainers sending weights to one engine race on its weight version: the engine refuses
+  the one that is not newer).
 
 It prints one line per event, flushed, for a test to wait on (never a timing): ``[step N]``
 when optimizer step N committed (and the wall clock then), ``[saved N]`` once checkpoint-N is
@@ -140,6 +143,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     parser.add_argument("--ahead-steps", type=int, default=2)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--keep-engine-weights", action="store_true")  # plain: sends none
     args = parser.parse_args()
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -181,7 +185,7 @@ def main() -> None:
 
     class Events(TrainerCallback):  # type: ignore[misc]
         def on_step_end(self, a: Any, state: Any, c: Any, model: Any = None, **_: Any) -> None:
-            if plain is not None:
+            if plain is not None and not args.keep_engine_weights:
                 plain.send_weights(model.state_dict())
             print(f"[step {state.global_step}] {time.time():.3f}", flush=True)
 
@@ -196,7 +200,7 @@ def main() -> None:
         rollout_func=rollouts,
         callbacks=[*callbacks, Events()],
     )
-    if plain is not None:  # the engine serves this trainer's starting weights
+    if plain is not None and not args.keep_engine_weights:  # its starting weights
         plain.send_weights(trainer.model.state_dict())
     started = time.time()
     trainer.train(resume_from_checkpoint=True if args.resume else None)

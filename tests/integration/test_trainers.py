@@ -12,8 +12,8 @@ trained once, whole; no sealed rollout generated twice):
   True)``). With rollsafe, the calls the snapshot at checkpoint-2 cut stay held on the engine
   until the kill, so the trainer is killed waiting for them in step 3; the resumed trainer
   restores the run at checkpoint-2, resumes those calls from their prefixes, and trains step 2's
-  groups again from their sealed rows (not generated again). TRL alone, run side by side with it,
-  generates step 2's prompts again."""
+  groups again from their sealed rows (not generated again). TRL alone, run side by side with it
+  (sending no weights: one engine serves one trainer's), generates step 2's prompts again."""
 
 from __future__ import annotations
 
@@ -106,6 +106,7 @@ def trl_command(mode: str, model: Path, out: Path, *, resume: bool = False) -> l
         *("--model", str(model), "--out", str(out)),
         *("--max-steps", str(STEPS), "--save-steps", str(SAVE_STEPS)),
         *(["--resume"] if resume else []),
+        *(["--keep-engine-weights"] if mode == "plain" else []),  # the engine has one trainer
     ]
 
 
