@@ -51,6 +51,18 @@ SQLITE_PRAGMAS: Final[tuple[str, ...]] = ("journal_mode=wal", "synchronous=norma
 DEFAULT_STARTUP_TIMEOUT_S = 30.0
 DEFAULT_STOP_GRACE_S = 10.0
 _POLL_S = 0.05
+# A port picked for us (port=0) is free when picked and may be taken before the server binds
+# it: any process's outgoing connection draws its local port from the same ephemeral range (a
+# fresh-clone CI run met it: "bind: address already in use", the server exited). Such a start
+# picks another port, this many times in all; a port the user chose, or one a client already
+# knows, is never changed.
+_PORT_PICKS = 5
+_PORT_TAKEN = b"address already in use"
+
+
+class _PortTaken(TemporalUnavailable):
+    """The server could not bind its port: another process holds it."""
+
 
 # Servers this process started and has not stopped: stopped at interpreter exit so a test
 # run that dies with an exception leaves no orphan holding a port and a SQLite lock.
@@ -105,7 +117,8 @@ def _bind_port(ip: str, port: int) -> int:
 class DevServer:
     """``temporal server start-dev`` on ``ip:port`` with its state in ``state_dir``.
 
-    ``port=0`` picks a free port at the first start and keeps it for later starts. The state
+    ``port=0`` picks a free port at the first start (another one if it is taken before the
+    server binds it) and keeps it for later starts. The state
     dir holds ``temporal.db`` (SQLite), ``temporal.log`` (the server's output) and
     ``server.lock``, held for as long as the server process lives: a second server on the same
     state dir is refused instead of failing on a locked database.
@@ -144,6 +157,8 @@ class DevServer:
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self._lock_fd: int | None = None
+        self._log_from = 0  # where the last start's output begins in temporal.log
+        self._served = False  # started once: its port is known to clients from then on
         self.pid: int | None = None
         """PID of the last process started (kept after stop, so callers can check it is gone)."""
 
@@ -206,6 +221,16 @@ class DevServer:
         attributes registered. On any failure the process is stopped before raising."""
         if self.running:
             return self
+        for _ in range(_PORT_PICKS - 1):
+            try:
+                return await self._start_once()
+            except _PortTaken:
+                if self._requested_port or self._served:
+                    raise
+                self._port = None  # ours to pick, and taken under us: pick another
+        return await self._start_once()
+
+    async def _start_once(self) -> Self:
         self.stop()  # a server that died on its own still holds our log and lock fds
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._take_lock()
@@ -213,10 +238,16 @@ class DevServer:
             command = self.command()
             # A race with another process binding the port after this check shows up as our
             # server exiting at start, reported with its log.
-            _bind_port(self.ip, self.port)
+            try:
+                _bind_port(self.ip, self.port)
+            except InvalidInput as exc:
+                if self._requested_port or self._served:
+                    raise
+                raise _PortTaken(str(exc)) from None
             self._log = self.log_path.open("ab")
             self._log.write(f"\n--- {time.strftime('%Y-%m-%dT%H:%M:%S')} start\n".encode())
             self._log.flush()
+            self._log_from = self._log.tell()
             assert self._lock_fd is not None
             # Popen returns once the child is forked; asyncio's subprocess transport would tie
             # the server's life to this event loop, and the server must outlive it.
@@ -240,6 +271,7 @@ class DevServer:
         except BaseException:
             self.stop()
             raise
+        self._served = True
         return self
 
     def crash(self) -> None:
@@ -302,7 +334,8 @@ class DevServer:
         while True:
             if self._proc is None or self._proc.poll() is not None:
                 code = None if self._proc is None else self._proc.returncode
-                raise TemporalUnavailable(
+                failure = _PortTaken if _PORT_TAKEN in self._start_log() else TemporalUnavailable
+                raise failure(
                     f"Temporal dev server at {self.address} exited with code {code} while "
                     f"starting; {self.log_path}:\n{self._log_tail()}"
                 )
@@ -329,9 +362,17 @@ class DevServer:
                 last = str(exc)
             await asyncio.sleep(_POLL_S)
 
-    def _log_tail(self, limit: int = 4000) -> str:
+    def _start_log(self) -> bytes:
+        """What the server wrote since its last start."""
         with contextlib.suppress(OSError), self.log_path.open("rb") as log:
-            log.seek(0, os.SEEK_END)
-            log.seek(max(0, log.tell() - limit))
-            return log.read().decode(errors="replace")
-        return "(no log)"
+            log.seek(self._log_from)
+            return log.read()
+        return b"(no log)"
+
+    def _log_tail(self, limit: int = 4000) -> str:
+        """The last start's output; when long, its head (the cause: a Go panic's trace fills
+        the tail) and its tail."""
+        text = self._start_log()
+        if len(text) > limit:
+            text = text[: limit // 2] + b"\n[...]\n" + text[-limit // 2 :]
+        return text.decode(errors="replace")

@@ -194,6 +194,34 @@ async def test_a_taken_port_is_refused_before_launch(server: DevServer, tmp_path
         await DevServer(tmp_path, port=server.port).start()
 
 
+async def test_a_picked_port_taken_before_the_server_binds_it_is_picked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race port=0 leaves open, made certain: the first port picked passes the check and
+    is held by another listener when the server binds it; that start exits and the next one
+    runs on a port picked again."""
+    from rollsafe.temporal import devserver
+
+    real_bind = devserver._bind_port
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken: int = holder.getsockname()[1]
+        picked: list[int] = []
+
+        def racing_bind(ip: str, port: int) -> int:
+            if port == taken or (port == 0 and not picked):
+                picked.append(taken)  # free when picked and checked; the holder came first
+                return taken
+            return real_bind(ip, port)
+
+        monkeypatch.setattr(devserver, "_bind_port", racing_bind)
+        async with DevServer(tmp_path) as server:
+            assert server.port != taken
+            await connect(server.settings())
+    assert b"address already in use" in (tmp_path / "temporal.log").read_bytes()
+
+
 # ---- lifecycle ----
 
 
