@@ -10,6 +10,7 @@
     │   ├── CheckpointTimeout          a snapshot or restore did not end in time
     │   ├── DataPlaneUnavailable
     │   ├── TemporalUnavailable
+    │   │   └── PortTaken              a local dev server's port was taken before it bound it
     │   ├── EngineUnavailable          a generation engine did not answer, or went away
     │   ├── ControllerUnavailable      no controller for the run can be reached (yet)
     │   ├── ObjectStoreUnavailable     object storage failed in a way that may pass
@@ -127,6 +128,11 @@ class TemporalUnavailable(TransientError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return _rebuild, (type(self), str(self)), dict(vars(self))
+
+
+class PortTaken(TemporalUnavailable):
+    """A local Temporal dev server could not bind its port: another process holds it (one
+    picked for it is picked again: rollsafe.temporal.devserver)."""
 
 
 class EngineUnavailable(TransientError):

@@ -31,7 +31,13 @@ from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
 from temporalio.service import RPCError
 
 from rollsafe.children import bound_to_parent
-from rollsafe.errors import ExtraNotInstalled, InvalidInput, RollsafeError, TemporalUnavailable
+from rollsafe.errors import (
+    ExtraNotInstalled,
+    InvalidInput,
+    PortTaken,
+    RollsafeError,
+    TemporalUnavailable,
+)
 from rollsafe.temporal.connect import ConnectionSettings, connect
 from rollsafe.temporal.search_attributes import ALL, SEARCH_ATTRIBUTE_CLI_ARGS
 
@@ -58,10 +64,6 @@ _POLL_S = 0.05
 # knows, is never changed.
 _PORT_PICKS = 5
 _PORT_TAKEN = b"address already in use"
-
-
-class _PortTaken(TemporalUnavailable):
-    """The server could not bind its port: another process holds it."""
 
 
 # Servers this process started and has not stopped: stopped at interpreter exit so a test
@@ -224,7 +226,7 @@ class DevServer:
         for _ in range(_PORT_PICKS - 1):
             try:
                 return await self._start_once()
-            except _PortTaken:
+            except PortTaken:
                 if self._requested_port or self._served:
                     raise
                 self._port = None  # ours to pick, and taken under us: pick another
@@ -243,7 +245,7 @@ class DevServer:
             except InvalidInput as exc:
                 if self._requested_port or self._served:
                     raise
-                raise _PortTaken(str(exc)) from None
+                raise PortTaken(str(exc)) from None
             self._log = self.log_path.open("ab")
             self._log.write(f"\n--- {time.strftime('%Y-%m-%dT%H:%M:%S')} start\n".encode())
             self._log.flush()
@@ -334,7 +336,7 @@ class DevServer:
         while True:
             if self._proc is None or self._proc.poll() is not None:
                 code = None if self._proc is None else self._proc.returncode
-                failure = _PortTaken if _PORT_TAKEN in self._start_log() else TemporalUnavailable
+                failure = PortTaken if _PORT_TAKEN in self._start_log() else TemporalUnavailable
                 raise failure(
                     f"Temporal dev server at {self.address} exited with code {code} while "
                     f"starting; {self.log_path}:\n{self._log_tail()}"
