@@ -10,7 +10,9 @@ guesses into a fresh game, which recomputes textarena's hidden state (the code f
 the history, its turn counter), and the state digest covers that hidden state.
 
 A task is ``{"seed": s, "turns": n}``: at most n guesses (the game's limit is 20), each picked
-from the policy's tokens; the episode ends when the code is cracked. The reward is textarena's:
+from the policy's tokens; the episode ends when the code is cracked. ``"play_out": true`` keeps
+the policy from guessing the code, so every episode runs all n turns whatever its seeds (a
+check that parks an episode after a turn needs it that long). The reward is textarena's:
 1 when cracked, else the last guess's completion ((black + white / 2) / 4). Serve it:
 ``rollsafe env serve --hooks rollsafe.reference.envs.mastermind:Mastermind --engine-url ...
 --hooks-option ledger=/path/to/ledger.jsonl``.
@@ -42,6 +44,7 @@ class Task(BaseModel):
     model_config = ConfigDict(extra="forbid")
     seed: int = Field(default=0, ge=0)
     turns: int = Field(default=8, ge=1, le=20)
+    play_out: bool = False  # never guess the code: all ``turns`` turns are played
 
 
 class Guess(BaseModel):
@@ -168,7 +171,10 @@ class Mastermind(EnvironmentHooks):
     async def play(
         self, session: EpisodeSession, game: Game, played: Any, completion: Completion
     ) -> Game:
-        code = guess_from(list(completion.tokens), {g.code for g in game.guesses})
+        taken = {g.code for g in game.guesses}
+        if game.play_out:
+            taken.add(tuple(game_state(played).game_state["secret_code"]))
+        code = guess_from(list(completion.tokens), taken)
         await session.effect(
             game.turn, "submit", lambda key: self.ledger.submit(key, code), args=list(code)
         )

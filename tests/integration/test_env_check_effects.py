@@ -24,7 +24,9 @@ from rollsafe.testing.envs import failed_checks
 
 ENGINE_TOKEN = "fx-engine-token"
 ENV_TOKEN = "fx-env-token"
-TASK = {"seed": 3, "turns": 12}
+# Played out: the rollout ids env-check makes are its own (random), so are the guesses; one
+# that cracked the code within 2 turns left a task too short to check (it happened in CI).
+TASK = {"seed": 3, "turns": 12, "play_out": True}
 ENVS = {
     "honest": "rollsafe.reference.envs.mastermind:Mastermind",
     "resubmitting": "rollsafe.reference.envs.lossy:ResubmittingMastermind",
