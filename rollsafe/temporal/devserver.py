@@ -227,10 +227,15 @@ class DevServer:
             try:
                 return await self._start_once()
             except PortTaken:
-                if self._requested_port or self._served:
+                if not self._port_is_ours:
                     raise
-                self._port = None  # ours to pick, and taken under us: pick another
+                self._port = None  # taken under us: pick another
         return await self._start_once()
+
+    @property
+    def _port_is_ours(self) -> bool:
+        """Picked for us and never served: no client knows it, so another may be picked."""
+        return not self._requested_port and not self._served
 
     async def _start_once(self) -> Self:
         self.stop()  # a server that died on its own still holds our log and lock fds
@@ -239,11 +244,11 @@ class DevServer:
         try:
             command = self.command()
             # A race with another process binding the port after this check shows up as our
-            # server exiting at start, reported with its log.
+            # server exiting at start (PortTaken, from its log).
             try:
                 _bind_port(self.ip, self.port)
             except InvalidInput as exc:
-                if self._requested_port or self._served:
+                if not self._port_is_ours:
                     raise
                 raise PortTaken(str(exc)) from None
             self._log = self.log_path.open("ab")
