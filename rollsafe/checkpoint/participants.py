@@ -99,8 +99,11 @@ class ParticipantOptions(BaseModel):
     engine_deadline_s: float = Field(default=20.0, gt=0)
     # The run lease episodes are dispatched under, renewed every fifth of it: once this
     # process is gone, the instances refuse its episodes' effects this long after the last
-    # renewal at most (docs/environment-protocol.md, "Effects").
-    run_lease_s: float = Field(default=5.0, gt=0, le=MAX_RUN_LEASE_S)
+    # renewal at most (docs/environment-protocol.md, "Effects"). 30 s, not less: a lease
+    # that runs out while its dispatcher lives stops good episodes (a 5 s one did, twice, on a
+    # loaded 2-core CI machine); one that runs long only lets an abandoned attempt go on a
+    # while, its effects still answered once from the instance's ledger.
+    run_lease_s: float = Field(default=30.0, gt=0, le=MAX_RUN_LEASE_S)
 
 
 class ParticipantsRecord(BaseModel):

@@ -59,10 +59,10 @@ def demos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[
     tokens do not depend on how fast it goes), so side by side they end minutes sooner than one
     after another. Never two vLLM demos at once, and not more than two demos: `make test` runs
     another module's tests beside this one (docs/testing.md), and starved so, a vLLM demo's
-    dispatcher missed its run lease (5 s) and a cut waited 38 s for a vLLM step, past the
-    environments' park lease. The vLLM demos go first and last, so the one-at-a-time rule
-    rarely keeps a slot idle. Each demo has its own Temporal server, Ray and servers on free
-    ports. Keys: ``default``, ``<engine>/faulted``, ``<engine>/clean``."""
+    dispatcher missed its run lease (5 s then; 30 s since) and a cut waited 38 s for a vLLM
+    step, past the environments' park lease. The vLLM demos go first and last, so the
+    one-at-a-time rule rarely keeps a slot idle. Each demo has its own Temporal server, Ray and
+    servers on free ports. Keys: ``default``, ``<engine>/faulted``, ``<engine>/clean``."""
     outs = {"default": tmp_path_factory.mktemp("default") / "async"}
     flags: dict[str, list[str]] = {"default": []}
     for engine in ENGINES:
