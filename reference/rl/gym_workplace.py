@@ -1,14 +1,16 @@
 """``rollsafe demo --gym workplace_assistant``: NeMo Gym's own simple_agent and
 workplace_assistant resources server, unmodified, as the run's environments.
 
-Each environment instance is three processes: ``rollsafe gateway serve`` (the checkpoint
-participant the controller dispatches episodes to, the model the agent calls, and the proxy in
-front of the tools), and NeMo Gym's simple_agent and workplace_assistant in the gym venv
-(:class:`rollsafe.gym.servers.GymServers`). The engine is the scripted policy (a tiny random
-model never calls a tool): per task it creates one calendar event, searches the calendar for
-it, and answers. The trainer trains the tiny model whose tokenizer the gateway and the engine
-use, on every call's prompt and generated tokens; the scripted engine takes its weights and
-keeps saying what it is told, so the rewards are the script's, not learned.
+Each environment instance is three processes, four on NeMo Gym 0.7: ``rollsafe gateway serve``
+(the checkpoint participant the controller dispatches episodes to, the model the agent calls,
+and the proxy in front of the tools), and NeMo Gym's simple_agent and workplace_assistant in the
+gym venv (:class:`rollsafe.gym.servers.GymServers`), on 0.7 with its legacy_agent environment
+server in front of the agent, where each episode's ``/run`` goes. The engine is the scripted
+policy (a tiny random model never calls a tool): per task it creates one calendar event,
+searches the calendar for it, and answers. The trainer trains the tiny model whose tokenizer the
+gateway and the engine use, on every call's prompt and generated tokens; the scripted engine
+takes its weights and keeps saying what it is told, so the rewards are the script's, not
+learned.
 
 What the evidence shows: each task's event is in the session's calendar exactly once, as the
 agent's search saw it (``env_mutations.jsonl``: one line per event found, so an effect made
@@ -37,7 +39,7 @@ from rollsafe.http.served import ServedProcess, start_served
 from rollsafe.reference.rl.trainer import Sample
 from rollsafe.reference.rl.workloads import MUTATIONS_COLUMN, mutations_column
 
-# Fewer instances than the token-id demo's three: each is three processes here.
+# Fewer instances than the token-id demo's three: each is three or four processes here.
 GYM_INSTANCES = ("w0", "w1")
 SENTINEL = "rollsafe sentinel"
 CREATE, SEARCH = "calendar_create_event", "calendar_search_events"
@@ -213,7 +215,7 @@ def start_instance(
     gym = GymServers(logs / "gym", model_port=model_port, tool_proxy_port=proxy_port)
     host = "http://127.0.0.1"
     args = ["gateway", "serve", "--model", str(model), "--engine-url", engine_url]
-    args += ["--agent-url", f"{host}:{gym.ports.agent}/run"]
+    args += ["--agent-url", gym.run_url]
     args += ["--tool-server", f"workplace={host}:{gym.ports.resources}"]
     args += ["--tool-port", f"workplace={proxy_port}", "--port", str(model_port)]
     args += ["--instance", name, "--lease-grace-s", "5"]

@@ -55,6 +55,8 @@ from rollsafe.env.protocol import EpisodeRef, EpisodeResult, ParticipantKind, Ru
 
 # An effect's apply: given its key (for the system it writes to), returns a JSON result.
 Apply = Callable[[EffectKey], Awaitable[Any] | Any]
+# A call's tokens as they come (EpisodeSession.complete's on_tokens): ids and their logprobs.
+OnTokens = Callable[[Sequence[int], Sequence[float]], None]
 
 
 class EpisodeSession(Protocol):
@@ -100,11 +102,16 @@ class EpisodeSession(Protocol):
         and ``name`` only, so every attempt of the rollout samples what the first would."""
         ...
 
-    async def complete(self, engine: Engine, request: GenerateRequest) -> Completion:
+    async def complete(
+        self, engine: Engine, request: GenerateRequest, *, on_tokens: OnTokens | None = None
+    ) -> Completion:
         """Make ``request`` on ``engine`` inside :meth:`generating`. If the checkpoint this
         attempt was restored from cut this same call (same prompt and sampling), it resumes
         from the staged prefix under the original call id instead: the prefix's tokens are
-        kept, never generated again (:meth:`resumed_tokens` says how many)."""
+        kept, never generated again (:meth:`resumed_tokens` says how many). ``on_tokens``
+        (to stream the call) is given the call's tokens as they come: a resumed call's prefix
+        at once, then each token as the engine makes it; a call a checkpoint cut and released
+        goes on where it stopped, so the tokens given are the completion's, each once."""
         ...
 
     def resumed_tokens(self, completion: Completion) -> int:

@@ -21,6 +21,8 @@ from rollsafe.engine.protocol import (
     GenerateRequest,
     PrefixRecord,
     SamplingParams,
+    StreamEvent,
+    TokenEvent,
     completion_of,
     plain_ints,
     prompt_digest,
@@ -36,7 +38,7 @@ from rollsafe.env.protocol import (
 )
 
 if TYPE_CHECKING:
-    from rollsafe.env.hooks import Apply
+    from rollsafe.env.hooks import Apply, OnTokens
     from rollsafe.env.participant import Participant
     from rollsafe.env.participant_records import Restored
 
@@ -158,11 +160,13 @@ class Session:
             name=name,
         )
 
-    async def complete(self, engine: Engine, request: GenerateRequest) -> Completion:
+    async def complete(
+        self, engine: Engine, request: GenerateRequest, *, on_tokens: OnTokens | None = None
+    ) -> Completion:
         prefix = take_prefix(request, self._unused)
         if prefix is not None:
             self._resumed[prefix.call_id] = len(prefix.tokens)
-        completion = await complete_call(engine, request, prefix, self.generating)
+        completion = await complete_call(engine, request, prefix, self.generating, on_tokens)
         if self.audit is not None:
             call = CallRecord(
                 call_id=completion.call_id,
@@ -257,15 +261,23 @@ async def complete_call(
     request: GenerateRequest,
     prefix: PrefixRecord | None,
     generating: Callable[[str], AbstractAsyncContextManager[None]],
+    on_tokens: OnTokens | None = None,
 ) -> Completion:
     """:meth:`EpisodeSession.complete <rollsafe.env.hooks.EpisodeSession.complete>`: the call
-    inside the session's ``generating``, resumed from ``prefix`` (:func:`take_prefix`) if any."""
+    inside the session's ``generating``, resumed from ``prefix`` (:func:`take_prefix`) if any,
+    its tokens given to ``on_tokens`` as they come (the prefix's first)."""
     if prefix is not None:  # the cut call itself: its id, so the engine's checks pass
         request = request.model_copy(update={"call_id": prefix.call_id})
     async with generating(request.call_id):
+        if on_tokens is not None and prefix is not None and prefix.tokens:
+            on_tokens(prefix.tokens, prefix.logprobs)
         stream = engine.generate(request) if prefix is None else engine.resume(request, prefix)
+        events: list[StreamEvent] = []
         try:
-            events = [event async for event in stream]
+            async for event in stream:
+                events.append(event)
+                if on_tokens is not None and isinstance(event, TokenEvent):
+                    on_tokens((event.token,), (event.logprob,))
         finally:
             # A cancelled episode (retired) ends its call now, not whenever the stream is
             # garbage-collected: the engine frees the call, an HTTP stream its connection.

@@ -21,11 +21,10 @@ the engine or a tool server unavailable.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
@@ -43,16 +42,10 @@ from rollsafe.errors import (
     ReplayDiverged,
     TransientError,
 )
-from rollsafe.gateway.convert import (
-    Prompt,
-    chat_chunks,
-    chat_prompt,
-    chat_reply,
-    responses_prompt,
-    responses_reply,
-)
+from rollsafe.gateway.convert import chat_prompt, chat_reply, responses_prompt, responses_reply
 from rollsafe.gateway.hooks import GatewayHooks
 from rollsafe.gateway.sessions import check_session_id
+from rollsafe.gateway.streaming import CallStream, chat_sse, responses_sse
 from rollsafe.gateway.tools import SESSION_COOKIE, SESSION_HEADER
 from rollsafe.gateway.wire import (
     SESSION_METADATA_KEY,
@@ -144,21 +137,26 @@ def openai_routes(hooks: GatewayHooks, api_token: str | None) -> list[Route]:
     async def chat(request: Request) -> Response:
         body = await _parse(request, ChatRequest)
         session = session_of(request, body.metadata)
-        answer = await hooks.session(session).model_call(chat_prompt(body))
+        prompt = chat_prompt(body)
         if not body.stream:
+            answer = await hooks.session(session).model_call(prompt)
             return _with_cookie(JSONResponse(chat_reply(answer, logprobs=body.logprobs)), session)
+        call = CallStream(hooks.session(session), prompt)
+        await call.opened()
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        chunks = chat_chunks(answer, logprobs=body.logprobs, include_usage=include_usage)
-        return _with_cookie(
-            StreamingResponse(_sse(chunks), media_type="text/event-stream"), session
-        )
+        events = chat_sse(call, logprobs=body.logprobs, include_usage=include_usage)
+        return _with_cookie(_event_stream(events), session)
 
     async def responses(request: Request) -> Response:
         body = await _parse(request, ResponsesRequest)
         session = session_of(request, body.metadata)
-        prompt: Prompt = responses_prompt(body)
-        answer = await hooks.session(session).model_call(prompt)
-        return _with_cookie(JSONResponse(responses_reply(answer, body)), session)
+        prompt = responses_prompt(body)
+        if not body.stream:
+            answer = await hooks.session(session).model_call(prompt)
+            return _with_cookie(JSONResponse(responses_reply(answer, body)), session)
+        call = CallStream(hooks.session(session), prompt)
+        await call.opened()
+        return _with_cookie(_event_stream(responses_sse(call, body)), session)
 
     routes = []
     for prefix in ("", "/sessions/{session}"):
@@ -170,10 +168,10 @@ def openai_routes(hooks: GatewayHooks, api_token: str | None) -> list[Route]:
     return routes
 
 
-async def _sse(chunks: Any) -> AsyncIterator[bytes]:
-    for chunk in chunks:
-        yield f"data: {json.dumps(chunk)}\n\n".encode()
-    yield b"data: [DONE]\n\n"
+def _event_stream(events: AsyncIterator[bytes]) -> StreamingResponse:
+    # No buffering between here and the client (a proxy that honours it sends each event on).
+    headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 
 def proxy_handler(hooks: GatewayHooks, server_name: str | None) -> Handler:

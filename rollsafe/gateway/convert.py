@@ -2,7 +2,9 @@
 
 Requests become :class:`Prompt` (the messages and tools the model directory's chat template
 renders, in the Hugging Face chat format); a finished call (:class:`Answer`) becomes a chat
-completion, its stream of chunks, or a Responses API response. Ids the agent sends back later
+completion, its stream of chunks, or a Responses API response or its stream of events. A
+streamed call's first pieces are made from its :class:`CallHead` alone, before it ends
+(:mod:`rollsafe.gateway.streaming` sends them). Ids the agent sends back later
 (tool call ids) are made from the rollout and the call's place only, never the attempt, so a
 replayed episode sends back what the first run sent.
 """
@@ -14,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rollsafe.engine.protocol import Route
 from rollsafe.gateway.wire import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
@@ -51,6 +54,20 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class CallHead:
+    """What a model call's reply says of it before it ends: its ids and when it was made."""
+
+    rollout_id: str
+    index: int  # the call's place in its session
+    created_at: int  # when it was first made: a replayed answer is the same answer
+    model: str
+
+    @property
+    def response_id(self) -> str:
+        return _stable(self.rollout_id, self.index, "response")
+
+
+@dataclass(frozen=True)
 class Answer:
     """A finished model call, as the API reports it."""
 
@@ -66,14 +83,19 @@ class Answer:
     tool_calls: tuple[ToolCall, ...]
     finish_reason: str  # "stop", "length" or "tool_calls"
     model: str
+    routes: tuple[Route, ...] | None = None  # an MoE engine's experts per token: [layer][k]
 
     def call_id(self, k: int) -> str:
         """The id of the answer's k-th tool call: stable across attempts."""
         return f"call_{_stable(self.rollout_id, self.index, k)}"
 
     @property
+    def head(self) -> CallHead:
+        return CallHead(self.rollout_id, self.index, self.created_at, self.model)
+
+    @property
     def response_id(self) -> str:
-        return _stable(self.rollout_id, self.index, "response")
+        return self.head.response_id
 
 
 def _stable(*parts: object) -> str:
@@ -196,12 +218,17 @@ def _prompt(
 
 
 def _training(answer: Answer) -> dict[str, Any]:
-    """NeMo Gym's token fields, on the chat message and the last Responses output item."""
-    return {
+    """NeMo Gym's token fields, on the chat message and the last Responses output item: the
+    three it requires together, and ``routed_experts`` (``[tokens][layers][k]``, one per
+    generated token) when the engine routed."""
+    fields: dict[str, Any] = {
         "prompt_token_ids": list(answer.prompt_tokens),
         "generation_token_ids": list(answer.tokens),
         "generation_log_probs": list(answer.logprobs),
     }
+    if answer.routes is not None:
+        fields["routed_experts"] = [[list(layer) for layer in route] for route in answer.routes]
+    return fields
 
 
 def _logprobs(answer: Answer) -> dict[str, Any]:
@@ -255,30 +282,41 @@ def chat_reply(answer: Answer, *, logprobs: bool) -> dict[str, Any]:
     }
 
 
-def chat_chunks(answer: Answer, *, logprobs: bool, include_usage: bool) -> Iterator[dict[str, Any]]:
-    """A finished answer as chat.completion.chunk objects: the role, the content (with every
-    token's logprob, if asked), the tool calls, the finish with the token fields, and the
-    usage if asked. The stream starts once the call is done (docs/gateway.md, "API")."""
-    base = {
-        "id": f"chatcmpl-{answer.response_id}",
+def chat_chunk(
+    head: CallHead, delta: dict[str, Any], finish: str | None = None, lp: Any = None
+) -> dict[str, Any]:
+    """One chat.completion.chunk of the call ``head`` names."""
+    choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+    return {
+        "id": f"chatcmpl-{head.response_id}",
         "object": "chat.completion.chunk",
-        "created": answer.created_at,
-        "model": answer.model,
+        "created": head.created_at,
+        "model": head.model,
+        "choices": [choice],
     }
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, lp: Any = None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        return {**base, "choices": [choice]}
 
-    yield chunk({"role": "assistant", "content": ""})
-    if answer.content:
-        yield chunk({"content": answer.content}, lp=_logprobs(answer) if logprobs else None)
+def chat_role_chunk(head: CallHead) -> dict[str, Any]:
+    return chat_chunk(head, {"role": "assistant", "content": ""})
+
+
+def chat_last_chunks(
+    answer: Answer, rest: str, *, logprobs: bool, include_usage: bool
+) -> Iterator[dict[str, Any]]:
+    """The chunks after a stream's live content: ``rest`` of the content (with every token's
+    logprob, if asked: they come together here), the tool calls, the finish with the token
+    fields, and the usage if asked."""
+    head = answer.head
+    if rest or logprobs:
+        yield chat_chunk(head, {"content": rest}, lp=_logprobs(answer) if logprobs else None)
     calls = _chat_tool_calls(answer)
     if calls:
-        yield chunk({"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]})
-    yield {**chunk({}, answer.finish_reason), **_training(answer)}
+        yield chat_chunk(
+            head, {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+        )
+    yield {**chat_chunk(head, {}, answer.finish_reason), **_training(answer)}
     if include_usage:
-        yield {**base, "choices": [], "usage": _usage(answer)}
+        yield {**chat_chunk(head, {}), "choices": [], "usage": _usage(answer)}
 
 
 def responses_reply(answer: Answer, request: ResponsesRequest) -> dict[str, Any]:
@@ -309,15 +347,36 @@ def responses_reply(answer: Answer, request: ResponsesRequest) -> dict[str, Any]
         )
     output[-1].update(_training(answer))
     prompt, completion = len(answer.prompt_tokens), len(answer.tokens)
+    usage = {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
     incomplete = answer.finish_reason == "length"
+    status = "incomplete" if incomplete else "completed"
+    return response_object(answer.head, request, status=status, output=output, usage=usage)
+
+
+def response_object(
+    head: CallHead,
+    request: ResponsesRequest,
+    *,
+    status: str = "in_progress",
+    output: list[dict[str, Any]] | None = None,
+    usage: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The Responses API's response object of the call ``head`` names: a stream's first
+    (``in_progress``, no output yet) or the finished one."""
     return {
-        "id": f"resp_{answer.response_id}",
+        "id": f"resp_{head.response_id}",
         "object": "response",
-        "created_at": answer.created_at,
-        "model": answer.model,
-        "status": "incomplete" if incomplete else "completed",
-        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-        "output": output,
+        "created_at": head.created_at,
+        "model": head.model,
+        "status": status,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "output": output or [],
         "parallel_tool_calls": request.parallel_tool_calls,
         "tool_choice": request.tool_choice
         if isinstance(request.tool_choice, str)
@@ -329,11 +388,5 @@ def responses_reply(answer: Answer, request: ResponsesRequest) -> dict[str, Any]
         "metadata": request.metadata or {},
         "instructions": request.instructions,
         "error": None,
-        "usage": {
-            "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": completion,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + completion,
-        },
+        "usage": usage,
     }

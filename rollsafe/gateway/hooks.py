@@ -131,6 +131,7 @@ class GatewayHooks(EnvironmentHooks):
                 "generation_log_probs": list(c.logprobs),
                 "weight_versions": list(c.weight_versions),
                 "resumed_tokens": c.resumed_tokens,
+                **({} if c.routes is None else {"routed_experts": c.routes}),
             }
             for c in record.calls
         ]

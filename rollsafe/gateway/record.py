@@ -22,11 +22,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollsafe.engine.protocol import FinishReason, SamplingParams, TokenIds
+from rollsafe.engine.protocol import FinishReason, Route, SamplingParams, TokenIds
 from rollsafe.errors import InvalidInput, ReplayDiverged
 from rollsafe.gateway.wire import SESSION_METADATA_KEY
 
-RECORD_FORMAT: Literal[1] = 1
+# 2: a call may carry its MoE routes. Version 1 records (no routes) are read as they are.
+RECORD_FORMAT: Literal[2] = 2
 # How much text around a difference a divergence shows.
 _CONTEXT_CHARS = 60
 
@@ -50,6 +51,9 @@ class CallRecord(_Strict):
     # Answered again as it was: an agent that sends a reply back (NeMo Gym's /verify body holds
     # the last one) sends the same bytes on replay.
     created_at: int = Field(ge=0, description="unix time the answer was first made")
+    routes: tuple[Route, ...] | None = Field(
+        default=None, description="an MoE engine's experts per generated token: [layer][k]"
+    )
 
 
 class ToolRecord(_Strict):
@@ -68,7 +72,7 @@ class ToolRecord(_Strict):
 class SessionRecord(_Strict):
     """What a checkpoint commits for one session (the episode's record)."""
 
-    format_version: Literal[1] = RECORD_FORMAT
+    format_version: Literal[1, 2] = RECORD_FORMAT
     rollout_id: str
     calls: tuple[CallRecord, ...] = ()
     tools: tuple[ToolRecord, ...] = ()

@@ -22,6 +22,7 @@ from rollsafe.engine.text import parse_assistant
 from rollsafe.env.hooks import EpisodeSession
 from rollsafe.errors import InvalidInput, ParticipantRefused, ReplayDiverged
 from rollsafe.gateway.convert import Answer, Prompt, ToolCall
+from rollsafe.gateway.live import stop_cut
 from rollsafe.gateway.record import CallRecord, Replay, ToolRecord, body_digest
 
 
@@ -61,6 +62,16 @@ class Served:
     model: str  # the name /v1/models lists
 
 
+class CallListener(Protocol):
+    """Who streams a model call (:class:`rollsafe.gateway.streaming.CallStream`): told when
+    the call starts generating and given its tokens as they come. A call answered from the
+    record is neither: its answer is whole at once."""
+
+    def started(self, rollout_id: str, index: int, created_at: int) -> None: ...
+
+    def tokens(self, ids: Sequence[int], logprobs: Sequence[float]) -> None: ...
+
+
 class LiveSession:
     """The calls of one episode run (a restored run replays its record first)."""
 
@@ -91,7 +102,7 @@ class LiveSession:
         self.diverged, self.ended = exc, True
         return exc
 
-    async def model_call(self, prompt: Prompt) -> Answer:
+    async def model_call(self, prompt: Prompt, listener: CallListener | None = None) -> Answer:
         async with self._model_lock:
             self._check_open()
             index = self.replay.calls_made
@@ -112,7 +123,14 @@ class LiveSession:
             except ReplayDiverged as exc:
                 raise self._diverged(exc) from None
             if recorded is None:
-                completion = await self.episode.complete(self.served.engine, request)
+                created_at = int(time.time())
+                on_tokens = None
+                if listener is not None:
+                    listener.started(self.rollout_id, index, created_at)
+                    on_tokens = listener.tokens
+                completion = await self.episode.complete(
+                    self.served.engine, request, on_tokens=on_tokens
+                )
                 recorded = CallRecord(
                     index=index,
                     call_id=completion.call_id,
@@ -123,7 +141,8 @@ class LiveSession:
                     weight_versions=completion.weight_versions,
                     finish_reason=completion.finish_reason,
                     resumed_tokens=self.episode.resumed_tokens(completion),
-                    created_at=int(time.time()),
+                    created_at=created_at,
+                    routes=completion.routes,
                 )
                 self.replay.add_call(recorded)
             return self._answer(recorded, prompt)
@@ -131,7 +150,7 @@ class LiveSession:
     def _answer(self, call: CallRecord, prompt: Prompt) -> Answer:
         codec = self.served.codec
         tokens, finish = call.tokens, call.finish_reason
-        stop_at = _stop_cut(codec, tokens, prompt.stops)
+        stop_at = stop_cut(codec.decode, tokens, prompt.stops)
         if stop_at is not None:
             tokens, finish = tokens[:stop_at], "stop"
         text = codec.decode(tokens)
@@ -151,6 +170,7 @@ class LiveSession:
             prompt_tokens=call.prompt_tokens,
             tokens=tokens,
             logprobs=call.logprobs[: len(tokens)],
+            routes=None if call.routes is None else call.routes[: len(tokens)],
             token_texts=tuple(codec.decode((t,)) for t in tokens) if prompt.logprobs else (),
             content=content,
             tool_calls=tool_calls,
@@ -190,19 +210,6 @@ class LiveSession:
                 return self.replay.tool_done(made)
             except ReplayDiverged as exc:
                 raise self._diverged(exc) from None
-
-
-def _stop_cut(codec: Codec, tokens: Sequence[int], stops: Sequence[str]) -> int | None:
-    """How many tokens make the text up to and including the first stop string; None: none
-    occurs. Decoded prefix by prefix: a stop string may end inside a multi-byte token."""
-    stops = [s for s in stops if s]
-    if not stops:
-        return None
-    for n in range(1, len(tokens) + 1):
-        text = codec.decode(tokens[:n])
-        if any(stop in text for stop in stops):
-            return n
-    return None
 
 
 def check_session_id(session: str) -> str:

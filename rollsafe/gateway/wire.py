@@ -12,7 +12,7 @@ record already holds every token the gateway made).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
@@ -28,12 +28,32 @@ class _Strict(BaseModel):
 
 
 class TrainingFields(_Strict):
-    """NeMo Gym's per-item token fields (``nemo_gym.openai_utils.TokenIDLogProbMixin``)."""
+    """NeMo Gym's per-item token fields (``nemo_gym.openai_utils.TokenIDLogProbMixin``): all
+    three of the token ids and logprobs or none (as NeMo Gym 0.7 checks), ``routed_experts``
+    only with them, as nested lists or a trainer's opaque string envelope (NeMo RL's
+    ``nrlre1:...``)."""
 
     prompt_token_ids: list[int] | None = None
     generation_token_ids: list[int] | None = None
     generation_log_probs: list[float] | None = None
-    routed_experts: list[list[list[int]]] | None = None
+    routed_experts: str | list[list[list[int]]] | None = None
+
+    @model_validator(mode="after")
+    def _together(self) -> Self:
+        given = {name for name in _TOKEN_FIELDS if getattr(self, name) is not None}
+        if given and not given >= _REQUIRED_TOKEN_FIELDS:
+            missing = ", ".join(sorted(_REQUIRED_TOKEN_FIELDS - given))
+            raise ValueError(
+                f"the token fields come together: {', '.join(sorted(given))} given, "
+                f"{missing} missing"
+            )
+        return self
+
+
+_REQUIRED_TOKEN_FIELDS = frozenset(
+    {"prompt_token_ids", "generation_token_ids", "generation_log_probs"}
+)
+_TOKEN_FIELDS = _REQUIRED_TOKEN_FIELDS | {"routed_experts"}
 
 
 # -- tools ------------------------------------------------------------------------------------
@@ -232,7 +252,7 @@ class ResponsesRequest(_Strict):
     max_output_tokens: int | None = Field(default=None, ge=1)
     metadata: dict[str, str] | None = None
     parallel_tool_calls: bool = True
-    stream: Literal[False] | None = None
+    stream: bool | None = None
     # Accepted and ignored (docs/gateway.md).
     store: bool | None = None
     user: str | None = None

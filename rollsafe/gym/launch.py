@@ -1,7 +1,7 @@
 """Run one NeMo Gym server, unmodified, as its own process: ``launch.py <server dir>``.
 
-This file runs under the NeMo Gym venv's Python (``.venv-gym``, Python >= 3.12), where rollsafe
-is not installed: it imports only the standard library and ``nemo_gym``. rollsafe's
+This file runs under a NeMo Gym venv's Python (``.venv-gym``: 3.13; ``.venv-gym-0.4``: 3.12),
+where rollsafe is not installed: it imports only the standard library and ``nemo_gym``. rollsafe's
 :mod:`rollsafe.gym.servers` starts it; by hand::
 
     NEMO_GYM_CONFIG_DICT='<the whole resolved config, YAML or JSON>' \\

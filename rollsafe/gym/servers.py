@@ -1,20 +1,27 @@
 """NeMo Gym's real servers, unmodified, as processes rollsafe starts and stops.
 
-NeMo Gym 0.4.0 needs Python >= 3.12 and runs each server in its own environment, so it lives in
-a venv of its own (``make setup`` builds ``.venv-gym``; :func:`gym_python` finds it). Each
-server is ``<gym python> launch.py <server dir>`` (:mod:`rollsafe.gym.launch`: no Ray cluster,
-a banner once it answers), with the whole config in ``NEMO_GYM_CONFIG_DICT`` and its own
-section's name in ``NEMO_GYM_CONFIG_PATH``. Servers find each other only by the host and port
-in that config, so every port is chosen before anything starts (:func:`gym_config`).
+NeMo Gym runs each server in an environment of its own, on a Python of its own (0.7: 3.13; 0.4:
+3.12), so it lives in a venv of its own (``make setup`` builds ``.venv-gym`` with 0.7.0 and
+``.venv-gym-0.4`` with 0.4.0; :func:`gym_python` finds one). Each server is ``<gym python>
+launch.py <server dir>`` (:mod:`rollsafe.gym.launch`: no Ray cluster, a banner once it answers),
+with the whole config in ``NEMO_GYM_CONFIG_DICT`` and its own section's name in
+``NEMO_GYM_CONFIG_PATH``. Servers find each other only by the host and port in that config, so
+every port is chosen before anything starts (:func:`gym_config`).
 
-What runs (:class:`GymServers`):
+What runs (:class:`GymServers`), named by the resources server (:class:`GymResources`:
+workplace_assistant by default, or example_session_state_mgmt):
 
-- ``workplace_assistant``: the real resources server (tools on per-session tables,
+- ``workplace_assistant``: the real resources server (tools on per-session state,
   ``/seed_session``, ``/verify``).
 - ``workplace_assistant_simple_agent``: simple_agent, whose ``resources_server`` is a tool
   proxy's address when one is given (else the real server's) and whose ``model_server`` is the
   ``policy_model`` section: an OpenAI-compatible model gateway's address. Neither the proxy nor
   the gateway is started here; their ports are in the config for whoever serves them.
+- ``workplace_assistant_environment`` (NeMo Gym 0.7 and later, by default): the
+  ``legacy_agent`` environment server in front of simple_agent, as NeMo RL runs an agent that
+  owns its episode: it relays ``/run`` (body, headers, cookies) to the agent and its answer
+  back. :attr:`GymServers.run_url` is where an episode starts: the environment server's
+  ``/run`` when it runs, else the agent's.
 
 Processes are ended by their pid, never by name (:class:`rollsafe.http.served.ServedProcess`).
 """
@@ -35,22 +42,67 @@ from rollsafe.errors import InvalidInput
 from rollsafe.http.served import START_TIMEOUT_S, ServedProcess
 
 GYM_VENV_ENV = "ROLLSAFE_GYM_VENV"
-GYM_VENV_DEFAULT = ".venv-gym"  # under the repository root
+GYM_VENV_DEFAULT = ".venv-gym"  # under the repository root: nemo-gym 0.7.0 (make setup)
+GYM_EARLIER_VENV = ".venv-gym-0.4"  # beside it: nemo-gym 0.4.0, the release before (make setup)
+# The first NeMo Gym with environment servers (environment_servers/legacy_agent).
+ENVIRONMENT_SERVERS_SINCE = (0, 7)
 LAUNCHER = Path(__file__).with_name("launch.py")
 # What launch.py prints once the server answers: group 1 is its URL (launch.BANNER).
 GYM_BANNER = r"nemo-gym serving {section} on (http://\S+)"
 
-# The NeMo Gym environments rollsafe runs (``rollsafe demo --gym``).
+# The NeMo Gym environments ``rollsafe demo --gym`` runs.
 GymEnvironment = Literal["workplace_assistant"]
-# Section names (the config's top-level keys; NEMO_GYM_CONFIG_PATH names one).
-RESOURCES_SECTION = "workplace_assistant"
-AGENT_SECTION = "workplace_assistant_simple_agent"
-TOOL_PROXY_SECTION = "workplace_assistant_tool_proxy"
-MODEL_SECTION = "policy_model"
-# Where each server's app.py lives inside the gym venv's site-packages.
-RESOURCES_DIR = "resources_servers/workplace_assistant"
+MODEL_SECTION = "policy_model"  # the agent's model server: the gateway
+# Where the agent's and the environment server's app.py live inside the venv's site-packages.
 AGENT_DIR = "responses_api_agents/simple_agent"
-DEFAULT_MAX_STEPS = 6  # simple_agent's own config for workplace_assistant
+ENVIRONMENT_DIR = "environment_servers/legacy_agent"
+
+
+@dataclass(frozen=True)
+class GymResources:
+    """A NeMo Gym resources server run with simple_agent, and its sections' names (the
+    config's top-level keys; ``NEMO_GYM_CONFIG_PATH`` names one), as its own configs name them."""
+
+    name: str  # its folder under resources_servers/, and its section
+    description: str  # its config's
+    max_steps: int  # simple_agent's, as its config for this server sets it
+
+    @property
+    def dir(self) -> str:
+        return f"resources_servers/{self.name}"
+
+    @property
+    def agent_section(self) -> str:
+        return f"{self.name}_simple_agent"
+
+    @property
+    def tool_proxy_section(self) -> str:
+        return f"{self.name}_tool_proxy"
+
+    @property
+    def environment_section(self) -> str:
+        return f"{self.name}_environment"
+
+    def example_rows(self, python: Path | None = None) -> list[dict[str, Any]]:
+        """Its own ``data/example.jsonl``, one task per row."""
+        data = gym_site_packages(python) / self.dir / "data" / "example.jsonl"
+        return [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+
+
+WORKPLACE = GymResources(
+    "workplace_assistant", "Workplace assistant multi-step tool-using environment", 6
+)
+# A counter per session: increment_counter is no more idempotent than a calendar event, and
+# /verify scores the count, so an increment made twice is a wrong reward.
+SESSION_STATE = GymResources(
+    "example_session_state_mgmt", "Session state management (in-memory)", 8
+)
+# workplace_assistant's sections and folder, by the names the tests and the demo use.
+RESOURCES_SECTION = WORKPLACE.name
+AGENT_SECTION = WORKPLACE.agent_section
+TOOL_PROXY_SECTION = WORKPLACE.tool_proxy_section
+ENVIRONMENT_SECTION = WORKPLACE.environment_section
+RESOURCES_DIR = WORKPLACE.dir
 
 
 def repo_root() -> Path:
@@ -67,16 +119,29 @@ def gym_venv() -> Path:
     return Path(configured) if configured else repo_root() / GYM_VENV_DEFAULT
 
 
-def gym_python() -> Path:
-    """The NeMo Gym venv's Python; :class:`InvalidInput` naming ``make setup`` if missing."""
-    venv = gym_venv()
+def gym_python(venv: Path | None = None) -> Path:
+    """The Python of ``venv`` (default :func:`gym_venv`); :class:`InvalidInput` naming
+    ``make setup`` if it is missing."""
+    venv = venv or gym_venv()
     python = venv / "bin" / "python"
     if not os.access(python, os.X_OK):
         raise InvalidInput(
-            f"no NeMo Gym venv at {venv} (no {python}): run `make setup`, which builds it with "
-            f"Python 3.12 and nemo-gym==0.4.0, or set {GYM_VENV_ENV} to such a venv"
+            f"no NeMo Gym venv at {venv} (no {python}): run `make setup`, which builds "
+            f"{GYM_VENV_DEFAULT} (nemo-gym 0.7.0, Python 3.13) and {GYM_EARLIER_VENV} (0.4.0, "
+            f"Python 3.12), or set {GYM_VENV_ENV} to such a venv"
         )
     return python
+
+
+def gym_version(python: Path | None = None) -> tuple[int, ...]:
+    """The nemo-gym release installed beside ``python`` (default :func:`gym_python`), as
+    numbers: ``(0, 7, 0)``. Read from its dist-info, without starting the interpreter."""
+    site = gym_site_packages(python)
+    found = sorted(site.glob("nemo_gym-*.dist-info"))
+    if not found:
+        raise InvalidInput(f"no nemo_gym-*.dist-info in {site}: run `make setup`")
+    version = found[-1].name.removeprefix("nemo_gym-").removesuffix(".dist-info")
+    return tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
 
 
 def gym_site_packages(python: Path | None = None) -> Path:
@@ -112,19 +177,25 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 @dataclass(frozen=True)
 class GymPorts:
-    """Every address in a config: the two servers run here, and our two in between."""
+    """Every address in a config: the servers run here, and our two in between."""
 
-    resources: int  # the real workplace_assistant resources server
+    resources: int  # the real resources server
     agent: int  # simple_agent
     model: int  # the OpenAI-compatible model gateway (``policy_model``)
     tool_proxy: int | None = None  # the tool proxy to ``resources``; None: none, direct
+    environment: int | None = None  # legacy_agent in front of the agent; None: none
 
 
 def gym_config(
-    ports: GymPorts, *, host: str = "127.0.0.1", max_steps: int = DEFAULT_MAX_STEPS
+    ports: GymPorts,
+    *,
+    host: str = "127.0.0.1",
+    max_steps: int | None = None,
+    resources: GymResources = WORKPLACE,
 ) -> dict[str, Any]:
-    """The resolved NeMo Gym config (``NEMO_GYM_CONFIG_DICT``) for workplace_assistant, its
-    simple_agent, the model gateway and (if ``ports.tool_proxy``) the tool proxy.
+    """The resolved NeMo Gym config (``NEMO_GYM_CONFIG_DICT``) for ``resources``, its
+    simple_agent (``max_steps``: the server's own), the model gateway, (if
+    ``ports.tool_proxy``) the tool proxy and (if ``ports.environment``) the environment server.
 
     A server started with this config reads it as is (nemo_gym validates only when it
     resolves YAML itself, in ``ng_run``/``ng_dump_config``); it is still a config that
@@ -136,33 +207,47 @@ def gym_config(
     def server(kind: str, name: str, port: int, **fields: Any) -> dict[str, Any]:
         return {kind: {name: {"entrypoint": "app.py", "host": host, "port": port, **fields}}}
 
-    resources_ref = RESOURCES_SECTION if ports.tool_proxy is None else TOOL_PROXY_SECTION
+    proxied = ports.tool_proxy is not None
+    resources_ref = resources.tool_proxy_section if proxied else resources.name
     config: dict[str, Any] = {
         # No head server runs: each server only reads this section (ServerClient). Port 0
         # refuses at once anything that would try to reach it.
         "head_server": {"host": host, "port": 0},
         "dry_run": False,
-        RESOURCES_SECTION: server(
+        resources.name: server(
             "resources_servers",
-            "workplace_assistant",
+            resources.name,
             ports.resources,
             domain="agent",
             verified=False,
-            description="Workplace assistant multi-step tool-using environment",
+            description=resources.description,
         ),
         MODEL_SECTION: server("responses_api_models", "rollsafe_model_gateway", ports.model),
-        AGENT_SECTION: server(
+        resources.agent_section: server(
             "responses_api_agents",
             "simple_agent",
             ports.agent,
-            max_steps=max_steps,
+            max_steps=resources.max_steps if max_steps is None else max_steps,
             resources_server={"type": "resources_servers", "name": resources_ref},
             model_server={"type": "responses_api_models", "name": MODEL_SECTION},
         ),
     }
     if ports.tool_proxy is not None:
-        config[TOOL_PROXY_SECTION] = server(
+        config[resources.tool_proxy_section] = server(
             "resources_servers", "rollsafe_tool_proxy", ports.tool_proxy, domain="agent"
+        )
+    if ports.environment is not None:
+        # legacy_agent's own config (its configs/legacy_agent.yaml): the limits are the base's
+        # required fields, which a relay does not enforce; setting others would warn.
+        config[resources.environment_section] = server(
+            "environment_servers",
+            "legacy_agent",
+            ports.environment,
+            agent_server={"type": "responses_api_agents", "name": resources.agent_section},
+            max_concurrent_episodes=None,
+            queue_timeout_seconds=None,
+            default_episode_timeout_seconds=21600,
+            cleanup_timeout_seconds=180,
         )
     return config
 
@@ -181,11 +266,15 @@ def _environment(config: dict[str, Any], section: str) -> dict[str, str]:
 
 
 class GymServers:
-    """workplace_assistant and (``agent=True``) simple_agent, as processes of the gym venv.
+    """A resources server (``resources``, default workplace_assistant) and (``agent=True``)
+    simple_agent, as processes of a gym venv (``venv``, default :func:`gym_venv`), with
+    (``environment_server``; default: where the release has them) the legacy_agent
+    environment server in front of the agent.
 
-    Ports are chosen on construction (:attr:`ports`, :attr:`config`), so the model gateway and
-    the tool proxy can be started on theirs, before or after :meth:`start`. A context manager:
-    started on entry, stopped on exit. Logs: ``logs/<section>/stdout`` and ``stderr``.
+    Ports are chosen on construction (:attr:`ports`, :attr:`config`, :attr:`run_url`), so the
+    model gateway and the tool proxy can be started on theirs, before or after :meth:`start`.
+    A context manager: started on entry, stopped on exit. Logs: ``logs/<section>/stdout`` and
+    ``stderr``.
     """
 
     def __init__(
@@ -195,33 +284,51 @@ class GymServers:
         model_port: int | None = None,
         tool_proxy_port: int | None = None,
         agent: bool = True,
-        max_steps: int = DEFAULT_MAX_STEPS,
+        environment_server: bool | None = None,
+        venv: Path | None = None,
+        resources: GymResources = WORKPLACE,
         host: str = "127.0.0.1",
-        start_timeout_s: float = START_TIMEOUT_S,
     ) -> None:
         self.logs = logs
+        self.resources = resources
         self.host = host
         self.with_agent = agent
-        self.start_timeout_s = start_timeout_s
-        self.python = gym_python()
-        resources, agent_port, model = free_ports(3, host)
+        self.python = gym_python(venv)
+        self.version = gym_version(self.python)
+        has_them = self.version >= ENVIRONMENT_SERVERS_SINCE
+        if environment_server is None:
+            environment_server = agent and has_them
+        if environment_server and not (agent and has_them):
+            raise InvalidInput(
+                f"an environment server needs the agent and nemo-gym >= 0.7 (this venv has "
+                f"{'.'.join(map(str, self.version))}{'' if agent else ', and no agent'})"
+            )
+        resources_port, agent_port, model, environment = free_ports(4, host)
         self.ports = GymPorts(
-            resources=resources,
+            resources=resources_port,
             agent=agent_port,
             model=model_port if model_port is not None else model,
             tool_proxy=tool_proxy_port,
+            environment=environment if environment_server else None,
         )
-        self.config = gym_config(self.ports, host=host, max_steps=max_steps)
+        self.config = gym_config(self.ports, host=host, resources=resources)
         self.processes: dict[str, ServedProcess] = {}  # by section, in start order
         self.startup_s: dict[str, float] = {}  # by section: start to banner
 
     @property
     def resources_url(self) -> str:
-        return self.processes[RESOURCES_SECTION].url
+        return self.processes[self.resources.name].url
 
     @property
     def agent_url(self) -> str:
-        return self.processes[AGENT_SECTION].url
+        return self.processes[self.resources.agent_section].url
+
+    @property
+    def run_url(self) -> str:
+        """Where an episode starts (``POST`` the task): the environment server's ``/run``
+        when one runs, else the agent's. Known before :meth:`start`."""
+        port = self.ports.environment if self.ports.environment is not None else self.ports.agent
+        return f"http://{self.host}:{port}/run"
 
     @property
     def model_url(self) -> str:
@@ -240,9 +347,12 @@ class GymServers:
     def start(self) -> GymServers:
         """Start every server, then wait until each answers; on any failure stop them all and
         raise (:class:`rollsafe.errors.ServerDidNotStart`, its stderr tail included)."""
-        wanted = [(RESOURCES_SECTION, RESOURCES_DIR)]
+        resources = self.resources
+        wanted = [(resources.name, resources.dir)]
         if self.with_agent:
-            wanted.append((AGENT_SECTION, AGENT_DIR))
+            wanted.append((resources.agent_section, AGENT_DIR))
+        if self.ports.environment is not None:
+            wanted.append((resources.environment_section, ENVIRONMENT_DIR))
         try:
             began = {}
             for section, server_dir in wanted:  # all at once: each takes ~2 s of imports
@@ -253,7 +363,7 @@ class GymServers:
                     _environment(self.config, section),
                 )
             for section, served in self.processes.items():
-                served.wait_listening(GYM_BANNER.format(section=section), self.start_timeout_s)
+                served.wait_listening(GYM_BANNER.format(section=section), START_TIMEOUT_S)
                 self.startup_s[section] = time.monotonic() - began[section]
         except BaseException:
             self.stop()
@@ -264,7 +374,7 @@ class GymServers:
         return {section: served.alive() for section, served in self.processes.items()}
 
     def stop(self) -> None:
-        """Terminate each by pid (the agent first), wait, kill any that will not go."""
+        """Terminate each by pid (the last started first), wait, kill any that will not go."""
         for served in reversed(self.processes.values()):
             served.stop()
 

@@ -1,10 +1,10 @@
-"""``rollsafe demo --gym workplace_assistant`` as a user runs it: NeMo Gym 0.4.0's own
-simple_agent and workplace_assistant, unmodified, as the run's environments behind rollsafe's
-gateways, in a whole run (Temporal, Ray, the controller actor, a checkpoint worker, the
-trainer) with its default faults but the checkpoint worker's (``test_demo.py`` has it; here it
-would cost a snapshot's 10 s): every process killed mid-episode after each episode's calendar
-mutation (its next model call cut by a snapshot), and every process killed between two
-snapshots.
+"""``rollsafe demo --gym workplace_assistant`` as a user runs it: NeMo Gym 0.7.0's own simple_agent
+and workplace_assistant, unmodified, with its legacy_agent environment server in front of the
+agent (as NeMo RL runs it), as the run's environments behind rollsafe's gateways, in a whole run
+(Temporal, Ray, the controller actor, a checkpoint worker, the trainer) with its default faults
+but the checkpoint worker's (``test_demo.py`` has it; here it would cost a snapshot's 10 s):
+every process killed mid-episode after each episode's calendar mutation (its next model call cut
+by a snapshot), and every process killed between two snapshots.
 
 What must hold: every step trained once (``rollsafe verify``), each trained episode's event in
 the calendar its agent searched exactly once (the resources server's state, killed and
@@ -37,6 +37,8 @@ def test_nemo_gym_agents_survive_the_demo_faults_with_every_effect_once(tmp_path
         rollsafe_command("demo", *flags, *faults), capture_output=True, text=True, timeout=600
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [start] = [line for line in run.stdout.splitlines() if line.startswith("[start]")]
+    assert "NeMo Gym 0.7.0 workplace_assistant + legacy_agent + simple_agent" in start, start
     kinds = [json.loads(line)["kind"] for line in (out / "faults.jsonl").open()]
     assert sorted(kinds) == ["kill", "run"]
 

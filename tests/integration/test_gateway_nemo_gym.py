@@ -3,9 +3,11 @@
 Real processes throughout: ``rollsafe engine serve --backend scripted`` (a policy that calls
 the workplace tools: a tiny random model never would), ``rollsafe gateway serve`` (the model
 NeMo Gym's simple_agent calls, the proxy in front of its workplace_assistant resources server,
-and a checkpoint participant), and NeMo Gym 0.4.0's simple_agent and workplace_assistant in
-their own Python 3.12 venv. The episode: seed the session, create a calendar event (not
-idempotent: max id + 1), search the calendar for it, answer.
+and a checkpoint participant), and NeMo Gym's simple_agent and workplace_assistant in their own
+venv: 0.7.0 on Python 3.13 with its legacy_agent environment server in front of simple_agent
+(where the episode's ``/run`` goes, as NeMo RL runs an agent that owns its episode), and 0.4.0
+on Python 3.12, the agent's ``/run`` itself. The episode: seed the session, create a calendar
+event (not idempotent: max id + 1), search the calendar for it, answer.
 
 The seed's test: the episode is parked by a real checkpoint while its model call after the
 mutation is generating (the engine holds it), the call is cut, the session committed; every
@@ -22,6 +24,7 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,7 @@ from rollsafe.env.client import EnvClient
 from rollsafe.env.protocol import (
     CommitRequest,
     EpisodeRef,
+    EpisodeResult,
     PrepareRequest,
     RestoreRequest,
     ResumeRequest,
@@ -44,6 +48,9 @@ from rollsafe.env.protocol import (
 from rollsafe.gateway.serve import GATEWAY_BANNER
 from rollsafe.gym.servers import (
     RESOURCES_DIR,
+    SESSION_STATE,
+    WORKPLACE,
+    GymResources,
     GymServers,
     free_ports,
     gym_python,
@@ -51,6 +58,7 @@ from rollsafe.gym.servers import (
 )
 from rollsafe.http.bearer import ENGINE_TOKEN_ENV, ENV_TOKEN_ENV
 from rollsafe.http.served import ENGINE_BANNER, ServedProcess, rollsafe_command
+from rollsafe.testing.gym import gym_release_venv
 from rollsafe.testing.waiting import eventually_async
 
 SENTINEL = "rollsafe sentinel"
@@ -78,6 +86,7 @@ SIMPLE_AGENT = "simple_agent"  # NeMo Gym's, in its own process, via --agent-url
 OPENAI_AGENT = "examples.openai_agent:agent"  # a plain openai client, via --agent
 HELD_CALL = "/t1"  # the model call after the mutation
 HELD_AFTER = 3
+TOOLS = "workplace"  # the tool server's name at the gateway (the openai agent's tools path)
 
 
 @pytest.fixture(scope="module")
@@ -86,26 +95,45 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("gym-model") / "model", spec)
 
 
-def example_task() -> dict[str, Any]:
-    rows = (gym_site_packages(gym_python()) / RESOURCES_DIR / "data" / "example.jsonl").read_text()
-    task: dict[str, Any] = json.loads(rows.splitlines()[0])
+def example_task(venv: Path) -> dict[str, Any]:
+    data = gym_site_packages(gym_python(venv)) / RESOURCES_DIR / "data" / "example.jsonl"
+    task: dict[str, Any] = json.loads(data.read_text().splitlines()[0])
     return task
 
 
+@dataclass(frozen=True)
+class Setup:
+    """Which resources server, the policy's script, and the call the engine holds."""
+
+    resources: GymResources = WORKPLACE
+    script: dict[str, Any] = field(default_factory=lambda: SCRIPT)
+    held_call: str = HELD_CALL
+
+
 class Stack:
-    """One generation of every process: engine, gateway, NeMo Gym's agent and resources."""
+    """One generation of every process: engine, gateway, NeMo Gym's agent and resources (and
+    on 0.7 its environment server), from ``venv``."""
 
     def __init__(
-        self, root: Path, model: Path, name: str, agent: str, *, hold: bool, ports: Any = None
+        self,
+        root: Path,
+        model: Path,
+        name: str,
+        agent: str,
+        venv: Path,
+        *,
+        hold: bool,
+        ports: Any = None,
+        setup: Setup = Setup(),
     ):
-        self.agent = agent
+        self.agent, self.venv, self.setup = agent, venv, setup
         self.tokens = {ENGINE_TOKEN_ENV: "engine-secret", ENV_TOKEN_ENV: "env-secret"}
         logs = root / "logs" / name
         script = root / "script.json"
-        script.write_text(json.dumps(SCRIPT))
+        script.write_text(json.dumps(setup.script))
         env = dict(self.tokens)
         if hold:
-            rule = HoldRule(calls=HELD_CALL, after_tokens=HELD_AFTER)
+            rule = HoldRule(calls=setup.held_call, after_tokens=HELD_AFTER)
             env[HOLD_ENV] = rule.model_dump_json()
         self.started: list[Any] = []
         try:
@@ -139,20 +167,21 @@ class Stack:
         model_port, proxy_port = ports or free_ports(2)  # a restart keeps the agent's config
         simple_agent = self.agent == SIMPLE_AGENT  # else the openai example, in the gateway
         self.gym = GymServers(
-            logs / "gym", model_port=model_port, tool_proxy_port=proxy_port, agent=simple_agent
+            logs / "gym",
+            model_port=model_port,
+            tool_proxy_port=proxy_port,
+            agent=simple_agent,
+            venv=self.venv,
+            resources=self.setup.resources,
         )
         self.ports = (self.gym.ports.model, self.gym.ports.tool_proxy)
-        entry = (
-            ["--agent-url", f"{host}:{self.gym.ports.agent}/run"]
-            if simple_agent
-            else ["--agent", OPENAI_AGENT]
-        )
+        entry = ["--agent-url", self.gym.run_url] if simple_agent else ["--agent", OPENAI_AGENT]
         self.gateway = ServedProcess(
             rollsafe_command(
                 "gateway", "serve", "--model", str(model), "--engine-url", self.engine.url,
                 *entry,
-                "--tool-server", f"workplace={host}:{self.gym.ports.resources}",
-                "--tool-port", f"workplace={self.gym.ports.tool_proxy}",
+                "--tool-server", f"{TOOLS}={host}:{self.gym.ports.resources}",
+                "--tool-port", f"{TOOLS}={self.gym.ports.tool_proxy}",
                 "--port", str(self.gym.ports.model), "--instance", "gw-0",
                 "--snapshot-root", str(logs.parents[1]), "--lease-grace-s", "5",
             ),
@@ -192,54 +221,25 @@ def _calls(result: Any) -> list[dict[str, Any]]:
     ]
 
 
-@pytest.mark.parametrize("agent", [SIMPLE_AGENT, OPENAI_AGENT])
+@pytest.mark.parametrize(
+    ("agent", "release"),
+    [(SIMPLE_AGENT, "0.7"), (SIMPLE_AGENT, "0.4"), (OPENAI_AGENT, "0.7")],
+    ids=["simple_agent-0.7-legacy_agent", "simple_agent-0.4", "openai-0.7"],
+)
 async def test_episode_survives_a_kill_of_every_process(
-    tmp_path: Path, model_dir: Path, stacks: list[Stack], agent: str
+    tmp_path: Path, model_dir: Path, stacks: list[Stack], agent: str, release: str
 ) -> None:
     codec = ChatCodec.load(model_dir)
-    task = example_task()
+    venv = gym_release_venv(release)
+    task = example_task(venv)
     episode = EpisodeRef(rollout_id="gym-0_g0", attempt=0)
-    first = Stack(tmp_path, model_dir, "first", agent, hold=True)
+    first = Stack(tmp_path, model_dir, "first", agent, venv, hold=True)
     stacks.append(first)
+    # 0.7's simple_agent is reached through its environment server (the relay), 0.4's directly.
+    via_relay = agent == SIMPLE_AGENT and release == "0.7"
+    assert (first.gym.ports.environment is not None) == via_relay
+    second, restored = await _killed_and_restored(tmp_path, model_dir, stacks, episode, task)
 
-    running = asyncio.create_task(first.env.run_episode(RunEpisode(episode=episode, task=task)))
-    await eventually_async(lambda: _held(first), what="the call after the mutation held")
-
-    parked = await first.env.prepare(
-        PrepareRequest(checkpoint_id="ck-1", deadline_ts=time.time() + 30)
-    )
-    assert parked.ready and [p.activity for p in parked.parked] == ["generating"]
-    call_id = parked.parked[0].model_call_id
-    assert call_id == f"{episode.key}{HELD_CALL}"
-    cut = await first.engine_client.cut([call_id])
-    [prefix] = cut.prefixes
-    assert len(prefix.tokens) == HELD_AFTER
-    dest = tmp_path / "snap" / "envs" / "gw-0"
-    await first.env.commit(CommitRequest(checkpoint_id="ck-1", scope=(episode,), dest=str(dest)))
-
-    first.crash()  # every process: engine, gateway, agent, resources server
-    running.cancel()
-    with pytest.raises((asyncio.CancelledError, Exception)):
-        await running
-
-    second = Stack(tmp_path, model_dir, "second", agent, hold=False, ports=first.ports)
-    stacks.append(second)
-    restore = RestoreRequest(
-        restore_id="rs-1",
-        source_checkpoint_id="ck-1",
-        root=str(dest),
-        scope=(episode,),
-        prefixes={call_id: prefix.model_dump(mode="json")},
-        deadline_ts=time.time() + 30,
-    )
-    assert (await second.env.restore(restore)).restored == (episode.next_attempt(),)
-    await second.env.resume(ResumeRequest(checkpoint_id="rs-1"))
-    restored = await second.env.run_episode(RunEpisode(episode=episode.next_attempt(), task=task))
-
-    assert restored.restored and "fell_back" not in restored.info
-    assert restored.info["replayed_calls"] == 1  # the call before the mutation, from the record
-    resumed = [call["resumed_tokens"] for call in restored.info["calls"]]
-    assert resumed == [0, HELD_AFTER, 0]
     # The mutation once: the calendar the agent searched (the last prompt) holds one sentinel.
     searched = codec.decode(restored.info["calls"][-1]["prompt_token_ids"]).rsplit(
         "<tool_response>", 1
@@ -265,6 +265,103 @@ async def test_episode_survives_a_kill_of_every_process(
             headers={"cookie": f"rollsafe_session={episode.key}"},
         )
     assert late.status_code == 409 and "session_ended" in late.text
+
+
+async def _killed_and_restored(
+    tmp_path: Path, model_dir: Path, stacks: list[Stack], episode: EpisodeRef, task: Any
+) -> tuple[Stack, EpisodeResult]:
+    """The seed's drill on ``stacks[-1]``: the episode runs until the engine holds its call
+    after the mutation; a real checkpoint parks it there, the call is cut, the session
+    committed; every process is SIGKILLed; a second generation of them restores the episode
+    as attempt 1 and runs it. Returns that stack and the restored run's result."""
+    first = stacks[-1]
+    running = asyncio.create_task(first.env.run_episode(RunEpisode(episode=episode, task=task)))
+    await eventually_async(lambda: _held(first), what="the call after the mutation held")
+
+    parked = await first.env.prepare(
+        PrepareRequest(checkpoint_id="ck-1", deadline_ts=time.time() + 30)
+    )
+    assert parked.ready and [p.activity for p in parked.parked] == ["generating"]
+    call_id = parked.parked[0].model_call_id
+    assert call_id == f"{episode.key}{first.setup.held_call}"
+    cut = await first.engine_client.cut([call_id])
+    [prefix] = cut.prefixes
+    assert len(prefix.tokens) == HELD_AFTER
+    dest = tmp_path / "snap" / "envs" / "gw-0"
+    await first.env.commit(CommitRequest(checkpoint_id="ck-1", scope=(episode,), dest=str(dest)))
+
+    first.crash()  # every process: engine, gateway, agent, resources server
+    running.cancel()
+    with pytest.raises((asyncio.CancelledError, Exception)):
+        await running
+
+    second = Stack(
+        tmp_path, model_dir, "second", first.agent, first.venv,
+        hold=False, ports=first.ports, setup=first.setup,
+    )  # fmt: skip
+    stacks.append(second)
+    restore = RestoreRequest(
+        restore_id="rs-1",
+        source_checkpoint_id="ck-1",
+        root=str(dest),
+        scope=(episode,),
+        prefixes={call_id: prefix.model_dump(mode="json")},
+        deadline_ts=time.time() + 30,
+    )
+    assert (await second.env.restore(restore)).restored == (episode.next_attempt(),)
+    await second.env.resume(ResumeRequest(checkpoint_id="rs-1"))
+    restored = await second.env.run_episode(RunEpisode(episode=episode.next_attempt(), task=task))
+    assert restored.restored and "fell_back" not in restored.info
+    assert restored.info["replayed_calls"] == 1  # the call before the mutation, from the record
+    assert [call["resumed_tokens"] for call in restored.info["calls"]] == [0, HELD_AFTER, 0]
+    return second, restored
+
+
+# example_session_state_mgmt: a counter per session, increment_counter not idempotent, /verify
+# scoring the count (NeMo Gym's own example server, unmodified).
+COUNTER_SCRIPT = {
+    "format_version": 1,
+    "rules": [
+        {"when": '"count"', "reply": "The count is 6."},  # get_counter_value's reply
+        {
+            "when": "success",  # increment_counter's reply
+            "reply": '<tool_call>\n{"name": "get_counter_value", "arguments": {}}\n</tool_call>',
+        },
+        {
+            "when": "",
+            "reply": '<tool_call>\n{"name": "increment_counter", "arguments": {"count": 3}}'
+            "\n</tool_call>",
+        },
+    ],
+}
+
+
+def counter_task(venv: Path) -> dict[str, Any]:
+    """Its example row's tools, asking for one increment: 3 + 3 must make 6."""
+    [row, *_] = SESSION_STATE.example_rows(gym_python(venv))
+    params = {**row["responses_create_params"], "input": [{"role": "user", "content": "add 3"}]}
+    return {"responses_create_params": params, "initial_count": 3, "expected_count": 6}
+
+
+async def test_a_counter_counts_each_increment_once_across_a_kill_of_every_process(
+    tmp_path: Path, model_dir: Path, stacks: list[Stack]
+) -> None:
+    """NeMo Gym 0.7's example_session_state_mgmt behind the gateway, simple_agent behind its
+    legacy_agent environment server: the counter the restored episode verifies was incremented
+    once (the killed server's count died with it; the record's increment is made once into the
+    freshly seeded session), so /verify's reward is 1.0; twice would be 9 and 0.0."""
+    venv = gym_release_venv("0.7")
+    setup = Setup(resources=SESSION_STATE, script=COUNTER_SCRIPT)
+    stacks.append(Stack(tmp_path, model_dir, "first", SIMPLE_AGENT, venv, hold=True, setup=setup))
+    episode = EpisodeRef(rollout_id="count-0_g0", attempt=0)
+    _, restored = await _killed_and_restored(
+        tmp_path, model_dir, stacks, episode, counter_task(venv)
+    )
+    assert [t["path"] for t in restored.info["tool_calls"]] == [
+        "/seed_session", "/increment_counter", "/get_counter_value", "/verify",
+    ]  # fmt: skip
+    assert json.loads(restored.info["tool_calls"][2]["reply"]) == {"count": 6}
+    assert restored.reward == 1.0
 
 
 async def _held(stack: Stack) -> bool:

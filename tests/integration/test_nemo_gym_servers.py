@@ -1,5 +1,7 @@
-"""NeMo Gym 0.4.0's real servers, unmodified, in their own venv (``make setup`` builds
-``.venv-gym``), started and stopped by :class:`rollsafe.gym.servers.GymServers`.
+"""NeMo Gym's real servers, unmodified, 0.7.0 and 0.4.0, each in its own venv (``make setup``
+builds ``.venv-gym`` and ``.venv-gym-0.4``), started and stopped by
+:class:`rollsafe.gym.servers.GymServers`; on 0.7 with the legacy_agent environment server in
+front of simple_agent, as NeMo RL runs it.
 
 What rollsafe's exactly-once layer must guard against, seen on the real workplace_assistant
 server: a session lives in the server's memory under a signed session cookie; the same
@@ -7,11 +9,11 @@ server: a session lives in the server's memory under a signed session cookie; th
 session is an HTTP 400. ``/verify`` scores a transcript alone. simple_agent runs an episode
 through the model address of its config (a scripted model here) and the real tools. The config
 :func:`rollsafe.gym.servers.gym_config` builds is one nemo_gym's own validation accepts, with the
-tool proxy in between or without. ``crash()`` SIGKILLs every server by pid; a server that cannot
-start fails ``start()``, and the others are stopped; a starter killed from outside leaves no
-server behind.
+tool proxy in between or without, and on 0.7 with the environment server. ``crash()``
+SIGKILLs every server by pid; a server that cannot start fails ``start()``, and the others are
+stopped; a starter killed from outside leaves no server behind.
 
-Never skipped: ``make test`` builds the gym venv first, and a missing one fails the test.
+Never skipped: ``make test`` builds the gym venvs first, and a missing one fails the test.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import pytest
 from rollsafe.errors import InvalidInput, ServerDidNotStart
 from rollsafe.gym.servers import (
     AGENT_SECTION,
+    ENVIRONMENT_SECTION,
     MODEL_SECTION,
     RESOURCES_DIR,
     RESOURCES_SECTION,
@@ -42,7 +45,9 @@ from rollsafe.gym.servers import (
     gym_config,
     gym_python,
     gym_site_packages,
+    gym_version,
 )
+from rollsafe.testing.gym import GYM_RELEASES, gym_release_venv
 from rollsafe.testing.waiting import eventually
 
 SESSION_COOKIE = "WorkbenchResourcesServer___workplace_assistant"  # class name ___ section
@@ -54,16 +59,18 @@ EVENT = {
 }
 
 
-def _gym_python() -> Path:
+@pytest.fixture(scope="module", params=GYM_RELEASES)
+def venv(request: pytest.FixtureRequest) -> Path:
+    """Each test once per NeMo Gym release, in that release's venv."""
     try:
-        return gym_python()
+        return gym_release_venv(request.param)
     except InvalidInput as missing:  # `make test` builds it first: never a skip
         pytest.fail(f"NeMo Gym's venv is missing: {missing}")
 
 
-def _example_row() -> dict[str, Any]:
+def _example_row(venv: Path) -> dict[str, Any]:
     """The first task of workplace_assistant's own example data (email: reply to carlos)."""
-    example = gym_site_packages(_gym_python()) / RESOURCES_DIR / "data" / "example.jsonl"
+    example = gym_site_packages(gym_python(venv)) / RESOURCES_DIR / "data" / "example.jsonl"
     row: dict[str, Any] = json.loads(example.read_text().splitlines()[0])
     return row
 
@@ -131,21 +138,22 @@ class ScriptedModel:
 
 
 @pytest.fixture(scope="module")
-def model() -> Iterator[ScriptedModel]:
-    _gym_python()
-    with ScriptedModel(_example_row()["ground_truth"]) as scripted:
+def model(venv: Path) -> Iterator[ScriptedModel]:
+    with ScriptedModel(_example_row(venv)["ground_truth"]) as scripted:
         yield scripted
 
 
 @pytest.fixture(scope="module")
-def gym(tmp_path_factory: pytest.TempPathFactory, model: ScriptedModel) -> Iterator[GymServers]:
-    _gym_python()
-    with GymServers(tmp_path_factory.mktemp("gym"), model_port=model.port) as servers:
+def gym(
+    tmp_path_factory: pytest.TempPathFactory, model: ScriptedModel, venv: Path
+) -> Iterator[GymServers]:
+    logs = tmp_path_factory.mktemp("gym")
+    with GymServers(logs, model_port=model.port, venv=venv) as servers:
         yield servers
 
 
-def test_workplace_assistant_sessions_tools_and_verify(gym: GymServers) -> None:
-    row = _example_row()
+def test_workplace_assistant_sessions_tools_and_verify(gym: GymServers, venv: Path) -> None:
+    row = _example_row(venv)
     with httpx.Client(base_url=gym.resources_url, timeout=30) as client:
         seeded = client.post("/seed_session", json=row)
         assert (seeded.status_code, seeded.json()) == (200, {})
@@ -170,7 +178,11 @@ def test_workplace_assistant_sessions_tools_and_verify(gym: GymServers) -> None:
     # /verify replays the transcript's tool calls on fresh tables: no session needed.
     empty = httpx.post(f"{gym.resources_url}/verify", json={**row, "response": _response([])})
     assert empty.status_code == 200
-    assert set(empty.json()) == {"responses_create_params", "response", "reward"}
+    verdict = {"responses_create_params", "response", "reward"}
+    if gym.version >= (0, 7):  # 0.7 says whether the reward measures the policy at all
+        verdict |= {"mask_sample", "failure_kind", "failure_reason"}
+        assert empty.json()["mask_sample"] is False
+    assert set(empty.json()) == verdict
     assert empty.json()["reward"] == 0.0
     calls = [{"type": "function_call", "call_id": "c0", **call} for call in row["ground_truth"]]
     solved = httpx.post(f"{gym.resources_url}/verify", json={**row, "response": _response(calls)})
@@ -178,11 +190,13 @@ def test_workplace_assistant_sessions_tools_and_verify(gym: GymServers) -> None:
 
 
 def test_simple_agent_runs_an_episode_through_the_configured_model(
-    gym: GymServers, model: ScriptedModel
+    gym: GymServers, model: ScriptedModel, venv: Path
 ) -> None:
-    row = _example_row()
+    """Through ``run_url``: on 0.7 the legacy_agent environment server, relaying to the agent."""
+    assert (gym.version >= (0, 7)) == (gym.run_url != f"{gym.agent_url}/run")
+    row = _example_row(venv)
     model.requests.clear()
-    ran = httpx.post(f"{gym.agent_url}/run", json=row, timeout=60)
+    ran = httpx.post(gym.run_url, json=row, timeout=60)
     assert ran.status_code == 200, ran.text
     assert ran.json()["reward"] == 1.0  # the ground-truth call, run on the real tools
     assert [r["path"] for r in model.requests] == ["/v1/responses", "/v1/responses"]
@@ -196,8 +210,10 @@ def test_simple_agent_runs_an_episode_through_the_configured_model(
 
 
 @pytest.mark.parametrize("tool_proxy", [None, 40123], ids=["direct", "tool-proxy"])
-def test_the_config_is_one_nemo_gym_validation_accepts(tool_proxy: int | None) -> None:
-    ports = GymPorts(resources=40120, agent=40121, model=40122, tool_proxy=tool_proxy)
+def test_the_config_is_one_nemo_gym_validation_accepts(tool_proxy: int | None, venv: Path) -> None:
+    python = gym_python(venv)
+    environment = 40124 if gym_version(python) >= (0, 7) else None
+    ports = GymPorts(40120, 40121, 40122, tool_proxy=tool_proxy, environment=environment)
     config = gym_config(ports, max_steps=4)
     check = (
         "import json, sys\n"
@@ -209,8 +225,9 @@ def test_the_config_is_one_nemo_gym_validation_accepts(tool_proxy: int | None) -
     )
     sections = [RESOURCES_SECTION, AGENT_SECTION, MODEL_SECTION]
     sections += [TOOL_PROXY_SECTION] if tool_proxy else []
+    sections += [ENVIRONMENT_SECTION] if environment else []
     out = subprocess.run(
-        [str(_gym_python()), "-c", check, json.dumps(config), *sections],
+        [str(python), "-c", check, json.dumps(config), *sections],
         capture_output=True,
         text=True,
         timeout=120,
@@ -224,17 +241,20 @@ def test_the_config_is_one_nemo_gym_validation_accepts(tool_proxy: int | None) -
         AGENT_SECTION: 40121,
         MODEL_SECTION: 40122,
         **({TOOL_PROXY_SECTION: tool_proxy} if tool_proxy else {}),
+        **({ENVIRONMENT_SECTION: environment} if environment else {}),
     }
     agent = resolved[AGENT_SECTION]
     assert agent["max_steps"] == 4
     assert agent["model_server"] == {"type": "responses_api_models", "name": MODEL_SECTION}
     expected = TOOL_PROXY_SECTION if tool_proxy else RESOURCES_SECTION
     assert agent["resources_server"] == {"type": "resources_servers", "name": expected}
+    if environment:
+        relay = resolved[ENVIRONMENT_SECTION]
+        assert relay["agent_server"] == {"type": "responses_api_agents", "name": AGENT_SECTION}
 
 
-def test_crash_sigkills_every_server_by_pid(tmp_path: Path) -> None:
-    _gym_python()
-    servers = GymServers(tmp_path, agent=False).start()
+def test_crash_sigkills_every_server_by_pid(tmp_path: Path, venv: Path) -> None:
+    servers = GymServers(tmp_path, agent=False, venv=venv).start()
     try:
         assert servers.alive() == {RESOURCES_SECTION: True}
         pids = servers.pids()
@@ -248,33 +268,34 @@ def test_crash_sigkills_every_server_by_pid(tmp_path: Path) -> None:
         servers.stop()
 
 
-def test_a_server_that_cannot_start_fails_start_and_the_rest_are_stopped(tmp_path: Path) -> None:
-    _gym_python()
-    servers = GymServers(tmp_path)
+def test_a_server_that_cannot_start_fails_start_and_the_rest_are_stopped(
+    tmp_path: Path, venv: Path
+) -> None:
+    servers = GymServers(tmp_path, venv=venv)
     with socket.socket() as taken:  # the resources server's port, held: it cannot bind
         taken.bind(("127.0.0.1", servers.ports.resources))
         taken.listen()
         with pytest.raises(ServerDidNotStart, match="address already in use"):
             servers.start()
-    assert servers.alive() == {RESOURCES_SECTION: False, AGENT_SECTION: False}
+    assert set(servers.alive().values()) == {False}
+    assert (ENVIRONMENT_SECTION in servers.alive()) == (servers.version >= (0, 7))
 
 
 STARTER = """
 import signal, sys
 from pathlib import Path
 from rollsafe.gym.servers import GymServers
-servers = GymServers(Path(sys.argv[1]), agent=False).start()
+servers = GymServers(Path(sys.argv[1]), agent=False, venv=Path(sys.argv[2])).start()
 print(*servers.pids().values(), flush=True)
 signal.pause()  # until the test kills it
 """
 
 
-def test_servers_end_with_a_starter_killed_from_outside(tmp_path: Path) -> None:
+def test_servers_end_with_a_starter_killed_from_outside(tmp_path: Path, venv: Path) -> None:
     """The starter SIGKILLed runs no cleanup: each server ends on its own (launch.py watches
     ``ROLLSAFE_PARENT_PID``), none is left holding its port."""
-    _gym_python()
     starter = subprocess.Popen(
-        [sys.executable, "-c", STARTER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", STARTER, str(tmp_path), str(venv)], stdout=subprocess.PIPE, text=True
     )
     try:
         assert starter.stdout is not None

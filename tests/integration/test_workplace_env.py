@@ -37,7 +37,7 @@ from rollsafe.engine.protocol import (
     TokenEvent,
 )
 from rollsafe.engine.torch_engine import TorchEngine
-from rollsafe.env.hooks import Apply
+from rollsafe.env.hooks import Apply, OnTokens
 from rollsafe.env.participant import Participant
 from rollsafe.env.protocol import (
     EPISODES_RUN,
@@ -92,11 +92,13 @@ class Session:
     def request(self, turn: int, prompt_tokens: Sequence[int], **sampling: Any) -> GenerateRequest:
         return turn_request(self.episode, turn, prompt_tokens, **sampling)
 
-    async def complete(self, engine: Any, request: GenerateRequest) -> Completion:
+    async def complete(
+        self, engine: Any, request: GenerateRequest, *, on_tokens: OnTokens | None = None
+    ) -> Completion:
         prefix = take_prefix(request, self._unused)
         if prefix is not None:
             self.resumed[prefix.call_id] = len(prefix.tokens)
-        return await complete_call(engine, request, prefix, self.generating)
+        return await complete_call(engine, request, prefix, self.generating, on_tokens)
 
     def resumed_tokens(self, completion: Completion) -> int:
         return self.resumed.get(completion.call_id, 0)

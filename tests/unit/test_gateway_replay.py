@@ -11,6 +11,7 @@ assistant message; tool call ids do not depend on the attempt.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -106,7 +107,7 @@ def test_a_record_of_another_rollout_is_refused() -> None:
     with pytest.raises(InvalidInput, match="record is for r-0_g0, not r-1_g0"):
         Replay("s", "r-1_g0", _record(), _decode)
     with pytest.raises(ValidationError, match="format_version"):
-        SessionRecord.model_validate({**_record().model_dump(), "format_version": 2})
+        SessionRecord.model_validate({**_record().model_dump(), "format_version": 3})
 
 
 NEMO_GYM_INPUT = [
@@ -195,3 +196,33 @@ def test_replies_carry_token_fields_and_ids_that_outlive_the_attempt() -> None:
     assert json.dumps(again) == json.dumps(response)
     other = responses_reply(_answer("r-1_g0", calls), request)
     assert other["output"][0]["call_id"] != item["call_id"]
+
+
+def test_an_moe_answer_carries_its_routes_and_a_dense_one_none() -> None:
+    """``routed_experts`` (``[tokens][layers][k]``) beside the token ids when the engine routed;
+    a record of format 1 (before routes) is read as it is."""
+    calls = (ToolCall("create", '{"x": 1}'),)
+    routed = dataclasses.replace(_answer("r-0_g0", calls), routes=(((1, 2),), ((0, 3),)))
+    message = chat_reply(routed, logprobs=False)["choices"][0]["message"]
+    assert message["routed_experts"] == [[[1, 2]], [[0, 3]]]
+    request = ResponsesRequest.model_validate({"input": "hi"})
+    assert responses_reply(routed, request)["output"][-1]["routed_experts"] == [[[1, 2]], [[0, 3]]]
+    dense = chat_reply(_answer("r-0_g0", calls), logprobs=False)["choices"][0]["message"]
+    assert "routed_experts" not in dense
+    call = {k: v for k, v in _call(0, (1, 2)).model_dump().items() if k != "routes"}
+    before = {"format_version": 1, "rollout_id": "r-0_g0", "calls": [call]}
+    assert SessionRecord.model_validate(before).calls[0].routes is None
+    with_routes = _call(0, (1, 2)).model_copy(update={"routes": (((1, 2),), ((0, 3),))})
+    assert CallRecord.model_validate(with_routes.model_dump(mode="json")) == with_routes
+
+
+def test_token_fields_sent_back_come_together_as_nemo_gym_checks() -> None:
+    base = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+    whole = {"prompt_token_ids": [1], "generation_token_ids": [2], "generation_log_probs": [0.0]}
+    envelope = {**whole, "routed_experts": "nrlre1:int16:2x1x2:AAAA"}  # NeMo RL's opaque form
+    for item in ({**base, **whole}, {**base, **envelope}, base):
+        ResponsesRequest.model_validate({"input": [item]})
+    with pytest.raises(ValidationError, match="generation_log_probs, generation_token_ids missing"):
+        ResponsesRequest.model_validate({"input": [{**base, "prompt_token_ids": [1]}]})
+    with pytest.raises(ValidationError, match="routed_experts given"):
+        ResponsesRequest.model_validate({"input": [{**base, "routed_experts": [[[1]]]}]})
