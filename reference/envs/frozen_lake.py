@@ -50,6 +50,7 @@ def parsed(model: type[Walk] | type[Task], raw: dict[str, Any]) -> Any:
 
 class FrozenLake(EnvironmentHooks):
     name = "frozen_lake"
+    side_effects = False  # a game: nothing outside the walk changes
 
     def __init__(self, context: ServeContext) -> None:
         if context.engine is None:

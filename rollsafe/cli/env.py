@@ -236,9 +236,11 @@ def env_check(
     The instance must be idle, and may run other episodes meanwhile. One line per check (on
     stderr with --json, which prints the report). Fails (1) when a check fails (named) or
     the instance cannot be reached; exits 2 when a check could not run (named, with what to
-    give), when the instance refuses the token (401), or without --task. The instance's token:
-    ROLLSAFE_ENV_TOKEN, or --token-file; the engine's: ROLLSAFE_ENGINE_TOKEN, or
-    --engine-token-file."""
+    give), when the instance refuses the token (401), or without --task; exits 3 when every
+    check passed but what decides a lossless restore could not be compared ("passed, not
+    verified: effects, state": no effect through session.effect and no side_effects = False
+    declared; no state_digest). The instance's token: ROLLSAFE_ENV_TOKEN, or --token-file; the
+    engine's: ROLLSAFE_ENGINE_TOKEN, or --engine-token-file."""
     import asyncio
 
     from rollsafe.env.conformance import run_conformance
@@ -281,15 +283,20 @@ def env_check(
         raise typer.Exit(int(ExitCode.FAILURE))
     if report.skipped:
         raise typer.Exit(int(ExitCode.USAGE))
+    if report.not_verified:
+        raise typer.Exit(int(ExitCode.UNVERIFIED))
 
 
 def _verdict(report: ConformanceReport) -> str:
     """The last line: failed and skipped checks by name; "all checks passed" only when each
-    ran and passed; then what could not be compared."""
+    ran and passed and nothing that decides a lossless restore went unseen ("passed, not
+    verified: effects, state" otherwise); then what could not be compared."""
     failed = [c.name for c in report.checks if not c.passed and not c.skipped]
     skipped = [f"{c.name} ({c.detail})" for c in report.skipped]
     parts = [f"FAILED: {', '.join(failed)}"] if failed else []
     parts += [f"NOT RUN: {'; '.join(skipped)}"] if skipped else []
+    if not parts and report.not_verified:
+        parts = [f"passed, not verified: {', '.join(report.not_verified)}"]
     verdict = "; ".join(parts) or "all checks passed"
     line = f"{report.url} ({report.instance}): {verdict} in {report.seconds:.1f}s"
     if report.not_compared:

@@ -8,6 +8,8 @@ The codes (documented once, in docs/operations.md, "Exit codes"):
 - 2: a usage error only: a bad flag or argument, a malformed file the user gave
   (:class:`~rollsafe.errors.InvalidInput`, or a pydantic ``ValidationError`` of the options).
   click's own usage errors (unknown option, bad choice, port out of range) exit 2 too.
+- 3: ``env-check`` only: every check ran and passed, but what decides a lossless restore
+  could not be compared (effects, state): "passed, not verified".
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class ExitCode(IntEnum):
     OK = 0
     FAILURE = 1
     USAGE = 2
+    UNVERIFIED = 3  # env-check: passed, not verified
 
 
 # Each command's help ends with this, so the table stays in one place.

@@ -75,6 +75,7 @@ def parsed(model: type[CompletionTask] | type[CompletionRecord], raw: dict[str, 
 
 class CompletionEnv(EnvironmentHooks):
     name = "completion"
+    side_effects = False  # one model call: nothing outside the episode changes
 
     def __init__(self, context: ServeContext) -> None:
         if context.engine is None:

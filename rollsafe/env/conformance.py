@@ -17,7 +17,12 @@ restarts a restored attempt from its task fails them.
 A check that cannot run (no engine given for an episode that makes model calls, no lease
 wait) is *skipped* with its reason, and a report with one is not passed: env-check exits 2.
 What a check could not compare because the environment does not offer it (no state_digest
-hook, no effect) is listed in the report's ``not_compared``."""
+hook, no effect) is listed in the report's ``not_compared``; of those, the two that decide
+whether a restore is lossless (``effects``: none went through ``session.effect`` and the
+environment does not declare ``side_effects = False``; ``state``: no ``state_digest``) are its
+``not_verified``, and every check passing with one is "passed, not verified" (exit 3), never a
+plain pass. Paths of ``info`` the environment declares as the attempt's (``attempt_info``) are
+left out of the comparisons."""
 
 from __future__ import annotations
 
@@ -68,6 +73,10 @@ class ConformanceReport(BaseModel):
     checks: tuple[CheckResult, ...]
     not_compared: tuple[str, ...] = Field(
         default=(), description="what the environment offers no way to compare, and why"
+    )
+    not_verified: tuple[str, ...] = Field(
+        default=(),
+        description="what decides a lossless restore and could not be compared: effects, state",
     )
 
     @property
@@ -299,4 +308,5 @@ async def run_conformance(
         seconds=seconds,
         checks=tuple(results),
         not_compared=tuple(sorted(r.not_compared)),
+        not_verified=tuple(sorted(r.not_verified)),
     )

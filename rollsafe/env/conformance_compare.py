@@ -9,20 +9,63 @@ keyed otherwise (the attempt, a clock, a process's random generator) shows up as
 What names the attempt by design is not a difference: the toolkit's call ids and episode keys
 (``<rollout>-a<n>/t<turn>``) are compared with the attempt's key replaced by the uninterrupted
 attempt's, and ``info["attempt"]`` is where an environment reports about the attempt itself
-(tokens resumed from a prefix, timings): it is left out.
+(tokens resumed from a prefix, timings): it is left out, and so is every path the environment
+declares in ``EnvironmentHooks.attempt_info`` (:func:`without_paths`).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from rollsafe.env import protocol as w
 from rollsafe.env.conformance_run import expect
+from rollsafe.errors import InvalidInput
 
 ATTEMPT_INFO = "attempt"  # info's key for what describes the attempt, not the episode
+_SEGMENT = re.compile(r"^(\*|[^.\[\]*]+(\[\])?)$")
+
+
+def info_path(path: str) -> list[str]:
+    """A declared ``attempt_info`` path as its segments (``"steps[].attempt"`` -> ``steps``,
+    ``[]``, ``attempt``); :class:`InvalidInput` naming a malformed one."""
+    parts: list[str] = []
+    for segment in path.split("."):
+        if not _SEGMENT.match(segment):
+            raise InvalidInput(
+                f"attempt_info path {path!r}: segment {segment!r} is not a key, key[] (every "
+                "item of its list) or * (every key of a dict)"
+            )
+        parts += [segment[:-2], "[]"] if segment.endswith("[]") else [segment]
+    return parts
+
+
+def without_paths(info: Any, paths: Sequence[str]) -> Any:
+    """``info`` (JSON) without what each of ``paths`` names (see :func:`info_path`)."""
+    info = json.loads(json.dumps(info))  # a copy to cut
+    for path in paths:
+        _drop(info, info_path(path))
+    return info
+
+
+def _drop(node: Any, parts: list[str]) -> None:
+    head, rest = parts[0], parts[1:]
+    if not rest:  # the last segment: what it names goes
+        if head in ("*", "[]") and isinstance(node, dict | list):
+            node.clear()
+        elif isinstance(node, dict):
+            node.pop(head, None)
+        return
+    if head == "[]":
+        children = node if isinstance(node, list) else []
+    elif head == "*":
+        children = list(node.values()) if isinstance(node, dict) else []
+    else:
+        children = [node[head]] if isinstance(node, dict) and head in node else []
+    for child in children:
+        _drop(child, rest)
 
 
 def as_attempt(value: Any, key: str, into: str) -> Any:
@@ -64,9 +107,15 @@ def _audit(result: w.EpisodeResult) -> w.EpisodeAudit:
     return result.audit
 
 
-def same_end(parked: w.ParkedEpisode, restored: w.EpisodeResult, end: w.EpisodeResult) -> list[str]:
+def same_end(
+    parked: w.ParkedEpisode,
+    restored: w.EpisodeResult,
+    end: w.EpisodeResult,
+    attempt_info: Sequence[str] = (),
+) -> list[str]:
     """Check that ``restored`` (attempt n + 1, continued from ``parked``) ended as ``end``
-    (attempt n, uninterrupted); returns what could not be compared, and why."""
+    (attempt n, uninterrupted), ``attempt_info``'s paths of their info left out; returns
+    what could not be compared, and why."""
     key = restored.episode.key
     expect(
         (restored.turns, restored.reward) == (end.turns, end.reward),
@@ -74,8 +123,8 @@ def same_end(parked: w.ParkedEpisode, restored: w.EpisodeResult, end: w.EpisodeR
         f"uninterrupted attempt with {end.turns} turns, reward {end.reward}: the record did "
         "not carry its state",
     )
-    info = {k: v for k, v in restored.info.items() if k != ATTEMPT_INFO}
-    want = {k: v for k, v in end.info.items() if k != ATTEMPT_INFO}
+    info = without_paths(restored.info, (ATTEMPT_INFO, *attempt_info))
+    want = without_paths(end.info, (ATTEMPT_INFO, *attempt_info))
     diff = first_difference(as_attempt(info, key, end.episode.key), want)
     expect(diff is None, f"{key}: its info differs from the uninterrupted attempt's: {diff}")
     mine, theirs = _audit(restored), _audit(end)

@@ -13,7 +13,7 @@ from typing import Any
 
 from rollsafe.engine.protocol import Engine, PrefixRecord
 from rollsafe.env import protocol as w
-from rollsafe.env.conformance_compare import applied_once, same_end
+from rollsafe.env.conformance_compare import applied_once, info_path, same_end
 from rollsafe.env.conformance_run import (
     EPISODE_S,
     MIN_TASK_TURNS,
@@ -62,11 +62,18 @@ async def probe(r: Run) -> None:
             f"the training row of {made - seen} of {made} model call(s) (made without "
             "session.complete, their tokens cannot be seen)"
         )
-    if not result.audit.effects:
+    declared = result.audit
+    for path in declared.attempt_info:
+        info_path(path)  # a malformed declaration is named before any check runs
+    r.attempt_info = declared.attempt_info
+    if not declared.effects and declared.side_effects:
         r.not_compared.add(
             "effects (the episode made none through session.effect; one made any other way "
-            "cannot be seen)"
+            "cannot be seen, and the environment does not declare side_effects = False)"
         )
+        r.not_verified.add("effects")
+    if not declared.state_digests:
+        r.not_verified.add("state")
 
 
 def _mid_way(r: Run) -> Wanted:
@@ -213,7 +220,7 @@ async def _continued(
         f"{key}: continued from turn {at}, but it was parked at turn {turn} ({parked.activity}):"
         " it did not continue its record (restarted, applying earlier turns again?)",
     )
-    r.not_compared.update(same_end(parked, result, end))
+    r.not_compared.update(same_end(parked, result, end, r.attempt_info))
 
 
 async def _ledger(r: Run, episode: w.EpisodeRef) -> w.RolloutEffects:

@@ -71,6 +71,8 @@ class Run:
         self.running: Tasks = {}
         self.probe: w.EpisodeResult | None = None  # the task's first episode, uninterrupted
         self.not_compared: set[str] = set()  # what the checks could not compare, and why
+        self.not_verified: set[str] = set()  # what matters of those: "effects", "state"
+        self.attempt_info: tuple[str, ...] = ()  # info's paths the environment declares
 
     def new_id(self) -> str:
         self.opened.append(cid := f"conf-{uuid.uuid4().hex}")  # resumed when the check ends

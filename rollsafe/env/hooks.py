@@ -139,6 +139,15 @@ class EnvironmentHooks(ABC):
     # refers to what only its instance holds (a sandbox on its node): if that instance is
     # lost, its episodes restart from scratch instead of being restored on a survivor.
     portable: bool = True
+    # What env-check needs told to verify this environment (docs/environment-protocol.md,
+    # "env-check"). side_effects False: an episode changes nothing outside its own state (no
+    # row written, no message sent), so no effect through session.effect is to be expected.
+    side_effects: bool = True
+    # Paths in a result's info that describe the attempt, not the episode (a step's attempt
+    # number, a timing): left out when env-check compares attempts, as info["attempt"] always
+    # is. Dotted keys; "[]" after a key: every item of its list; "*": every key of a dict.
+    # E.g. ("steps[].attempt", "timings.*").
+    attempt_info: tuple[str, ...] = ()
 
     @abstractmethod
     async def run_episode(self, run: RunEpisode, session: EpisodeSession) -> EpisodeResult:

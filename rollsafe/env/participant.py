@@ -427,7 +427,7 @@ class Participant:
             )
             result = await session.task
             self._restored.pop(ep.key, None)
-            audit = None if session.audit is None else session.audit.reply()
+            audit = None if session.audit is None else session.audit.reply(self.env)
             return result.model_copy(
                 update={
                     "restored": restored is not None,

@@ -342,6 +342,16 @@ class EpisodeAudit(_Message):
         default_factory=dict,
         description="boundary turn -> the environment's state_digest there (empty: no hook)",
     )
+    side_effects: bool = Field(
+        default=True, description="False: the environment declares it makes none"
+    )
+    attempt_info: tuple[str, ...] = Field(
+        default=(), description="paths in info the environment declares describe the attempt"
+    )
+
+    @model_serializer(mode="wrap")
+    def _as_before_without_declarations(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return omit_unused(handler(self), self, "side_effects", "attempt_info")
 
 
 class EffectsRequest(_Message):

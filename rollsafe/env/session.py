@@ -38,7 +38,7 @@ from rollsafe.env.protocol import (
 )
 
 if TYPE_CHECKING:
-    from rollsafe.env.hooks import Apply, OnTokens
+    from rollsafe.env.hooks import Apply, EnvironmentHooks, OnTokens
     from rollsafe.env.participant import Participant
     from rollsafe.env.participant_records import Restored
 
@@ -223,12 +223,15 @@ class _Audit:
         self.state_digests: dict[int, str] = {}
         self.generating = 0
 
-    def reply(self) -> EpisodeAudit:
+    def reply(self, env: EnvironmentHooks) -> EpisodeAudit:
+        """What was seen, with what ``env`` declares of itself."""
         return EpisodeAudit(
             effects=tuple(self.effects),
             calls=tuple(self.calls),
             generating=self.generating,
             state_digests=dict(self.state_digests),
+            side_effects=env.side_effects,
+            attempt_info=tuple(env.attempt_info),
         )
 
 

@@ -36,6 +36,7 @@ from rollsafe.reference.envs.workplace.record import EpisodeRecord, InFlight, Tu
 class WorkplaceEnv(EnvironmentHooks):
     name = "workplace"
     kind = "environment"
+    side_effects = False  # the calendar is the episode's own state, exported with it
 
     def __init__(self, engine: Engine, *, max_tokens: int = 12, temperature: float = 1.0) -> None:
         self.engine = engine
