@@ -215,7 +215,7 @@ def start_instance(
     gym = GymServers(logs / "gym", model_port=model_port, tool_proxy_port=proxy_port)
     host = "http://127.0.0.1"
     args = ["gateway", "serve", "--model", str(model), "--engine-url", engine_url]
-    args += ["--agent-url", gym.run_url]
+    args += ["--agent-url", gym.run_url, "--agent-protocol", gym.agent_protocol]
     args += ["--tool-server", f"workplace={host}:{gym.ports.resources}"]
     args += ["--tool-port", f"workplace={proxy_port}", "--port", str(model_port)]
     args += ["--instance", name, "--lease-grace-s", "5"]

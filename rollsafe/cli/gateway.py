@@ -3,6 +3,7 @@ sessions are checkpointed (docs/gateway.md)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -22,6 +23,7 @@ from rollsafe.cli.tokens import (
 )
 from rollsafe.env.participant import LEASE_GRACE_S
 from rollsafe.errors import InvalidInput, RollsafeError
+from rollsafe.gateway.agents import AgentProtocol
 from rollsafe.http.bearer import ENGINE_TOKEN_ENV, ENV_TOKEN_ENV
 
 if TYPE_CHECKING:
@@ -71,6 +73,14 @@ def gateway_serve(
     agent_url: Annotated[
         str | None, typer.Option(help="the agent's episode endpoint, e.g. NeMo Gym's /run")
     ] = None,
+    agent_protocol: Annotated[
+        AgentProtocol,
+        typer.Option(
+            help="what --agent-url speaks: run (a flat dataset row: an agent's /run, NeMo Gym "
+            "0.7's legacy_agent) or episode (NeMo Gym 0.7's typed episode protocol: "
+            "single_agent_turn)",
+        ),
+    ] = "run",
     agent: Annotated[
         str | None, typer.Option(help="or an agent function: package.module:function")
     ] = None,
@@ -126,7 +136,8 @@ def gateway_serve(
         if unknown:
             raise InvalidInput(f"--tool-port names {', '.join(unknown)}, not a --tool-server")
         name = instance or f"gateway-{os.getpid()}"
-        hooks = build_hooks(model, engine_url, engine_secret, agent_url, agent, tools, model_name)
+        entry = AgentFlags(agent_url, agent_protocol, agent)
+        hooks = build_hooks(model, engine_url, engine_secret, entry, tools, model_name)
     except RollsafeError as exc:
         fail(exc)
     try:
@@ -153,12 +164,20 @@ def _port(value: str, name: str) -> int:
     return int(value)
 
 
+@dataclass(frozen=True)
+class AgentFlags:
+    """How episodes start: ``--agent-url`` (speaking ``--agent-protocol``) or ``--agent``."""
+
+    url: str | None
+    protocol: AgentProtocol
+    function: str | None
+
+
 def build_hooks(
     model: Path,
     engine_urls: list[str],
     engine_token: str,
-    agent_url: str | None,
-    agent: str | None,
+    entry: AgentFlags,
     tools: dict[str, str],
     model_name: str | None,
 ) -> GatewayHooks:
@@ -172,13 +191,15 @@ def build_hooks(
     from rollsafe.gateway.sessions import Served
     from rollsafe.gateway.tools import ToolServer
 
+    agent_url, agent = entry.url, entry.function
     if agent_url is not None and agent is not None:
         raise InvalidInput("give --agent-url or --agent, not both")
     codec = ChatCodec.load(model)
     engines = EnginePool([EngineClient(url, engine_token) for url in engine_urls])
     served = Served(engine=engines, codec=codec, model=model_name or model.name)
     servers = {name: ToolServer(name, url) for name, url in tools.items()}
-    hooks = GatewayHooks(served, HttpAgent(agent_url) if agent_url else None, servers)
+    http = HttpAgent(agent_url, protocol=entry.protocol) if agent_url else None
+    hooks = GatewayHooks(served, http, servers)
     if agent is not None:
         function = load_hooks_factory(agent)  # the same import rules as --hooks
         # hooks.url: where serve() listens, known once it bound its port (--port 0 too).

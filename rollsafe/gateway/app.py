@@ -10,8 +10,12 @@ Main app (one port)::
 
 A model call's session: the path (``/sessions/{session}/v1/...``), else the
 ``X-Rollsafe-Session`` header, else ``metadata.rollsafe_session``, else the
-``rollsafe_session`` cookie. Each tool proxy also listens at the root of a port of its own
-(:func:`tool_app`), where NeMo Gym's agents expect a resources server.
+``rollsafe_session`` cookie; a tool call's the same, else the episode its JSON body names
+(``episode_id``, as a NeMo Gym 0.7 environment server seeds a resources session). Each tool
+proxy also listens at the root of a port of its own (:func:`tool_app`), where NeMo Gym's agents
+expect a resources server. The OpenAI routes are served under NeMo Gym's rollout prefixes too
+(``/ng-rollout/{id}/v1/...``, ``/ng-rollout/{id}/training-token-capture/v1/...``: an agent
+carries its episode's prefix to its model calls, and model servers strip it).
 
 Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 a malformed
 request (the message names the field), 401 the API token, 409 a refused session
@@ -21,6 +25,7 @@ the engine or a tool server unavailable.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -59,6 +64,12 @@ from rollsafe.http.contract import ContractHeaders
 from rollsafe.http.tracing import ServerSpans
 
 M = TypeVar("M", bound=BaseModel)
+# NeMo Gym 0.7's rollout correlation: an agent sends its model calls under its episode's prefix
+# (nemo_gym.rollout_correlation), which a model server strips; the session is found as always.
+NEMO_GYM_ROLLOUT_PREFIXES = (
+    "/ng-rollout/{rollout_key}",
+    "/ng-rollout/{rollout_key}/training-token-capture",
+)
 log = logging.getLogger(__name__)
 Handler = Callable[[Request], Awaitable[Response]]
 STARTED = int(time.time())
@@ -105,6 +116,33 @@ def session_of(request: Request, metadata: Mapping[str, str] | None = None) -> s
             f"header, metadata.{SESSION_METADATA_KEY}, or the {SESSION_COOKIE} cookie"
         )
     return check_session_id(str(found))
+
+
+def _tool_session(request: Request, hooks: GatewayHooks, body: bytes) -> str:
+    """A tool call's session (see the module docstring); failing those, the session of the
+    episode its JSON body names (``episode_id``: a NeMo Gym 0.7 environment server seeding,
+    verifying or closing the resources session itself, with no cookie of ours yet)."""
+    try:
+        return session_of(request)
+    except InvalidInput:
+        episode = _episode_named(body)
+        found = None if episode is None else hooks.session_of_episode(*episode)
+        if found is None:
+            raise
+        return found
+
+
+def _episode_named(body: bytes) -> tuple[str, int] | None:
+    try:
+        named = json.loads(body).get("episode_id") if body else None
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(named, dict):
+        return None
+    rollout, attempt = named.get("rollout_id"), named.get("attempt", 0)
+    if not isinstance(rollout, str) or not isinstance(attempt, int):
+        return None
+    return rollout, attempt
 
 
 def _with_cookie(response: Response, session: str) -> Response:
@@ -159,7 +197,7 @@ def openai_routes(hooks: GatewayHooks, api_token: str | None) -> list[Route]:
         return _with_cookie(_event_stream(responses_sse(call, body)), session)
 
     routes = []
-    for prefix in ("", "/sessions/{session}"):
+    for prefix in ("", "/sessions/{session}", *NEMO_GYM_ROLLOUT_PREFIXES):
         routes += [
             Route(f"{prefix}/v1/models", _guard(api_token, models), methods=["GET"]),
             Route(f"{prefix}/v1/chat/completions", _guard(api_token, chat), methods=["POST"]),
@@ -183,11 +221,11 @@ def proxy_handler(hooks: GatewayHooks, server_name: str | None) -> Handler:
         server = hooks.tools.get(name)
         if server is None:
             raise InvalidInput(f"no tool server {name!r} (known: {', '.join(sorted(hooks.tools))})")
-        session = session_of(request)
+        body = await request.body()
+        session = _tool_session(request, hooks, body)
         path = "/" + request.path_params.get("path", "")
         if request.url.query:
             path += f"?{request.url.query}"
-        body = await request.body()
         made = await hooks.session(session).tool_call(
             server, request.method, path, body, request.headers.get("content-type", "")
         )

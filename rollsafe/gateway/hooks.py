@@ -61,6 +61,15 @@ class GatewayHooks(EnvironmentHooks):
             )
         return live
 
+    def session_of_episode(self, rollout_id: str, attempt: int) -> str | None:
+        """The live session of the attempt ``(rollout_id, attempt)``, if one runs here: how a
+        NeMo Gym environment server's resources seed, which names only its episode, finds it."""
+        for session, live in self.sessions.items():
+            ref = live.episode.episode
+            if (ref.rollout_id, ref.attempt) == (rollout_id, attempt) and not live.ended:
+                return session
+        return None
+
     # -- hooks -------------------------------------------------------------------------------
 
     async def run_episode(self, run: RunEpisode, session: EpisodeSession) -> EpisodeResult:
@@ -98,7 +107,7 @@ class GatewayHooks(EnvironmentHooks):
         self.sessions[session] = live
         self._by_episode[episode.episode.key] = live
         try:
-            outcome = await self.agent.run(task, session)
+            outcome = await self.agent.run(task, session, episode.episode)
         except Exception:
             if live.diverged is not None:  # the agent failed because its call was refused
                 return live, None

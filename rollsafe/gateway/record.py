@@ -78,10 +78,17 @@ class SessionRecord(_Strict):
     tools: tuple[ToolRecord, ...] = ()
 
 
+# Keys whose values name the attempt, not what it does, left out when attempts are compared:
+# the session the gateway put in a body's metadata, and what a NeMo Gym 0.7 environment server
+# names each attempt's resources session with (a fresh random resources_session_id, and the
+# episode_id with its attempt).
+_ATTEMPT_KEYS = {SESSION_METADATA_KEY: str, "resources_session_id": str, "episode_id": dict}
+
+
 def without_session(body: bytes | str) -> bytes:
-    """``body`` as compared across attempts: a JSON body with every
-    ``metadata.rollsafe_session`` left out (the gateway put it there, and each attempt has its
-    own session), in canonical form; any other body as it is."""
+    """``body`` as compared across attempts: a JSON body with every key that names the attempt
+    left out (``metadata.rollsafe_session``, ``resources_session_id``, ``episode_id``), in
+    canonical form; any other body as it is."""
     raw = body.encode() if isinstance(body, str) else body
     try:
         parsed = json.loads(raw)
@@ -95,7 +102,7 @@ def _strip_session(value: Any) -> Any:
         return {
             key: _strip_session(item)
             for key, item in value.items()
-            if not (key == SESSION_METADATA_KEY and isinstance(item, str))
+            if not (key in _ATTEMPT_KEYS and isinstance(item, _ATTEMPT_KEYS[key]))
         }
     if isinstance(value, list):
         return [_strip_session(item) for item in value]

@@ -9,7 +9,7 @@ with the whole config in ``NEMO_GYM_CONFIG_DICT`` and its own section's name in
 every port is chosen before anything starts (:func:`gym_config`).
 
 What runs (:class:`GymServers`), named by the resources server (:class:`GymResources`:
-workplace_assistant by default, or example_session_state_mgmt):
+workplace_assistant by default, example_session_state_mgmt, or example_single_tool_call):
 
 - ``workplace_assistant``: the real resources server (tools on per-session state,
   ``/seed_session``, ``/verify``).
@@ -17,11 +17,14 @@ workplace_assistant by default, or example_session_state_mgmt):
   proxy's address when one is given (else the real server's) and whose ``model_server`` is the
   ``policy_model`` section: an OpenAI-compatible model gateway's address. Neither the proxy nor
   the gateway is started here; their ports are in the config for whoever serves them.
-- ``workplace_assistant_environment`` (NeMo Gym 0.7 and later, by default): the
-  ``legacy_agent`` environment server in front of simple_agent, as NeMo RL runs an agent that
-  owns its episode: it relays ``/run`` (body, headers, cookies) to the agent and its answer
-  back. :attr:`GymServers.run_url` is where an episode starts: the environment server's
-  ``/run`` when it runs, else the agent's.
+- ``workplace_assistant_environment`` (NeMo Gym 0.7 and later, by default): the environment
+  server the resources server's pairing has in 0.7, in front of simple_agent.
+  ``legacy_agent``, as NeMo RL runs an agent that owns its episode: it relays ``/run`` (body,
+  headers, cookies) to the agent and its answer back. ``single_agent_turn``
+  (example_single_tool_call's), which owns the episode: it seeds the resources session (through
+  the proxy) and an agent session granting the tools, makes one agent turn, verifies, and
+  closes both. :attr:`GymServers.run_url` is where an episode starts (the environment server's
+  ``/run`` when it runs, else the agent's), speaking :attr:`GymServers.agent_protocol`.
 
 Processes are ended by their pid, never by name (:class:`rollsafe.http.served.ServedProcess`).
 """
@@ -39,6 +42,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 from rollsafe.errors import InvalidInput
+from rollsafe.gateway.agents import AgentProtocol
 from rollsafe.http.served import START_TIMEOUT_S, ServedProcess
 
 GYM_VENV_ENV = "ROLLSAFE_GYM_VENV"
@@ -55,7 +59,11 @@ GymEnvironment = Literal["workplace_assistant"]
 MODEL_SECTION = "policy_model"  # the agent's model server: the gateway
 # Where the agent's and the environment server's app.py live inside the venv's site-packages.
 AGENT_DIR = "responses_api_agents/simple_agent"
-ENVIRONMENT_DIR = "environment_servers/legacy_agent"
+# NeMo Gym 0.7's environment servers rollsafe runs in front of simple_agent: legacy_agent
+# relays the agent's own /run (the agent owns the episode, a flat row in); single_agent_turn
+# owns the episode itself (the typed episode protocol: it seeds the resources and agent
+# sessions, makes one agent turn, verifies and closes them), for a migrated pairing.
+EnvironmentKind = Literal["legacy_agent", "single_agent_turn"]
 
 
 @dataclass(frozen=True)
@@ -65,7 +73,8 @@ class GymResources:
 
     name: str  # its folder under resources_servers/, and its section
     description: str  # its config's
-    max_steps: int  # simple_agent's, as its config for this server sets it
+    max_steps: int | None  # simple_agent's, as its config for this server sets it (None: none)
+    environment: EnvironmentKind = "legacy_agent"  # its pairing's environment server (0.7)
 
     @property
     def dir(self) -> str:
@@ -96,6 +105,10 @@ WORKPLACE = GymResources(
 # /verify scores the count, so an increment made twice is a wrong reward.
 SESSION_STATE = GymResources(
     "example_session_state_mgmt", "Session state management (in-memory)", 8
+)
+# A weather tool: the pairing NeMo Gym 0.7 migrated to single_agent_turn (its own config).
+SINGLE_TOOL_CALL = GymResources(
+    "example_single_tool_call", "Basic single-step tool calling", None, "single_agent_turn"
 )
 # workplace_assistant's sections and folder, by the names the tests and the demo use.
 RESOURCES_SECTION = WORKPLACE.name
@@ -183,7 +196,7 @@ class GymPorts:
     agent: int  # simple_agent
     model: int  # the OpenAI-compatible model gateway (``policy_model``)
     tool_proxy: int | None = None  # the tool proxy to ``resources``; None: none, direct
-    environment: int | None = None  # legacy_agent in front of the agent; None: none
+    environment: int | None = None  # the environment server in front of the agent; None: none
 
 
 def gym_config(
@@ -227,29 +240,43 @@ def gym_config(
             "responses_api_agents",
             "simple_agent",
             ports.agent,
-            max_steps=resources.max_steps if max_steps is None else max_steps,
             resources_server={"type": "resources_servers", "name": resources_ref},
             model_server={"type": "responses_api_models", "name": MODEL_SECTION},
         ),
     }
+    steps = resources.max_steps if max_steps is None else max_steps
+    if steps is not None:
+        config[resources.agent_section]["responses_api_agents"]["simple_agent"]["max_steps"] = steps
     if ports.tool_proxy is not None:
         config[resources.tool_proxy_section] = server(
             "resources_servers", "rollsafe_tool_proxy", ports.tool_proxy, domain="agent"
         )
     if ports.environment is not None:
-        # legacy_agent's own config (its configs/legacy_agent.yaml): the limits are the base's
-        # required fields, which a relay does not enforce; setting others would warn.
         config[resources.environment_section] = server(
             "environment_servers",
-            "legacy_agent",
+            resources.environment,
             ports.environment,
-            agent_server={"type": "responses_api_agents", "name": resources.agent_section},
-            max_concurrent_episodes=None,
-            queue_timeout_seconds=None,
-            default_episode_timeout_seconds=21600,
-            cleanup_timeout_seconds=180,
+            **_environment_fields(resources, resources_ref),
         )
     return config
+
+
+def _environment_fields(resources: GymResources, resources_ref: str) -> dict[str, Any]:
+    """An environment server's config, as its own configs/<kind>.yaml has it: the base's limits
+    (which a relay does not enforce; setting others would warn), the agent, and for
+    single_agent_turn the resources server it seeds (our proxy, when there is one) and the
+    direct HTTP tool access it grants the agent."""
+    fields: dict[str, Any] = {
+        "agent_server": {"type": "responses_api_agents", "name": resources.agent_section},
+        "max_concurrent_episodes": None,
+        "queue_timeout_seconds": None,
+        "default_episode_timeout_seconds": 21600,
+        "cleanup_timeout_seconds": 180,
+    }
+    if resources.environment == "single_agent_turn":
+        fields["resources_server"] = {"type": "resources_servers", "name": resources_ref}
+        fields["resources_tool_transports"] = ["direct_http"]
+    return fields
 
 
 def _environment(config: dict[str, Any], section: str) -> dict[str, str]:
@@ -324,6 +351,13 @@ class GymServers:
         return self.processes[self.resources.agent_section].url
 
     @property
+    def agent_protocol(self) -> AgentProtocol:
+        """What :attr:`run_url` speaks: a flat row (the agent's /run, legacy_agent's relay), or
+        the typed episode protocol (single_agent_turn)."""
+        on_episodes = self.ports.environment is not None
+        return "episode" if on_episodes and self.resources.environment != "legacy_agent" else "run"
+
+    @property
     def run_url(self) -> str:
         """Where an episode starts (``POST`` the task): the environment server's ``/run``
         when one runs, else the agent's. Known before :meth:`start`."""
@@ -352,7 +386,9 @@ class GymServers:
         if self.with_agent:
             wanted.append((resources.agent_section, AGENT_DIR))
         if self.ports.environment is not None:
-            wanted.append((resources.environment_section, ENVIRONMENT_DIR))
+            wanted.append(
+                (resources.environment_section, f"environment_servers/{resources.environment}")
+            )
         try:
             began = {}
             for section, server_dir in wanted:  # all at once: each takes ~2 s of imports

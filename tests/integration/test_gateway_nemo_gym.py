@@ -49,6 +49,7 @@ from rollsafe.gateway.serve import GATEWAY_BANNER
 from rollsafe.gym.servers import (
     RESOURCES_DIR,
     SESSION_STATE,
+    SINGLE_TOOL_CALL,
     WORKPLACE,
     GymResources,
     GymServers,
@@ -175,7 +176,11 @@ class Stack:
             resources=self.setup.resources,
         )
         self.ports = (self.gym.ports.model, self.gym.ports.tool_proxy)
-        entry = ["--agent-url", self.gym.run_url] if simple_agent else ["--agent", OPENAI_AGENT]
+        entry = (
+            ["--agent-url", self.gym.run_url, "--agent-protocol", self.gym.agent_protocol]
+            if simple_agent
+            else ["--agent", OPENAI_AGENT]
+        )
         self.gateway = ServedProcess(
             rollsafe_command(
                 "gateway", "serve", "--model", str(model), "--engine-url", self.engine.url,
@@ -313,7 +318,8 @@ async def _killed_and_restored(
     restored = await second.env.run_episode(RunEpisode(episode=episode.next_attempt(), task=task))
     assert restored.restored and "fell_back" not in restored.info
     assert restored.info["replayed_calls"] == 1  # the call before the mutation, from the record
-    assert [call["resumed_tokens"] for call in restored.info["calls"]] == [0, HELD_AFTER, 0]
+    resumed = [call["resumed_tokens"] for call in restored.info["calls"]]
+    assert resumed[1] == HELD_AFTER and sum(resumed) == HELD_AFTER  # the held call, from its cut
     return second, restored
 
 
@@ -362,6 +368,43 @@ async def test_a_counter_counts_each_increment_once_across_a_kill_of_every_proce
     ]  # fmt: skip
     assert json.loads(restored.info["tool_calls"][2]["reply"]) == {"count": 6}
     assert restored.reward == 1.0
+
+
+# example_single_tool_call: NeMo Gym 0.7's pairing migrated to its single_agent_turn environment
+# server, which owns the episode (typed episode protocol): it seeds the resources session itself
+# (through the proxy, which finds the session by the episode the seed names), seeds an agent
+# session granting it the tools, makes one agent turn, verifies, closes both sessions.
+WEATHER_SCRIPT = {
+    "format_version": 1,
+    "rules": [
+        {"when": "cold", "reply": "It is cold in San Francisco."},  # get_weather's reply
+        {
+            "when": "",
+            "reply": '<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+            '"San Francisco"}}\n</tool_call>',
+        },
+    ],
+}
+
+
+async def test_single_agent_turn_owns_the_episode_and_it_survives_a_kill_of_every_process(
+    tmp_path: Path, model_dir: Path, stacks: list[Stack]
+) -> None:
+    venv = gym_release_venv("0.7")
+    setup = Setup(resources=SINGLE_TOOL_CALL, script=WEATHER_SCRIPT)
+    first = Stack(tmp_path, model_dir, "first", SIMPLE_AGENT, venv, hold=True, setup=setup)
+    stacks.append(first)
+    assert first.gym.agent_protocol == "episode"  # its /run takes the typed episode request
+    [task, *_] = SINGLE_TOOL_CALL.example_rows(gym_python(venv))
+    episode = EpisodeRef(rollout_id="weather-0_g0", attempt=0)
+    _, restored = await _killed_and_restored(tmp_path, model_dir, stacks, episode, task)
+    # Its resources session seeded, verified and closed through the proxy, its tool called
+    # by the agent with the access the environment server granted; the seed's fresh
+    # resources_session_id is the attempt's, not a divergence.
+    assert [t["path"] for t in restored.info["tool_calls"]] == [
+        "/seed_session", "/get_weather", "/verify", "/close_session",
+    ]  # fmt: skip
+    assert restored.reward == 1.0 and restored.turns == 2
 
 
 async def _held(stack: Stack) -> bool:
