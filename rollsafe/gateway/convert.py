@@ -349,7 +349,7 @@ def responses_reply(answer: Answer, request: ResponsesRequest) -> dict[str, Any]
     prompt, completion = len(answer.prompt_tokens), len(answer.tokens)
     usage = {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,

@@ -172,8 +172,7 @@ async def responses_sse(call: CallStream, request: ResponsesRequest) -> AsyncIte
             )
         answer = call.answer()
     except Exception as exc:
-        failed = {**_skeleton(call), "status": "failed", "error": _error(exc)}
-        yield events.event("response.failed", response=failed)
+        yield events.event("response.failed", response=_failed(call, request, exc))
         return
     if call.head is None:
         yield events.event("response.created", response=response_object(answer.head, request))
@@ -185,10 +184,11 @@ async def responses_sse(call: CallStream, request: ResponsesRequest) -> AsyncIte
     yield events.event("response.completed", response=final)
 
 
-def _skeleton(call: CallStream) -> dict[str, Any]:
-    if call.head is None:
-        return {"id": "resp_failed", "object": "response", "output": []}
-    return {"id": f"resp_{call.head.response_id}", "object": "response", "output": []}
+def _failed(call: CallStream, request: ResponsesRequest, exc: Exception) -> dict[str, Any]:
+    """The response a failed stream ends with (its call had started: else it failed before)."""
+    assert call.head is not None
+    failed = response_object(call.head, request, status="failed")
+    return {**failed, "error": {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"}}
 
 
 def _text_at(head: CallHead) -> dict[str, Any]:
