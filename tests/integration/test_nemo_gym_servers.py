@@ -59,13 +59,22 @@ EVENT = {
 }
 
 
+def _venv(release: str) -> Path:
+    try:
+        return gym_release_venv(release)
+    except InvalidInput as missing:  # `make test` builds it first: never a skip
+        pytest.fail(f"NeMo Gym's venv is missing: {missing}")
+
+
 @pytest.fixture(scope="module", params=GYM_RELEASES)
 def venv(request: pytest.FixtureRequest) -> Path:
     """Each test once per NeMo Gym release, in that release's venv."""
-    try:
-        return gym_release_venv(request.param)
-    except InvalidInput as missing:  # `make test` builds it first: never a skip
-        pytest.fail(f"NeMo Gym's venv is missing: {missing}")
+    return _venv(request.param)
+
+
+@pytest.fixture(scope="module")
+def default_venv() -> Path:
+    return _venv(GYM_RELEASES[0])
 
 
 def _example_row(venv: Path) -> dict[str, Any]:
@@ -253,8 +262,12 @@ def test_the_config_is_one_nemo_gym_validation_accepts(tool_proxy: int | None, v
         assert relay["agent_server"] == {"type": "responses_api_agents", "name": AGENT_SECTION}
 
 
-def test_crash_sigkills_every_server_by_pid(tmp_path: Path, venv: Path) -> None:
-    servers = GymServers(tmp_path, agent=False, venv=venv).start()
+# The process lifecycle is rollsafe's (rollsafe.http.served, launch.py), the same for either
+# release: checked on the default venv (0.7) only.
+
+
+def test_crash_sigkills_every_server_by_pid(tmp_path: Path, default_venv: Path) -> None:
+    servers = GymServers(tmp_path, agent=False, venv=default_venv).start()
     try:
         assert servers.alive() == {RESOURCES_SECTION: True}
         pids = servers.pids()
@@ -269,9 +282,9 @@ def test_crash_sigkills_every_server_by_pid(tmp_path: Path, venv: Path) -> None:
 
 
 def test_a_server_that_cannot_start_fails_start_and_the_rest_are_stopped(
-    tmp_path: Path, venv: Path
+    tmp_path: Path, default_venv: Path
 ) -> None:
-    servers = GymServers(tmp_path, venv=venv)
+    servers = GymServers(tmp_path, venv=default_venv)
     with socket.socket() as taken:  # the resources server's port, held: it cannot bind
         taken.bind(("127.0.0.1", servers.ports.resources))
         taken.listen()
@@ -291,11 +304,13 @@ signal.pause()  # until the test kills it
 """
 
 
-def test_servers_end_with_a_starter_killed_from_outside(tmp_path: Path, venv: Path) -> None:
+def test_servers_end_with_a_starter_killed_from_outside(tmp_path: Path, default_venv: Path) -> None:
     """The starter SIGKILLed runs no cleanup: each server ends on its own (launch.py watches
     ``ROLLSAFE_PARENT_PID``), none is left holding its port."""
     starter = subprocess.Popen(
-        [sys.executable, "-c", STARTER, str(tmp_path), str(venv)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", STARTER, str(tmp_path), str(default_venv)],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert starter.stdout is not None
