@@ -116,3 +116,15 @@ async def harness(server: Any, tmp_path: Path) -> AsyncIterator[WorkflowHarness]
     yield WorkflowHarness(client, tmp_path)
     disarm_all()
     await asyncio.sleep(0.1)  # sdk-python #300: let worker threads settle
+
+
+@pytest.fixture
+def stacks() -> Iterator[list[Any]]:
+    """Generations of a test's server processes (rollsafe.testing.processes.Generation), each
+    appended as it is made: all stopped at the end, also when the test failed."""
+    started: list[Any] = []
+    try:
+        yield started
+    finally:
+        for stack in started:
+            stack.stop()

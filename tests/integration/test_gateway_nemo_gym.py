@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +59,7 @@ from rollsafe.gym.servers import (
 from rollsafe.http.bearer import ENGINE_TOKEN_ENV, ENV_TOKEN_ENV
 from rollsafe.http.served import ENGINE_BANNER, ServedProcess, rollsafe_command
 from rollsafe.testing.gym import gym_release_venv
+from rollsafe.testing.processes import Generation
 from rollsafe.testing.waiting import eventually_async
 
 SENTINEL = "rollsafe sentinel"
@@ -111,7 +111,7 @@ class Setup:
     held_call: str = HELD_CALL
 
 
-class Stack:
+class Stack(Generation):
     """One generation of every process: engine, gateway, NeMo Gym's agent and resources (and
     on 0.7 its environment server), from ``venv``."""
 
@@ -136,7 +136,7 @@ class Stack:
         if hold:
             rule = HoldRule(calls=setup.held_call, after_tokens=HELD_AFTER)
             env[HOLD_ENV] = rule.model_dump_json()
-        self.started: list[Any] = []
+        super().__init__()
         try:
             self._start(logs, script, model, env, hold, ports)
         except BaseException:
@@ -199,24 +199,6 @@ class Stack:
         self.gym.start()
         self.env = EnvClient(self.gateway.url, self.tokens[ENV_TOKEN_ENV])
         self.engine_client = EngineClient(self.engine.url, self.tokens[ENGINE_TOKEN_ENV])
-
-    def crash(self) -> None:
-        for process in self.started:
-            process.crash()
-
-    def stop(self) -> None:
-        for process in reversed(self.started):
-            process.stop()
-
-
-@pytest.fixture
-def stacks() -> Iterator[list[Stack]]:
-    started: list[Stack] = []
-    try:
-        yield started
-    finally:
-        for stack in started:
-            stack.stop()
 
 
 def _calls(result: Any) -> list[dict[str, Any]]:

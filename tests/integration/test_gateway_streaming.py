@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ from rollsafe.env.protocol import (
 from rollsafe.gateway.serve import GATEWAY_BANNER
 from rollsafe.http.bearer import ENGINE_TOKEN_ENV, ENV_TOKEN_ENV
 from rollsafe.http.served import ENGINE_BANNER, ServedProcess, rollsafe_command
+from rollsafe.testing.processes import Generation
 from rollsafe.testing.waiting import eventually_async
 
 ANSWER = "Streaming works: every token arrives as soon as the engine makes it, in order."
@@ -60,7 +60,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("stream-model") / "model", spec)
 
 
-class Stack:
+class Stack(Generation):
     """The engine (``hold``: holding calls whose id starts with ``held``) and the gateway."""
 
     def __init__(self, root: Path, model: Path, name: str, *, hold: bool = True) -> None:
@@ -71,7 +71,7 @@ class Stack:
         if hold:
             rule = HoldRule(calls="^held", after_tokens=HELD_AFTER, once=False)
             env[HOLD_ENV] = rule.model_dump_json()
-        self.started: list[ServedProcess] = []
+        super().__init__()
         try:
             engine = ["engine", "serve", "--backend", "scripted", "--model", str(model)]
             self.engine = self._start(
@@ -102,24 +102,6 @@ class Stack:
 
     async def held(self) -> bool:
         return (await self.engine_client.info()).held == 1
-
-    def crash(self) -> None:
-        for process in self.started:
-            process.crash()
-
-    def stop(self) -> None:
-        for process in reversed(self.started):
-            process.stop()
-
-
-@pytest.fixture
-def stacks() -> Iterator[list[Stack]]:
-    started: list[Stack] = []
-    try:
-        yield started
-    finally:
-        for stack in started:
-            stack.stop()
 
 
 def _task(api: str, deltas: Path | None = None) -> dict[str, Any]:
