@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollsafe.engine.text import ChatCodec, parse_assistant, write_tokenizer
+from rollsafe.engine.text import ChatCodec, parse_assistant
 from rollsafe.gateway.live import LiveText, stop_cut
 
 CALL = '<tool_call>\n{"name": "create", "arguments": {"title": "sync"}}\n</tool_call>'
@@ -35,11 +35,6 @@ PIECES = [
     "ST",
     "done.",
 ]
-
-
-@pytest.fixture(scope="module")
-def codec(tmp_path_factory: pytest.TempPathFactory) -> ChatCodec:
-    return ChatCodec.load(write_tokenizer(tmp_path_factory.mktemp("live")))
 
 
 def _final(codec: ChatCodec, tokens: Sequence[int], stops: tuple[str, ...], parse: bool) -> str:

@@ -17,7 +17,7 @@ from openai.types.chat import ChatCompletionChunk
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from rollsafe.engine.text import ChatCodec, write_tokenizer
+from rollsafe.engine.text import ChatCodec
 from rollsafe.errors import EnvUnavailable, ParticipantRefused
 from rollsafe.gateway.convert import Answer, Prompt, ToolCall
 from rollsafe.gateway.sessions import CallListener, Served
@@ -64,11 +64,6 @@ class FakeSession:
             finish_reason="tool_calls" if self.tool_calls else "stop",
             model="tiny",
         )
-
-
-@pytest.fixture(scope="module")
-def codec(tmp_path_factory: pytest.TempPathFactory) -> ChatCodec:
-    return ChatCodec.load(write_tokenizer(tmp_path_factory.mktemp("streaming")))
 
 
 def _prompt() -> Prompt:

@@ -19,7 +19,7 @@ from rollsafe.engine.scripted import (
     last_message,
     load_script,
 )
-from rollsafe.engine.text import ChatCodec, write_tokenizer
+from rollsafe.engine.text import ChatCodec
 from rollsafe.errors import InvalidInput
 from rollsafe.testing.waiting import eventually_async
 
@@ -31,11 +31,6 @@ SCRIPT = Script.model_validate(
         ]
     }
 )
-
-
-@pytest.fixture(scope="module")
-def codec(tmp_path_factory: pytest.TempPathFactory) -> ChatCodec:
-    return ChatCodec.load(write_tokenizer(tmp_path_factory.mktemp("scripted")))
 
 
 def engine(codec: ChatCodec) -> ScriptedEngine:
