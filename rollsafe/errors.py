@@ -32,6 +32,7 @@
     │   ├── VersionSkew                peers (or a file) of releases too far apart: names both
     │   ├── JournalCorrupt             a journal segment that is not one, or not this run's
     │   │   └── JournalGap             the journal does not continue the snapshot (names what)
+    │   ├── JournalFailed              its disk refused or stalled a write: restart once fixed
     │   ├── LedgerInvariantViolation
     │   │   ├── IllegalTransition      names the rollout/group and both states
     │   │   └── SealConflict           a second seal with different content
@@ -193,6 +194,14 @@ class JournalGap(JournalCorrupt):
     """The journal does not hold every record after the snapshot: a gap between segments, a
     segment or the whole folder missing, segments of another journal. A restore refuses it
     unless told to accept the loss (``accept_journal_loss``), which its plan then records."""
+
+
+class JournalFailed(InvariantError):
+    """The journal's disk refused a write or a sync (full, read-only, an I/O error) or did
+    not sync within its bound. No caller is told the records not yet durable are, and the
+    segment takes no more (a torn batch may end its file): every later append and wait raises
+    this, naming the segment and the disk's error. Not retried in this process: free or fix the
+    disk, then restart the run, which restores from its snapshot and what the journal holds."""
 
 
 class SchemaMismatch(InvariantError):

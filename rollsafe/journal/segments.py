@@ -14,6 +14,7 @@ reported; never skipped over).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import threading
@@ -25,7 +26,7 @@ from typing import Any, BinaryIO
 
 from rollsafe.core.config import JOURNAL_FLUSH_MS
 from rollsafe.dataplane import Row
-from rollsafe.errors import InvalidInput, JournalCorrupt, JournalGap
+from rollsafe.errors import InvalidInput, JournalCorrupt, JournalFailed, JournalGap
 from rollsafe.journal.format import (
     Decoded,
     Record,
@@ -39,10 +40,15 @@ from rollsafe.journal.format import (
 from rollsafe.journal.head import HEAD_NAME, Head, read_head, write_head
 from rollsafe.snapshot.bounded import read_regular
 
+log = logging.getLogger(__name__)
 SUFFIX = ".rsj"
 DRAFT_SUFFIX = ".draft"  # a new segment's header, before it takes its name
 _SEGMENT_NAME = re.compile(r"[0-9]{20}\.rsj")
 DEFAULT_FLUSH_MS = JOURNAL_FLUSH_MS
+# How long a record may take to become durable before its waiter is told the disk does not
+# sync (JournalFailed): a healthy disk syncs a batch in milliseconds; a stalled or full one
+# must fail the call that waits, loudly, rather than hang every seal, hand-out and commit.
+DURABLE_WAIT_S = 120.0
 
 Fsync = Callable[[int], None]
 
@@ -81,6 +87,9 @@ class JournalWriter:
         self._next_id = first_id
         self._durable = first_id - 1  # the highest record id written and synced
         self._closed = False
+        # A write or sync that failed: the records it held are not durable, and the segment
+        # takes no more (a torn batch may end the file); every later call raises it.
+        self._failure: JournalFailed | None = None
         self.flushes = 0  # batches written (each one fsync)
         self._flusher: threading.Thread | None = None
         if flush_ms is not None:
@@ -91,6 +100,8 @@ class JournalWriter:
     def append(self, kind: RecordKind, meta: Mapping[str, Any], row: Row | None = None) -> int:
         """Buffer one record; its id. Not durable until its batch is flushed."""
         with self._lock:
+            if self._failure is not None:
+                raise self._failure
             if self._closed:
                 raise InvalidInput(f"journal segment {self.path} is closed")
             record_id = self._next_id
@@ -99,13 +110,24 @@ class JournalWriter:
             self._work.notify()
             return record_id
 
-    def wait_durable(self, record_id: int, timeout_s: float | None = None) -> bool:
-        """Block until record ``record_id`` is written and synced; False after ``timeout_s``.
-        Without a background flush, flushes what is buffered first."""
+    def wait_durable(self, record_id: int, timeout_s: float = DURABLE_WAIT_S) -> None:
+        """Block until record ``record_id`` is written and synced. :class:`JournalFailed` when
+        its write or sync failed (naming the segment and the disk's error), or when it is not
+        durable within ``timeout_s``. Without a background flush, flushes first."""
         if self._flusher is None:
             self.flush()
         with self._lock:
-            return self._synced.wait_for(lambda: self._durable >= record_id, timeout_s)
+            self._synced.wait_for(
+                lambda: self._durable >= record_id or self._failure is not None, timeout_s
+            )
+            if self._durable >= record_id:
+                return
+            if self._failure is not None:
+                raise self._failure
+        raise JournalFailed(
+            f"journal segment {self.path}: record {record_id} not durable within "
+            f"{timeout_s:g} s: the disk under {self.directory} does not sync"
+        )
 
     def append_durable(
         self, kind: RecordKind, meta: Mapping[str, Any], row: Row | None = None
@@ -146,18 +168,43 @@ class JournalWriter:
             return closed
 
     def _flush_locked(self) -> int:
-        """Write and sync the buffered batch; returns the id the next batch starts at."""
+        """Write and sync the buffered batch; returns the id the next batch starts at. A write
+        or sync that fails fails the segment (:class:`JournalFailed`, raised here and to every
+        waiter and later call)."""
         with self._lock:
+            if self._failure is not None:
+                raise self._failure
             batch, self._buffer = self._buffer, []
             next_id = self._next_id
         if batch:
-            self._file.write(b"".join(batch))
-            self._sync()
+            try:
+                self._file.write(b"".join(batch))
+                self._sync()
+            except OSError as exc:
+                raise self._fail(next_id - len(batch), next_id - 1, exc) from exc
         with self._lock:
             self.flushes += bool(batch)
             self._durable = max(self._durable, next_id - 1)
             self._synced.notify_all()
         return next_id
+
+    def _fail(self, first: int, last: int, exc: BaseException) -> JournalFailed:
+        """Fail the segment: whether records ``first``..``last`` reached the disk is not known
+        (a write may have, its sync not), so no caller is told they are durable, and the run
+        must restart: its restore takes what the journal holds as the truth."""
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else repr(exc)
+        failure = JournalFailed(
+            f"journal segment {self.path}: writing records {first}-{last} failed ({reason}): "
+            "they are not known durable (a restore reads whatever reached the disk), and the "
+            f"journal takes no more; free or fix the disk under {self.directory}, then restart "
+            "the run (it restores from its snapshot and the journal)"
+        )
+        with self._lock:
+            if self._failure is None:
+                self._failure = failure
+            self._synced.notify_all()
+            self._work.notify_all()
+            return self._failure
 
     def _new_segment(self, first_id: int) -> BinaryIO:
         """A segment holding only its header, durable under its final name, and named by
@@ -190,17 +237,27 @@ class JournalWriter:
             self._work.notify_all()
         if self._flusher is not None:
             self._flusher.join()
-        self.flush()
-        self._file.close()
+        try:
+            if self._failure is None:  # a failed segment's lost records were said so already
+                self.flush()
+        finally:
+            self._file.close()
 
     def _flush_loop(self) -> None:
         while True:
             with self._lock:
                 self._work.wait_for(lambda: bool(self._buffer) or self._closed)
-                if self._closed:
+                if self._closed or self._failure is not None:
                     return
             time.sleep(self._flush_s)  # the group's window: more records join the batch
-            self.flush()
+            try:
+                self.flush()
+            except JournalFailed:
+                return  # recorded: its waiters and every later call raise it
+            except Exception as exc:  # a bug, not the disk: still never a hang
+                self._fail(self._durable + 1, self.last_id, exc)
+                log.exception("journal flusher of %s failed", self.path)
+                return
 
     def _sync(self) -> None:
         self._file.flush()

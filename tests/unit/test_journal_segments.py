@@ -3,14 +3,16 @@ segments, and what a reader refuses."""
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from rollsafe.errors import InvalidInput, JournalCorrupt, JournalGap
+from rollsafe.errors import InvalidInput, JournalCorrupt, JournalFailed, JournalGap
 from rollsafe.journal.format import RecordKind, encode_header
 from rollsafe.journal.segments import JournalWriter, read_journal, segment_name
 
@@ -212,3 +214,53 @@ def test_a_journal_folder_that_is_a_file_is_refused_by_name(tmp_path: Path) -> N
     place.write_bytes(b"not a folder")
     with pytest.raises(JournalCorrupt, match="journal's place holds something not a folder"):
         read_journal(place, RUN)
+
+
+class FullDisk:
+    """An fsync that fails once ``full`` is set, as a disk out of space fails it."""
+
+    def __init__(self) -> None:
+        self.full = threading.Event()
+
+    def __call__(self, descriptor: int) -> None:
+        if self.full.is_set():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_fails_the_waiters_and_every_later_append_by_name(tmp_path: Path) -> None:
+    """The flusher's failed sync fails its batch's waiters at once (not a hang: the flusher
+    used to die with the batch taken) and every later append, naming the segment and the
+    disk's error; close does not hide it and still closes the file."""
+    disk = FullDisk()
+    writer = JournalWriter(tmp_path, RUN, 0, JOURNAL, flush_ms=1.0, fsync=disk)
+    writer.append_durable(RecordKind.HANDOUT, {"groups": [0]})
+    disk.full.set()
+    lost = writer.append(RecordKind.HANDOUT, {"groups": [1]})
+    with pytest.raises(JournalFailed, match=r"writing records 1-1 failed \(No space left"):
+        writer.wait_durable(lost)
+    with pytest.raises(JournalFailed, match=re.escape(str(writer.path))):
+        writer.append(RecordKind.HANDOUT, {"groups": [2]})
+    with pytest.raises(JournalFailed, match="No space left"):
+        writer.append_durable(RecordKind.HANDOUT, {"groups": [3]})
+    writer.close()
+    # The durable record is there; the failed batch's reached the file here (only its sync
+    # failed): whatever a restore then reads is the truth, as the error says.
+    assert [r.id for r in read_journal(tmp_path, RUN).records][:1] == [0]
+
+
+def test_a_sync_that_stalls_fails_its_waiter_within_the_bound(tmp_path: Path) -> None:
+    stalled, release = threading.Event(), threading.Event()
+
+    def stalling(descriptor: int) -> None:
+        if stalled.is_set():
+            release.wait(timeout=60)
+
+    writer = JournalWriter(tmp_path, RUN, 0, JOURNAL, flush_ms=1.0, fsync=stalling)
+    stalled.set()
+    record = writer.append(RecordKind.HANDOUT, {"groups": [0]})
+    try:
+        with pytest.raises(JournalFailed, match=r"record 0 not durable within 0\.2 s"):
+            writer.wait_durable(record, timeout_s=0.2)
+    finally:
+        release.set()
+        writer.close()
