@@ -78,6 +78,7 @@ from rollsafe.env.protocol import (
 )
 from rollsafe.errors import (
     EnvNotReady,
+    EnvUnavailable,
     EpisodeParked,
     InvalidInput,
     OwnershipMismatch,
@@ -404,8 +405,12 @@ class EnvFleet:
                 await client.lease(lease)
                 failing = False
             except Exception as exc:  # whatever it was: tried again next time
-                if not failing:  # once per outage, not every round
-                    log.warning("run lease %s on %s not renewed: %s", lease.holder, name, exc)
+                if not failing:  # once per outage, not every round, with what raised it
+                    log.warning(
+                        "run lease %s on %s not renewed: %s: %s",
+                        lease.holder, name, type(exc).__name__, exc,
+                        exc_info=not isinstance(exc, EnvUnavailable),
+                    )  # fmt: skip
                 failing = True
             await asyncio.sleep(max(0.0, every_s - (loop.time() - started)))  # every every_s
 

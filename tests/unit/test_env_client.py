@@ -559,6 +559,32 @@ async def test_an_instance_that_does_not_answer_never_holds_back_another_instanc
             await asyncio.gather(keeper, return_exceptions=True)
 
 
+async def test_a_failed_renewal_is_logged_once_per_outage_with_what_raised_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An instance that is down (EnvUnavailable) is one WARNING line; anything else that makes
+    a renewal fail (a 422, a bug) is one WARNING with its traceback, not swallowed."""
+    a, b = FakeInstance("env-a"), FakeInstance("env-b")
+    a.faults["lease"] = refuse(503, "EnvUnavailable", "injected fault: down")
+    b.faults["lease"] = refuse(422, "InvalidInput", "RunLease: holder: bad")
+    async with fleet_of(a, b) as fleet:
+        keeper = asyncio.create_task(fleet.keep_run_lease(RunLease(holder="d-1", ttl_s=5.0), 0.01))
+        try:
+            await eventually_async(
+                lambda: len(a.bodies("lease")) >= 3 and len(b.bodies("lease")) >= 3,
+                what="each renewed three times",
+            )
+        finally:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+    warned = {r.getMessage().split(" not renewed")[0][-5:]: r for r in caplog.records}
+    assert sorted(warned) == ["env-a", "env-b"]  # once each, however many rounds failed
+    assert not warned["env-a"].exc_info  # an outage: its line says enough
+    traced = warned["env-b"].exc_info
+    assert isinstance(traced, tuple) and traced[0] is InvalidInput  # with its traceback
+    assert "InvalidInput" in warned["env-b"].getMessage()
+
+
 # -- EnvFleet: input checks -----------------------------------------------------------------------
 
 

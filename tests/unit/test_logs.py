@@ -159,9 +159,18 @@ def test_unknown_choices_are_refused_by_name(level: str, fmt: str) -> None:
 
 
 def test_json_safe_bounds_depth() -> None:
+    """Beyond its bound (8 levels) an extra is written as its repr, so a deep or cyclic value
+    never recurses without end; above it every level is kept as JSON."""
     nested: dict[str, object] = {}
     inner = nested
     for _ in range(20):
         inner["x"] = {}
         inner = inner["x"]  # type: ignore[assignment]
-    json.dumps(json_safe(nested))  # no recursion error, valid JSON
+    safe = json_safe(nested)
+    for _ in range(8):
+        assert isinstance(safe, dict) and set(safe) == {"x"}
+        safe = safe["x"]
+    assert isinstance(safe, str) and safe.startswith("{'x': {")  # the repr of what is left
+    cyclic: list[object] = []
+    cyclic.append(cyclic)
+    json.loads(json.dumps(json_safe(cyclic)))  # bounded: valid JSON, no RecursionError
