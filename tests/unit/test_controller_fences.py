@@ -20,7 +20,13 @@ from rollsafe.core.phases import (
     SnapshotSpec,
 )
 from rollsafe.dataplane import make_dataplane
-from rollsafe.errors import AdmissionLeaseExpired, AnchorPassed, AwaitingRestore, NoValidSnapshot
+from rollsafe.errors import (
+    AdmissionLeaseExpired,
+    AnchorPassed,
+    AwaitingRestore,
+    CheckpointRefused,
+    NoValidSnapshot,
+)
 from rollsafe.evidence.scenario import busy_run, row_content
 from rollsafe.snapshot import EntryState, SnapshotStore, state_files
 
@@ -144,6 +150,23 @@ def test_phases_renew_the_lease_while_they_run(
     run(ops, Phase.RESUME)
     assert run(ops, Phase.PUBLISH).published is not None
     assert ops.status().gate.expired == 0
+
+
+def test_a_phase_that_needs_admission_closed_is_refused_when_its_checkpoint_does_not_hold_it(
+    leased: tuple[Controller, SnapshotStore],
+) -> None:
+    """The gate's renew says False when the checkpoint does not hold it; a phase inside the
+    park window then refuses to run (it used to run with admission open: a cut that is not
+    one), and the snapshot publishes nothing."""
+    ops, store = leased
+    run(ops, Phase.OPEN)  # close_admission never ran
+    with pytest.raises(CheckpointRefused, match=r"drain runs only while the checkpoint holds"):
+        run(ops, Phase.DRAIN)
+    assert ops.status().gate_open and ops.effects[Phase.PUBLISH.value] == 0
+    run(ops, Phase.RESUME)  # the workflow's compensation: resume, then abort (discard)
+    ops.abort(SnapshotSpec(run_id=RUN, seq=1))
+    assert [run(ops, phase, seq=2) for phase in PHASES][-1].published is not None
+    assert [e.name for e in store.list()] == ["00000002-rollout"]
 
 
 def test_a_lease_that_runs_out_reopens_admission_and_abandons_the_snapshot(

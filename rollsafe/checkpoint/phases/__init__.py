@@ -38,7 +38,7 @@ from rollsafe.core.phases import (
     SnapshotSpec,
     holds_admission,
 )
-from rollsafe.errors import AdmissionLeaseExpired
+from rollsafe.errors import AdmissionLeaseExpired, CheckpointRefused
 from rollsafe.faults import fault_point
 from rollsafe.observability import metrics
 
@@ -113,7 +113,12 @@ def run_handler(ctx: PhaseContext) -> PhaseResult:
         check_lease(ctx)
     if holds_admission(ctx.phase):
         ctx.drafts.require(ctx.spec)
-        ctx.gate.renew(ctx.checkpoint_id)
+        if not ctx.gate.renew(ctx.checkpoint_id):  # its lease ran out: check_lease said so
+            raise CheckpointRefused(
+                f"checkpoint {ctx.checkpoint_id}: {ctx.phase.value} runs only while the "
+                "checkpoint holds admission closed, and it does not (never closed, or "
+                "reopened): what it would capture is not a consistent cut"
+            )
     return HANDLERS[ctx.phase](ctx)
 
 
