@@ -55,8 +55,13 @@ def configure_tracing(processor: SpanProcessor | None = None) -> bool:
 
 
 def client_plugins() -> list[Any]:
-    """Temporal client plugins: tracing when it is configured, nothing otherwise."""
-    if not configure_tracing():
+    """Temporal client plugins: Temporal's tracing plugin when this process has a tracer
+    provider (rollsafe's, which an entry point installed: :func:`configure_tracing`; or the
+    process's own), nothing otherwise. Never installs one: connecting a client is no entry
+    point, and a trainer that installs its own provider later must get it."""
+    with _lock:
+        ours = _configured
+    if not ours and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         return []
     from temporalio.contrib.opentelemetry import OpenTelemetryPlugin
 

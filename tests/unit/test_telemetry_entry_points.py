@@ -31,6 +31,17 @@ print(sorted(names))
 assert "rollsafe.snapshot.park_seconds" in names, names
 """
 
+CONNECTING = """
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from rollsafe.observability.tracing import client_plugins
+print(len(client_plugins()))  # what connect() asks for: the trainer has no provider yet
+mine = TracerProvider()
+trace.set_tracer_provider(mine)  # the trainer's own, installed after it connected
+assert trace.get_tracer_provider() is mine, type(trace.get_tracer_provider())
+print(len(client_plugins()))  # now there is one to trace into: Temporal's plugin
+"""
+
 ENTRY_POINT = """
 from opentelemetry import metrics, trace
 import rollsafe
@@ -52,6 +63,15 @@ def test_an_embedded_controller_records_into_the_trainers_own_provider(tmp_path:
     # Had the controller installed rollsafe's console provider, the trainer's could not be
     # installed (OpenTelemetry keeps the first provider set): nothing would reach its reader.
     assert "park_seconds" in done.stdout and '"resource_metrics"' not in done.stdout
+
+
+def test_connecting_a_client_installs_no_tracer_provider(tmp_path: Path) -> None:
+    """A client connected before the trainer set its own tracer provider installs none
+    (it used to install rollsafe's, and the trainer's was then refused); once the process has
+    one, the client traces into it."""
+    done = run(CONNECTING, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "1"]
 
 
 def test_configure_telemetry_installs_both_providers_from_the_environment(tmp_path: Path) -> None:
