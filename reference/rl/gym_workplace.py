@@ -34,7 +34,7 @@ from rollsafe.env.protocol import EpisodeResult
 from rollsafe.errors import InvalidInput
 from rollsafe.evidence.files import EnvMutation
 from rollsafe.gateway.serve import GATEWAY_BANNER
-from rollsafe.gym.servers import RESOURCES_DIR, GymServers, free_ports, gym_site_packages
+from rollsafe.gym.servers import WORKPLACE, GymServers, free_ports
 from rollsafe.http.served import ServedProcess, start_served
 from rollsafe.reference.rl.trainer import Sample
 from rollsafe.reference.rl.workloads import MUTATIONS_COLUMN, mutations_column
@@ -94,9 +94,7 @@ def script() -> dict[str, Any]:
 def _dataset_row() -> dict[str, Any]:
     """The first row of NeMo Gym's own workplace_assistant example data: its system prompt
     and tool schemas are the tasks'."""
-    path = gym_site_packages() / RESOURCES_DIR / "data" / "example.jsonl"
-    row: dict[str, Any] = json.loads(path.read_text().splitlines()[0])
-    return row
+    return WORKPLACE.example_rows()[0]
 
 
 def gym_task(group_idx: int) -> dict[str, Any]:

@@ -110,12 +110,11 @@ SESSION_STATE = GymResources(
 SINGLE_TOOL_CALL = GymResources(
     "example_single_tool_call", "Basic single-step tool calling", None, "single_agent_turn"
 )
-# workplace_assistant's sections and folder, by the names the tests and the demo use.
+# workplace_assistant's sections, by the names the tests and the demo use.
 RESOURCES_SECTION = WORKPLACE.name
 AGENT_SECTION = WORKPLACE.agent_section
 TOOL_PROXY_SECTION = WORKPLACE.tool_proxy_section
 ENVIRONMENT_SECTION = WORKPLACE.environment_section
-RESOURCES_DIR = WORKPLACE.dir
 
 
 def repo_root() -> Path:
@@ -295,8 +294,8 @@ def _environment(config: dict[str, Any], section: str) -> dict[str, str]:
 class GymServers:
     """A resources server (``resources``, default workplace_assistant) and (``agent=True``)
     simple_agent, as processes of a gym venv (``venv``, default :func:`gym_venv`), with
-    (``environment_server``; default: where the release has them) the legacy_agent
-    environment server in front of the agent.
+    (``environment_server``; default: where the release has them) the environment server of
+    the resources server's 0.7 pairing (``resources.environment``) in front of the agent.
 
     Ports are chosen on construction (:attr:`ports`, :attr:`config`, :attr:`run_url`), so the
     model gateway and the tool proxy can be started on theirs, before or after :meth:`start`.

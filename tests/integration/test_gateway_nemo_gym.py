@@ -46,7 +46,6 @@ from rollsafe.env.protocol import (
 )
 from rollsafe.gateway.serve import GATEWAY_BANNER
 from rollsafe.gym.servers import (
-    RESOURCES_DIR,
     SESSION_STATE,
     SINGLE_TOOL_CALL,
     WORKPLACE,
@@ -54,7 +53,6 @@ from rollsafe.gym.servers import (
     GymServers,
     free_ports,
     gym_python,
-    gym_site_packages,
 )
 from rollsafe.http.bearer import ENGINE_TOKEN_ENV, ENV_TOKEN_ENV
 from rollsafe.http.served import ENGINE_BANNER, ServedProcess, rollsafe_command
@@ -97,9 +95,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def example_task(venv: Path) -> dict[str, Any]:
-    data = gym_site_packages(gym_python(venv)) / RESOURCES_DIR / "data" / "example.jsonl"
-    task: dict[str, Any] = json.loads(data.read_text().splitlines()[0])
-    return task
+    return WORKPLACE.example_rows(gym_python(venv))[0]
 
 
 @dataclass(frozen=True)

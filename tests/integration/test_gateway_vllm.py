@@ -11,7 +11,6 @@ by a stateful generator); another rollout samples other tokens.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from rollsafe.engine.vllm.models import ModelSpec, make_model
 from rollsafe.env.client import EnvClient
 from rollsafe.env.protocol import EpisodeRef, RunEpisode
 from rollsafe.gateway.serve import GATEWAY_BANNER
-from rollsafe.gym.servers import RESOURCES_DIR, GymServers, gym_python, gym_site_packages
+from rollsafe.gym.servers import WORKPLACE, GymServers, gym_python
 from rollsafe.http.bearer import ENGINE_TOKEN_ENV, ENV_TOKEN_ENV
 from rollsafe.http.served import ENGINE_BANNER, ServedProcess, rollsafe_command, start_served
 
@@ -69,8 +68,7 @@ def gateway(tmp_path: Path) -> Iterator[str]:
 
 
 async def test_an_episode_through_the_gateway_on_vllm(gateway: str, tmp_path: Path) -> None:
-    rows = (gym_site_packages(gym_python()) / RESOURCES_DIR / "data" / "example.jsonl").read_text()
-    task = json.loads(rows.splitlines()[0])
+    task = WORKPLACE.example_rows(gym_python())[0]
     codec = ChatCodec.load(tmp_path / "model")
 
     async def run(rollout_id: str) -> Any:

@@ -37,14 +37,13 @@ from rollsafe.gym.servers import (
     AGENT_SECTION,
     ENVIRONMENT_SECTION,
     MODEL_SECTION,
-    RESOURCES_DIR,
     RESOURCES_SECTION,
     TOOL_PROXY_SECTION,
+    WORKPLACE,
     GymPorts,
     GymServers,
     gym_config,
     gym_python,
-    gym_site_packages,
     gym_version,
 )
 from rollsafe.testing.gym import GYM_RELEASES, gym_release_venv
@@ -79,9 +78,7 @@ def default_venv() -> Path:
 
 def _example_row(venv: Path) -> dict[str, Any]:
     """The first task of workplace_assistant's own example data (email: reply to carlos)."""
-    example = gym_site_packages(gym_python(venv)) / RESOURCES_DIR / "data" / "example.jsonl"
-    row: dict[str, Any] = json.loads(example.read_text().splitlines()[0])
-    return row
+    return WORKPLACE.example_rows(gym_python(venv))[0]
 
 
 def _response(output: list[dict[str, Any]]) -> dict[str, Any]:
