@@ -33,6 +33,8 @@ from temporalio.exceptions import ActivityError, ApplicationError, CancelledErro
 with workflow.unsafe.imports_passed_through():
     from rollsafe.core.phases import (
         ABANDONING_ERRORS,
+        PARK_WINDOW,
+        PARTICIPANT_PHASES,
         PHASES,
         SKIPPING_ERRORS,
         Phase,
@@ -66,9 +68,6 @@ LOCAL_PARK_WINDOW = "park-window-local-activities"
 # anchored (trainer) snapshot still aborts: its capture refuses any weight version but its
 # anchor's (AnchorPassed), so going on would only hold the park window for nothing.
 OUTLIVES_STEPS = "rollout-snapshot-outlives-steps"
-PARK_WINDOW = frozenset(
-    PHASES[PHASES.index(Phase.CLOSE_ADMISSION) : PHASES.index(Phase.RESUME) + 1]
-)
 # The loop runs these eight; resume follows in _compensate (on every path out, failures
 # included), then publish.
 _BEFORE_RESUME = PHASES[: PHASES.index(Phase.RESUME)]
@@ -81,18 +80,6 @@ def failure_type(error: BaseException | None) -> tuple[str, bool]:
     if root is None:
         return "Unknown", True
     return root.type or "ApplicationError", not root.non_retryable
-
-
-# The phases that talk to environment instances and generation engines.
-PARTICIPANT_PHASES = frozenset(
-    {
-        Phase.RETIRE_DROPPED,
-        Phase.PREPARE_ENVS,
-        Phase.DRAIN,
-        Phase.CUT_GENERATION,
-        Phase.COMMIT_ENVS,
-    }
-)
 
 
 def _cancellation(error: ActivityError | ApplicationError | CancelledError) -> bool:

@@ -60,6 +60,7 @@ from rollsafe.checkpoint.outcomes import log_lease_expired
 from rollsafe.checkpoint.participants import Participants
 from rollsafe.checkpoint.phase_ledger import ABORT, PhaseLedger
 from rollsafe.checkpoint.phases import PhaseContext, abort_once, run_once
+from rollsafe.checkpoint.phases.prepare_envs import renew_park
 from rollsafe.checkpoint.previous import keep_previous_helpers
 from rollsafe.checkpoint.restore import Restores
 from rollsafe.checkpoint.run_service import OwedRollout, RunService
@@ -213,7 +214,7 @@ class Controller:
         self.run = RunService(
             store.run_id, state, self.gate, participants, journal, awaiting_restore=awaiting_restore
         )
-        self.ledger = PhaseLedger(store.run_id)
+        self.ledger = PhaseLedger(store.run_id, clock=clock)
         self.drafts = DraftSlot(store, self.run, self.ledger)
         self.restores = Restores(self.run, store, self.drafts)
         if awaiting_restore:
@@ -266,8 +267,9 @@ class Controller:
         with every heartbeat), and the environments' park lease with it. False when it does
         not hold the gate: nothing changes."""
         renewed = self.gate.renew(spec.checkpoint_id)
-        if renewed and self.participants is not None:
-            self.participants.renew_park(spec.checkpoint_id)
+        record = self.ledger.get(spec.checkpoint_id)
+        if renewed and self.participants is not None and record is not None:
+            renew_park(self.participants, record)
         return renewed
 
     # ---- restore and status ----------------------------------------------------------------

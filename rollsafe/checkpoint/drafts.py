@@ -1,25 +1,25 @@
 """The open checkpoint: at most one per run, and its draft's life (opened, captured, written
-into, published or thrown away).
+into, published or discarded), kept on the checkpoint's record
+(rollsafe.checkpoint.record).
 
 The draft lives only in the controller's process (the Ray actor outlives checkpoint workers).
-A draft thrown away (a failed write, an abort, an admission lease run out) is never published:
-its checkpoint's later phases refuse with :class:`~rollsafe.errors.SnapshotLost`, naming why.
+A draft discarded (a failed write, an abort, an admission lease run out, a checkpoint no
+phase called on for its lease) is never published: its checkpoint's later phases refuse with
+:class:`~rollsafe.errors.SnapshotLost`, naming why.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from dataclasses import dataclass, field
 
 from rollsafe.checkpoint.phase_ledger import PhaseLedger
+from rollsafe.checkpoint.record import CheckpointRecord
 from rollsafe.checkpoint.run_service import RunService
-from rollsafe.core.phases import SnapshotSpec
-from rollsafe.core.run_state import Capture, Captured
+from rollsafe.core.gate import AdmissionGate
 from rollsafe.engine.staging import drop_staged
 from rollsafe.errors import CheckpointRefused, SnapshotLost
 from rollsafe.faults import fault_point, register
-from rollsafe.snapshot import FAULT_POINTS, SnapshotDraft, SnapshotStore
+from rollsafe.snapshot import FAULT_POINTS, SnapshotStore
 
 log = logging.getLogger(__name__)
 # Inside publish (SnapshotStore's own points), e.g. ROLLSAFE_FAULT=store.before_rename.
@@ -31,111 +31,123 @@ def store_fault(point: str) -> None:
     fault_point(f"store.{point}")
 
 
-@dataclass
-class OpenCheckpoint:
-    """The checkpoint whose draft is open here."""
-
-    spec: SnapshotSpec
-    draft: SnapshotDraft
-    lock: threading.Lock = field(default_factory=threading.Lock)  # who may touch the draft
-    capture: Capture | None = None  # taken in the park window (capture phase)
-    captured: Captured | None = None  # written into the draft, after resume (publish phase)
-    released: bool = False  # the capture's hold on the run's deletions has ended
-    broken: str | None = None  # why the draft can no longer be published
-
-    def check_usable(self) -> None:
-        if self.broken is not None:
-            raise SnapshotLost(
-                f"checkpoint {self.spec.checkpoint_id}: {self.broken}: take the snapshot again"
-            )
-
-
 class DraftSlot:
-    """Holds the open checkpoint. ``ledger.lock`` guards :attr:`open` (a leaf lock: the slot
-    never does I/O under it)."""
+    """Holds the open checkpoint's record. ``ledger.lock`` guards :attr:`open` (a leaf lock:
+    the slot never does I/O under it)."""
 
     def __init__(self, store: SnapshotStore, run: RunService, ledger: PhaseLedger) -> None:
         self.store = store
         self.run = run
         self.ledger = ledger
-        self.open: OpenCheckpoint | None = None
+        self.open: CheckpointRecord | None = None
 
     def open_id(self) -> str | None:
         with self.ledger.lock:
-            return self.open.spec.checkpoint_id if self.open else None
+            return self.open.checkpoint_id if self.open else None
 
-    def entry(self, checkpoint_id: str) -> OpenCheckpoint | None:
+    def entry(self, checkpoint_id: str) -> CheckpointRecord | None:
+        """The record of ``checkpoint_id`` if its draft is the open one."""
         with self.ledger.lock:
-            entry = self.open
-            return entry if entry and entry.spec.checkpoint_id == checkpoint_id else None
+            record = self.open
+            return record if record and record.checkpoint_id == checkpoint_id else None
 
-    def require(self, spec: SnapshotSpec) -> OpenCheckpoint:
-        entry = self.entry(spec.checkpoint_id)
-        if entry is None:
+    def require(self, record: CheckpointRecord) -> CheckpointRecord:
+        if self.entry(record.checkpoint_id) is None:
+            record.check_usable()  # discarded: say why
             raise SnapshotLost(
-                f"checkpoint {spec.checkpoint_id} is not open here (not opened, already "
+                f"checkpoint {record.checkpoint_id} is not open here (not opened, already "
                 "published, or the controller restarted): take the snapshot again"
             )
-        return entry
+        return record
 
-    def begin(self, spec: SnapshotSpec) -> OpenCheckpoint:
-        """``spec``'s open checkpoint, its draft begun here if it is not open yet; refused
-        while another checkpoint is open. The caller holds ``ledger.lock`` (so a resume of
-        the same checkpoint cannot slip in between its check and this)."""
+    def reclaim(self, gate: AdmissionGate, opening: CheckpointRecord) -> None:
+        """Throw away the open draft of another checkpoint that can never be published: its
+        admission lease ran out, or no phase of it ran for its lease while it did not hold
+        admission closed (its workflow was terminated between open and close_admission, or
+        after resume): without this, every later open would be refused for good."""
+        with self.ledger.lock:
+            stale = self.open
+        if stale is None or stale is opening:
+            return
+        if gate.expired(stale.checkpoint_id) is not None:
+            self.discard(stale, stale.discarded or "admission lease expired")
+            return
+        idle_s = self.ledger.idle_for(stale)
+        if gate.holder != stale.checkpoint_id and idle_s is not None and idle_s > stale.lease_s:
+            why = (
+                f"no phase of it ran for {idle_s:.1f} s, past its {stale.lease_s:g} s lease "
+                "(its workflow ended without resume or abort?)"
+            )
+            log.warning(
+                "checkpoint %s: draft reclaimed by %s: %s",
+                stale.checkpoint_id,
+                opening.checkpoint_id,
+                why,
+                extra={"checkpoint_id": stale.checkpoint_id},
+            )
+            self.discard(stale, why)
+
+    def begin(self, record: CheckpointRecord, lease_s: float) -> CheckpointRecord:
+        """``record``'s draft begun here if it is not open yet; refused while another
+        checkpoint is open. The caller holds ``ledger.lock`` (so a resume of the same
+        checkpoint cannot slip in between its check and this)."""
         current = self.open
-        cid = spec.checkpoint_id
-        if current is not None and current.spec.checkpoint_id != cid:
+        cid = record.checkpoint_id
+        if current is not None and current is not record:
             raise CheckpointRefused(
-                f"checkpoint {cid} cannot open: checkpoint {current.spec.checkpoint_id} "
+                f"checkpoint {cid} cannot open: checkpoint {current.checkpoint_id} "
                 "is still open (publish or abort it first)"
             )
         if current is None:
-            current = self.open = OpenCheckpoint(spec, self.store.begin(spec.kind, cid, spec.seq))
+            spec = record.spec
+            record.check_usable()
+            record.draft = self.store.begin(spec.kind, cid, spec.seq, sweep=False)
+            record.lease_s = lease_s
+            self.open = record
             self.ledger.count("open", True)
-        return current
+        return record
 
-    def closed(self, entry: OpenCheckpoint) -> None:
-        """``entry`` is published (or was by an earlier attempt): another may open."""
+    def closed(self, record: CheckpointRecord) -> None:
+        """``record``'s draft is published (or was by an earlier attempt): another may open."""
         with self.ledger.lock:
-            if self.open is entry:
+            if self.open is record:
                 self.open = None
+        record.let_go()
 
-    def discard(self, entry: OpenCheckpoint, why: str) -> None:
-        with entry.lock:
-            self.discard_locked(entry, why)
+    def discard(self, record: CheckpointRecord, why: str) -> None:
+        with record.draft_lock:
+            self.discard_locked(record, why)
 
-    def abandon(self, entry: OpenCheckpoint) -> None:
-        """Its admission lease ran out: never publishable."""
-        self.discard(entry, entry.broken or "admission lease expired")
-
-    def discard_locked(self, entry: OpenCheckpoint, why: str) -> None:
-        """The draft will never be published: thrown away, its capture's hold ended, and the
-        run may open another. The caller holds ``entry.lock``."""
-        entry.broken = why
-        try:
-            entry.draft.discard()
-        except OSError as exc:  # a read-only disk: the next snapshot's sweep removes it
-            log.warning(
-                "checkpoint %s: its draft %s could not be removed (%s); the next snapshot "
-                "removes it",
-                entry.spec.checkpoint_id,
-                entry.draft.path,
-                exc,
-            )
-        self.end_capture(entry)
+    def discard_locked(self, record: CheckpointRecord, why: str) -> None:
+        """The draft will never be published: removed, its capture's hold ended, and the
+        run may open another. The caller holds ``record.draft_lock``."""
         with self.ledger.lock:
-            if (record := self.ledger.get(entry.spec.checkpoint_id)) is not None:
-                record.thrown_away = why
-        self.closed(entry)
+            record.discarded = why
+        if record.draft is not None:
+            try:
+                record.draft.discard()
+            except OSError as exc:  # a read-only disk: the next snapshot's sweep removes it
+                log.warning(
+                    "checkpoint %s: its draft %s could not be removed (%s); the next "
+                    "snapshot removes it",
+                    record.checkpoint_id,
+                    record.draft.path,
+                    exc,
+                )
+        self.end_capture(record)
+        self.closed(record)
 
-    def end_capture(self, entry: OpenCheckpoint) -> None:
-        """The capture's rows are written or never will be: the deletions it held back happen,
-        and the staged prefixes leave the live data plane (the snapshot has them, the only
-        place a restore reads them from)."""
-        if entry.capture is not None and not entry.released:
-            entry.released = True
+    def end_capture(self, record: CheckpointRecord) -> None:
+        """The capture's rows are written or never will be: the deletions it held back happen
+        (outside the barrier), and the staged prefixes leave the live data plane (the snapshot
+        has them, the only place a restore reads them from)."""
+        if record.capture is not None and not record.released:
+            record.released = True
             with self.run.barrier:
-                self.run.state.release_capture()
+                state = self.run.state
+                state.release_capture()
+                due = state.take_due_deletes()
+            state.delete_rows(due)
             self.drop_staged()
 
     def drop_staged(self) -> None:

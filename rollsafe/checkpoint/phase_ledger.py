@@ -14,32 +14,17 @@ The ledger also counts each phase's real side effects, so tests can prove "once"
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
-from rollsafe.core.phases import PHASES, Phase, PhaseResult, SnapshotSpec
+from rollsafe.checkpoint.record import ABORT, KEYS, CheckpointRecord
+from rollsafe.core.gate import Clock
+from rollsafe.core.phases import Phase, PhaseResult, SnapshotSpec
 from rollsafe.errors import CheckpointRefused, InvalidInput
 
-ABORT = "abort"  # the key of abort's lock and effect counter, beside the phases
-KEYS: tuple[str, ...] = (*PHASES, ABORT)
-KEEP_CHECKPOINTS = 16  # stored results kept for this many recent checkpoint ids
+__all__ = ["ABORT", "CheckpointRecord", "PhaseLedger"]
 
-
-@dataclass
-class CheckpointRecord:
-    """One checkpoint's stored phase results and whether it has ended."""
-
-    checkpoint_id: str
-    seq: int
-    results: dict[Phase, PhaseResult] = field(default_factory=dict)
-    locks: dict[str, threading.Lock] = field(
-        default_factory=lambda: {key: threading.Lock() for key in KEYS}
-    )
-    # Resumed or aborted: it may never open or close the gate again (checked and set under
-    # the ledger's lock, so a late duplicate attempt cannot slip in between).
-    resumed: bool = False
-    aborted: PhaseResult | None = None
-    thrown_away: str | None = None  # why its draft was discarded: a retry names it
+KEEP_CHECKPOINTS = 16  # records kept for this many recent checkpoint ids
 
 
 class PhaseLedger:
@@ -47,26 +32,40 @@ class PhaseLedger:
     open one). ``lock`` is a leaf: held briefly, never across I/O; callers that must check and
     change the gate in one step (close_admission against resume) hold it around both."""
 
-    def __init__(self, run_id: str, keep: int = KEEP_CHECKPOINTS) -> None:
+    def __init__(
+        self, run_id: str, keep: int = KEEP_CHECKPOINTS, clock: Clock = time.monotonic
+    ) -> None:
         self.run_id = run_id
         self.keep = keep
+        self.clock = clock  # the admission gate's: a record's idle time is on the same one
         self.lock = threading.RLock()
         self._records: OrderedDict[str, CheckpointRecord] = OrderedDict()
+        self._forgotten_seq = 0  # the highest seq of a record forgotten
         self.effects: dict[str, int] = dict.fromkeys(KEYS, 0)
 
     def record(self, spec: SnapshotSpec, *, pinned: str | None = None) -> CheckpointRecord:
         """``spec``'s record, made on first use; ``pinned``: a checkpoint id never forgotten
-        (the open one)."""
+        (the open one). A checkpoint not known here whose seq is at or below one forgotten is
+        a late attempt of a checkpoint long over (its record is gone, so nothing would stop
+        it): refused."""
         if spec.run_id != self.run_id:
             raise InvalidInput(f"checkpoint {spec.checkpoint_id} is not of run {self.run_id}")
         cid = spec.checkpoint_id
         with self.lock:
-            record = self._records.setdefault(cid, CheckpointRecord(cid, spec.seq))
+            record = self._records.get(cid)
+            if record is None:
+                if spec.seq <= self._forgotten_seq:
+                    raise CheckpointRefused(
+                        f"checkpoint {cid} is older than the {self.keep} checkpoints this "
+                        f"controller remembers (seq {spec.seq} <= {self._forgotten_seq}, "
+                        "forgotten): a late attempt of a checkpoint long over"
+                    )
+                record = self._records[cid] = CheckpointRecord(spec, touched_at=self.clock())
             self._records.move_to_end(cid)
             for old in [c for c in self._records if c not in (cid, pinned)]:
                 if len(self._records) <= self.keep:
                     break
-                del self._records[old]
+                self._forgotten_seq = max(self._forgotten_seq, self._records.pop(old).seq)
             return record
 
     def get(self, checkpoint_id: str) -> CheckpointRecord | None:
@@ -84,6 +83,21 @@ class PhaseLedger:
                 f"checkpoint {record.checkpoint_id} was aborted: {phase} refused"
             )
         return None
+
+    def begin_phase(self, record: CheckpointRecord) -> None:
+        with self.lock:
+            record.running += 1
+            record.touched_at = self.clock()
+
+    def end_phase(self, record: CheckpointRecord) -> None:
+        with self.lock:
+            record.running -= 1
+            record.touched_at = self.clock()
+
+    def idle_for(self, record: CheckpointRecord) -> float | None:
+        """How long no phase of ``record`` has run (None while one runs)."""
+        with self.lock:
+            return None if record.running else self.clock() - record.touched_at
 
     def mark_resumed(self, record: CheckpointRecord) -> None:
         with self.lock:
@@ -105,7 +119,7 @@ class PhaseLedger:
 
     def seqs(self) -> list[int]:
         with self.lock:
-            return [record.seq for record in self._records.values()]
+            return [self._forgotten_seq, *(record.seq for record in self._records.values())]
 
     def done(self) -> dict[str, list[str]]:
         """Recent checkpoint id -> phases with a stored result."""

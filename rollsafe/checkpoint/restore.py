@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 
 from rollsafe.checkpoint.drafts import DraftSlot
 from rollsafe.checkpoint.outcomes import log_restore, log_restore_failure
+from rollsafe.checkpoint.restore_envs import abandon_restore, restore_envs, resume_restored
 from rollsafe.checkpoint.run_service import RunService
 from rollsafe.core.phases import RestorePlan, RestoreRequest
 from rollsafe.core.run_state import EnvironmentsRestored, unchanged
@@ -26,6 +28,7 @@ from rollsafe.observability import metrics
 from rollsafe.snapshot import SnapshotStore, state_files
 
 log = logging.getLogger("rollsafe.checkpoint.controller")  # what an operator filters on
+KEEP_PLANS = 16  # restore ids whose plan a repeated call gets back
 
 
 class Restores:
@@ -36,7 +39,8 @@ class Restores:
         self.run = run
         self.store = store
         self.drafts = drafts
-        self._plans: dict[str, RestorePlan] = {}
+        # Recent restores' plans (a retry comes within minutes: a few are plenty).
+        self._plans: OrderedDict[str, RestorePlan] = OrderedDict()
 
     def restore(self, request: RestoreRequest) -> RestorePlan:
         with self.run.restoring:
@@ -61,6 +65,8 @@ class Restores:
                 raise
             log_restore(request, plan, time.monotonic() - started)
             self._plans[request.restore_id] = plan
+            while len(self._plans) > KEEP_PLANS:
+                self._plans.popitem(last=False)
             self.run.awaiting_restore = False
             return plan
 
@@ -74,6 +80,7 @@ def restore_run(run: RunService, store: SnapshotStore, request: RestoreRequest) 
         journal, request.weight_versions, accept_loss=request.accept_journal_loss
     )
     fleet: FleetRestored | None = None
+    tokens = 0
     with run.barrier:
         current = run.state
         fresh = make_dataplane(current.dataplane.name)
@@ -83,8 +90,8 @@ def restore_run(run: RunService, store: SnapshotStore, request: RestoreRequest) 
             envs = EnvironmentsRestored({})
             if participants is not None:  # after the rows verified: they need the prefixes
                 changed = replayed.changed if replayed is not None else unchanged
-                envs, fleet = participants.restore_snapshot(
-                    request.restore_id, reader, fresh, changed
+                envs, fleet, tokens = restore_envs(
+                    participants, request.restore_id, reader, fresh, changed
                 )
             plan = restored.restart_from(state_files.restored_from(reader), envs, replayed)
             if journal is not None:  # its restart durable before anyone is told
@@ -99,7 +106,7 @@ def restore_run(run: RunService, store: SnapshotStore, request: RestoreRequest) 
     drop_staged(restored.dataplane)  # the environments hold what they needed of them
     if participants is not None and fleet is not None and fleet.ok:
         # (A failed environment restore was undone and resumed by the fleet itself.)
-        tokens = participants.resume_restored(request.restore_id)
+        resume_restored(participants, request.restore_id)
         metrics.record_restored_prefix_tokens(run.run_id, tokens)
     metrics.record_restore(run.run_id, plan, restored.config.group_size)
     return plan
@@ -112,4 +119,4 @@ def _undo(
     if run.journal is not None:
         run.journal.abandon_restore()
     if run.participants is not None and fleet is not None and fleet.ok:
-        run.participants.abandon_restore(request.restore_id, fleet)
+        abandon_restore(run.participants, request.restore_id, fleet)

@@ -73,6 +73,15 @@ class RunService:
         # segments a restore is reading); never by the run's operations.
         self.restoring = threading.Lock()
 
+    @property
+    def state(self) -> RunState:
+        return self._state
+
+    @state.setter
+    def state(self, state: RunState) -> None:
+        state.defer_deletes = True  # made by :meth:`changing`, outside the barrier
+        self._state = state
+
     def check_fence(self, what: str) -> None:
         if self.awaiting_restore:
             raise AwaitingRestore(
@@ -87,13 +96,23 @@ class RunService:
         controller awaits its restore. With the journal, returns once the change's records
         are durable (the barrier released meanwhile: others append to the same batch);
         ``durable=False``: a change whose loss costs nothing (a dispatch lost in a crash
-        leaves its rollout reserved at the same attempt: it is dispatched again)."""
-        with self.barrier:
-            self.check_fence(what)
-            sink = self.state.journal if durable else None
-            before = sink.last_id if sink is not None else None
-            yield
-            after = sink.last_id if sink is not None else None
+        leaves its rollout reserved at the same attempt: it is dispatched again). The rows
+        the change dropped are deleted from the data plane after the barrier is released
+        (their groups are gone from the ledger already: nothing reads them)."""
+        state, due = self.state, []
+        try:
+            with self.barrier:
+                self.check_fence(what)
+                state = self.state
+                sink = state.journal if durable else None
+                before = sink.last_id if sink is not None else None
+                try:
+                    yield
+                finally:
+                    due = state.take_due_deletes()
+                after = sink.last_id if sink is not None else None
+        finally:
+            state.delete_rows(due)  # also when the change failed after dropping rows
         if sink is not None and after is not None and after != before:
             # Told only once durable: a change acknowledged is never lost (docs/journal.md).
             sink.wait_durable(after)
@@ -129,7 +148,7 @@ class RunService:
                         return self._mark_sealed(state, idx, i, attempt, row, digest)
                 # A restore replaced the run meanwhile: the row went to the data plane it
                 # retired. Sealed anew against the restored run, if it still owes it.
-                state.dataplane.delete(ROLLOUT_PARTITION, [token.key])
+                state.delete_rows([token.key])
             finally:
                 self._release(token)
 
@@ -156,11 +175,12 @@ class RunService:
         self, state: RunState, idx: int, i: int, attempt: int, row: Row, digest: bytes
     ) -> bool:
         """Called under the barrier. A group that left the run while its row was put (an
-        eviction) leaves no row behind."""
+        eviction) leaves no row behind: its deletion is due, made once the barrier is
+        released."""
         try:
             return state.mark_sealed(idx, i, attempt, row, digest)
         except UnknownGroup:
-            state.dataplane.delete(ROLLOUT_PARTITION, [rollout_key(self.run_id, idx, i)])
+            state.discard_rows([rollout_key(self.run_id, idx, i)])
             raise
 
     def claim(self, groups: Sequence[int], step: int) -> None:
@@ -183,8 +203,18 @@ class RunService:
     # ---- reads ---------------------------------------------------------------------------
 
     def rows(self, groups: Sequence[int]) -> dict[int, list[Row]]:
+        """Read outside the barrier (a remote data plane's get is a network call): the keys
+        are the claimed groups', and claimed rows stay until their step commits."""
         with self.barrier:
-            return self.state.claimed_rows(groups)
+            state = self.state
+            keys = state.claimed_keys(groups)
+        try:
+            return state.rows_of(keys)
+        except Exception:
+            with self.barrier:
+                if self.state is not state:  # restored meanwhile: its claims were released
+                    self.state.claimed_keys(groups)  # says which, by name
+            raise
 
     def instance_for(self, idx: int, i: int) -> str | None:
         with self.barrier:

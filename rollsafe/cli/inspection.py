@@ -23,14 +23,13 @@ from temporalio.client import (
 from temporalio.service import RPCError, RPCStatusCode
 
 from rollsafe.core.ids import supervisor_id, task_queue_for
-from rollsafe.core.phases import PHASES, Phase
+from rollsafe.core.phases import PARK_WINDOW, PHASES, Phase
 from rollsafe.errors import RunNotFound
 from rollsafe.temporal.failures import describe_failure
 from rollsafe.temporal.history import CompletedActivity, completed_activities, task_progress
 from rollsafe.temporal.pollers import WorkerPresence, worker_presence
 from rollsafe.temporal.search_attributes import KIND, PHASE, RUN_ID
 from rollsafe.workflows.models import SupervisorStatus
-from rollsafe.workflows.snapshot import PARK_WINDOW
 from rollsafe.workflows.supervisor import SnapshotSupervisor
 
 QUERY_TIMEOUT_S = 2.0

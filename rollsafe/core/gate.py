@@ -37,9 +37,11 @@ from rollsafe.errors import GateHeld, InvalidInput
 # dead worker (PhaseOptions.heartbeat_timeout_s, 5 s) and retry its phase on another one
 # (backoff up to 5 s), short enough that a run with no worker left waits half a minute.
 ADMISSION_LEASE_S = 30.0
+# Checkpoint ids whose lease expired, remembered for their late phases; an older one's late
+# phase is refused by the phase ledger, which remembers fewer (rollsafe.checkpoint.phase_ledger).
 _KEEP_EXPIRED = 64
 # A waiter whose holder's lease is already due (a fake clock in tests) looks again this often.
-_EXPIRY_RECHECK_S = 0.01  # checkpoint ids whose lease expired, remembered for their late phases
+_EXPIRY_RECHECK_S = 0.01
 
 Clock = Callable[[], float]
 # Called with the expired holder and its change (held_s: how long it held the gate), after

@@ -68,7 +68,7 @@ class RestartOutcome:
     kept: tuple[int, ...]  # sealed siblings whose rows stay
     resumed: tuple[int, ...]  # attempts its environment restored (turn/prefix), attempt + 1
     regenerate: tuple[int, ...]  # siblings generated again as a new attempt (or still reserved)
-    dropped_rows: tuple[int, ...]  # sealed siblings thrown away (prompt_group): delete their rows
+    dropped_rows: tuple[int, ...]  # sealed siblings discarded (prompt_group): delete their rows
 
 
 class Ledger:

@@ -7,8 +7,10 @@ of heavy imports and side effects.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
-from typing import Any, Literal
+from types import MappingProxyType
+from typing import Any, Literal, NamedTuple
 
 from pydantic import (
     BaseModel,
@@ -38,14 +40,42 @@ class Phase(StrEnum):
 
 
 PHASES: tuple[Phase, ...] = tuple(Phase)
-# From capture on, the snapshot owns the run's state: a trainer step can no longer abort it.
-NO_ABORT_FROM = Phase.CAPTURE
+
+
+class PhaseFacts(NamedTuple):
+    """What the workflows, the activities and the controller know of one phase, declared once
+    here (its handler is rollsafe.checkpoint.phases.<phase>; its fault points are
+    ``phase.<phase>.before`` and ``.after``)."""
+
+    holds_admission: bool  # runs with the gate closed: the admission lease is renewed meanwhile
+    park_window: bool  # between close_admission and resume, both included (local activities)
+    participants: bool  # talks to environment instances or engines (skipped without them)
+    abortable: bool  # a trainer step may still abort the snapshot here (before capture)
+
+
+# fmt: off
+FACTS: Mapping[Phase, PhaseFacts] = MappingProxyType({
+    #                          holds_admission park_window participants abortable
+    Phase.OPEN:            PhaseFacts(False, False, False, True),
+    Phase.CLOSE_ADMISSION: PhaseFacts(False, True,  False, True),
+    Phase.RETIRE_DROPPED:  PhaseFacts(True,  True,  True,  True),
+    Phase.PREPARE_ENVS:    PhaseFacts(True,  True,  True,  True),
+    Phase.DRAIN:           PhaseFacts(True,  True,  True,  True),
+    Phase.CUT_GENERATION:  PhaseFacts(True,  True,  True,  True),
+    Phase.COMMIT_ENVS:     PhaseFacts(True,  True,  True,  True),
+    Phase.CAPTURE:         PhaseFacts(True,  True,  False, False),
+    Phase.RESUME:          PhaseFacts(False, True,  False, False),
+    Phase.PUBLISH:         PhaseFacts(False, False, False, False),
+})
+# fmt: on
+PARK_WINDOW = frozenset(phase for phase, facts in FACTS.items() if facts.park_window)
+PARTICIPANT_PHASES = frozenset(phase for phase, facts in FACTS.items() if facts.participants)
 
 
 def abortable(phase: Phase | None) -> bool:
-    """Whether a snapshot in ``phase`` (None: not started) can still be aborted. Phases are
-    compared by position, never as strings."""
-    return phase is None or PHASES.index(phase) < PHASES.index(NO_ABORT_FROM)
+    """Whether a snapshot in ``phase`` (None: not started) can still be aborted: from capture
+    on, the snapshot owns the run's state."""
+    return phase is None or FACTS[phase].abortable
 
 
 # Errors (ApplicationError types) by which a phase says the snapshot should not be taken at
@@ -62,7 +92,7 @@ def holds_admission(phase: Phase) -> bool:
     """Whether a snapshot in ``phase`` holds the admission gate closed (after
     ``close_admission``, before ``resume``): such a phase renews the gate's lease while it
     runs."""
-    return PHASES.index(Phase.CLOSE_ADMISSION) < PHASES.index(phase) < PHASES.index(Phase.RESUME)
+    return FACTS[phase].holds_admission
 
 
 class SnapshotSpec(BaseModel):

@@ -143,6 +143,11 @@ class RunState:
         # While a capture is taken and not written: rows whose deletion waits for it (a step's
         # commit or an eviction drops them from the ledger at once, from the data plane after).
         self._held_deletes: list[str] | None = None
+        # Rows dropped whose deletion the caller makes, outside its lock (the controller: a
+        # remote data plane's call under its barrier would hold up every operation of the run):
+        # :meth:`take_due_deletes`, then :meth:`delete_rows`. False: deleted at once.
+        self.defer_deletes = False
+        self._due_deletes: list[str] = []
 
     def _log(self, kind: RecordKind, meta: Mapping[str, Any], row: Row | None = None) -> None:
         if self.journal is not None:
@@ -228,6 +233,15 @@ class RunState:
     def claimed_rows(self, groups: Sequence[int]) -> dict[int, list[Row]]:
         """The sealed rows of ``groups``, each group's in sibling order: groups claimed by a
         step that has not committed yet (:meth:`commit_step` drops their rows)."""
+        return self.rows_of(self.claimed_keys(groups))
+
+    def rows_of(self, keys: Mapping[int, list[str]]) -> dict[int, list[Row]]:
+        """The rows under ``keys`` (group -> its row keys), read from the data plane."""
+        found = self.dataplane.get(ROLLOUT_PARTITION, [key for ks in keys.values() for key in ks])
+        return {idx: [found[key] for key in ks] for idx, ks in keys.items()}
+
+    def claimed_keys(self, groups: Sequence[int]) -> dict[int, list[str]]:
+        """The row keys of :meth:`claimed_rows` (no I/O)."""
         unclaimed = [
             idx
             for idx in groups
@@ -238,9 +252,7 @@ class RunState:
                 f"rows of groups {unclaimed}: not claimed; a step's rows are read between "
                 "claim and commit_step"
             )
-        keys = {idx: self._sealed_keys(idx) for idx in groups}
-        found = self.dataplane.get(ROLLOUT_PARTITION, [key for ks in keys.values() for key in ks])
-        return {idx: [found[key] for key in ks] for idx, ks in keys.items()}
+        return {idx: self._sealed_keys(idx) for idx in groups}
 
     def owed(self) -> list[tuple[int, int]]:
         """Every rollout handed out and not sealed, as (group, sibling): groups already
@@ -274,7 +286,23 @@ class RunState:
         self.ledger.drop_group(idx)
         if keys and self._held_deletes is not None:
             self._held_deletes.extend(keys)
-        elif keys:
+        else:
+            self.discard_rows(keys)
+
+    def discard_rows(self, keys: list[str]) -> None:
+        """Delete these rows now, or (``defer_deletes``) once the caller takes them."""
+        if self.defer_deletes:
+            self._due_deletes.extend(keys)
+        else:
+            self.delete_rows(keys)
+
+    def take_due_deletes(self) -> list[str]:
+        """The rows dropped since the last call, to :meth:`delete_rows` (``defer_deletes``)."""
+        due, self._due_deletes = self._due_deletes, []
+        return due
+
+    def delete_rows(self, keys: list[str]) -> None:
+        if keys:
             self.dataplane.delete(ROLLOUT_PARTITION, keys)
 
     # ---- checkpoint ------------------------------------------------------------------------
@@ -300,8 +328,7 @@ class RunState:
     def release_capture(self) -> None:
         """The capture is written, or never will be: the deletions it held back happen now."""
         held, self._held_deletes = self._held_deletes, None
-        if held:
-            self.dataplane.delete(ROLLOUT_PARTITION, held)
+        self.discard_rows(held or [])
 
     def journaled(self, captured: Captured) -> None:
         """Return once the journal holds every record ``captured`` covers: a snapshot never

@@ -150,16 +150,23 @@ class SnapshotStore:
     # -- writing ---------------------------------------------------------------------------
 
     def begin(
-        self, kind: SnapshotKind | str, checkpoint_id: str, seq: int | None = None
+        self,
+        kind: SnapshotKind | str,
+        checkpoint_id: str,
+        seq: int | None = None,
+        *,
+        sweep: bool = True,
     ) -> SnapshotDraft:
-        """Open a draft. Sweeps drafts left by crashed writers first; ``seq=None`` takes the
-        next number after the highest published one."""
+        """Open a draft. Sweeps drafts left by crashed writers first (``sweep=False``: the
+        caller did, e.g. before taking a lock it may not hold across the deletes);
+        ``seq=None`` takes the next number after the highest published one."""
         kind = _kind(kind)
         _check_checkpoint_id(checkpoint_id)
         if seq is not None and (type(seq) is not int or seq < 0):
             raise InvalidInput(f"seq must be an integer >= 0, got {seq!r}")
         _fs.make_dirs_durable(self.snapshots_dir)
-        self.sweep()
+        if sweep:
+            self.sweep()
         if seq is None:
             seq = max(self._published_seqs(), default=0) + 1
         path, fd = self._make_draft_dir(snapshot_dir_name(seq, kind))
@@ -168,7 +175,9 @@ class SnapshotStore:
     def sweep(self) -> builtins.list[str]:
         """Remove trash and every draft directory whose writer is gone (its flock is free).
         A live draft, e.g. of a concurrent activity attempt, is left alone."""
-        removed = []
+        removed: builtins.list[str] = []
+        if not self.snapshots_dir.is_dir():
+            return removed
         for child in sorted(self.snapshots_dir.iterdir()):
             if child.name.startswith(_fs.TRASH_PREFIX):
                 _fs.remove_tree(child)

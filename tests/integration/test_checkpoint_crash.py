@@ -36,7 +36,7 @@ from rollsafe.checkpoint.actor import start_controller_actor
 from rollsafe.checkpoint.controller import ControllerStatus
 from rollsafe.core.config import RunConfig
 from rollsafe.core.ids import snapshot_workflow_id, task_queue_for
-from rollsafe.core.phases import PHASES, Phase, SnapshotSpec
+from rollsafe.core.phases import PARK_WINDOW, PHASES, Phase, SnapshotSpec
 from rollsafe.dataplane import make_dataplane
 from rollsafe.evidence.scenario import row_content
 from rollsafe.faults import ENV_VAR, EXIT_CODE
@@ -49,7 +49,7 @@ from rollsafe.testing.history import completed_attempts
 from rollsafe.testing.waiting import eventually_async
 from rollsafe.testing.workers import stop_process, wait_worker_ready, worker_process
 from rollsafe.workflows.models import PhaseOptions, SnapshotInput, SnapshotOutcome
-from rollsafe.workflows.snapshot import PARK_WINDOW, RolloutSnapshot
+from rollsafe.workflows.snapshot import RolloutSnapshot
 
 ray = pytest.importorskip("ray")
 

@@ -134,7 +134,7 @@ async def test_a_step_committed_before_capture_is_in_the_rollout_snapshot(
     harness: WorkflowHarness,
 ) -> None:
     """The capture, under the barrier, records the state after the step: the snapshot is not
-    thrown away (issue 35: under load, none would ever publish). A step committed after
+    discarded (issue 35: under load, none would ever publish). A step committed after
     capture changes nothing either."""
     async with harness.worker():
         ckpt = await checkpointer(harness).start()

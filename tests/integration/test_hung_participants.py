@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from rollsafe.checkpoint.participants import ParticipantOptions, Participants
+from rollsafe.checkpoint.phases.cut_generation import cut_calls
+from rollsafe.checkpoint.phases.resume import resume_participants
 from rollsafe.dataplane import make_dataplane
 from rollsafe.engine.http import EngineClient
 from rollsafe.env.client import EnvClient
@@ -126,9 +128,8 @@ def test_a_hung_engine_bounds_the_cut_and_the_resume_by_its_deadline() -> None:
                 loop=loop,
                 options=options,
             )
-            participants._state("c1").prepared = prepared
-            cut = participants.cut("c1", make_dataplane("memory"))
-            resumed = participants.resume("c1")
+            cut = cut_calls(participants, prepared, make_dataplane("memory"))
+            resumed = resume_participants(participants, "c1", cut)
             loop.run(engine.aclose())
     finally:
         loop.close()

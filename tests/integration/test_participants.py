@@ -23,14 +23,8 @@ import numpy as np
 import pytest
 
 from rollsafe.checkpoint.controller import Controller
-from rollsafe.checkpoint.participants import (
-    RECORD_FILE,
-    ParticipantOptions,
-    Participants,
-    ParticipantsRecord,
-    to_episode,
-    to_ref,
-)
+from rollsafe.checkpoint.participants import ParticipantOptions, Participants, to_episode, to_ref
+from rollsafe.checkpoint.phases.commit_envs import RECORD_FILE, ParticipantsRecord
 from rollsafe.core.config import RunConfig
 from rollsafe.core.ids import EpisodeId
 from rollsafe.core.phases import (

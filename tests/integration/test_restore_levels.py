@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from rollsafe.checkpoint.participants import RECORD_FILE, ParticipantsRecord
+from rollsafe.checkpoint.phases.commit_envs import RECORD_FILE, ParticipantsRecord
 from rollsafe.core.ids import checkpoint_id_for
 from rollsafe.core.ledger import Ledger
 from rollsafe.core.phases import Phase, PhaseResult, RestorePlan

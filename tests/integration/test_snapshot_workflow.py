@@ -11,7 +11,7 @@ from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.exceptions import ActivityError, ApplicationError
 
 from rollsafe.core.ids import restore_workflow_id, supervisor_id
-from rollsafe.core.phases import PHASES, Phase, RestoreRequest
+from rollsafe.core.phases import PARK_WINDOW, PHASES, Phase, RestoreRequest
 from rollsafe.dataplane import make_dataplane
 from rollsafe.evidence.scenario import row_content
 from rollsafe.faults import arm
@@ -21,7 +21,7 @@ from rollsafe.temporal.history import completed_activities
 from rollsafe.testing.waiting import eventually_async, holding
 from rollsafe.workflows.models import PhaseOptions, SupervisorStatus
 from rollsafe.workflows.restore import RestoreRun
-from rollsafe.workflows.snapshot import PARK_WINDOW, RolloutSnapshot
+from rollsafe.workflows.snapshot import RolloutSnapshot
 from rollsafe.workflows.supervisor import SnapshotSupervisor
 
 if TYPE_CHECKING:

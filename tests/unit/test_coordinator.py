@@ -27,6 +27,7 @@ from rollsafe.errors import (
 )
 from rollsafe.evidence.scenario import row_content
 from rollsafe.faults import ENV_VAR, arm, disarm_all
+from rollsafe.loop_thread import LoopThread
 from rollsafe.snapshot import EntryState, SnapshotStore, state_files
 from rollsafe.testing.waiting import holding
 
@@ -314,7 +315,7 @@ def test_a_capture_whose_write_failed_part_way_loses_the_snapshot_and_nothing_el
     with pytest.raises(InjectedFault):
         run(ops, Phase.PUBLISH)
     disarm_all()
-    assert drafts(ops.store) == [] and published(ops.store) == []  # thrown away at once
+    assert drafts(ops.store) == [] and published(ops.store) == []  # discarded at once
     with pytest.raises(SnapshotLost):  # Temporal's retry: the snapshot is taken again
         run(ops, Phase.PUBLISH)
     assert ops.state.dataplane.count(ROLLOUT_PARTITION) == 5  # the run lost nothing
@@ -411,26 +412,33 @@ def test_next_seq_skips_published_and_seen_checkpoints(ops: Controller, tmp_path
     assert Controller(config(), tmp_path).next_seq() == 2  # a fresh one sees the disk
 
 
-class FlakyParticipants:
-    """Environments that cannot be reached on the first resume (the protocol's lease would
-    reopen them); records every resume asked for."""
+class FlakyFleet:
+    """Two environment instances that cannot be reached on the first resume (the protocol's
+    lease would reopen them); records every resume asked for."""
+
+    names = ("w0", "w1")
 
     def __init__(self) -> None:
         self.resumes: list[str] = []
 
-    def instance_for(self, placement: int) -> str:
-        return "w0"
-
-    def resume(self, checkpoint_id: str) -> str:
+    async def resume_all(self, checkpoint_id: str) -> None:
         self.resumes.append(checkpoint_id)
         if len(self.resumes) == 1:
             raise EnvUnavailable("w0: connection refused")
-        return "2 instances resumed"
 
 
-def test_admission_reopens_even_when_the_environments_cannot_be_resumed(tmp_path: Path) -> None:
-    flaky = FlakyParticipants()
-    fake: Participants = flaky  # type: ignore[assignment]  # only the calls these phases make
+@pytest.fixture
+def loop() -> Iterator[LoopThread]:
+    thread = LoopThread("test-coordinator")
+    yield thread
+    thread.close()
+
+
+def test_admission_reopens_even_when_the_environments_cannot_be_resumed(
+    tmp_path: Path, loop: LoopThread
+) -> None:
+    flaky = FlakyFleet()
+    fake = Participants(flaky, {}, loop=loop)  # type: ignore[arg-type]  # resume's calls only
     ops = busy(Controller(config(), tmp_path, participants=fake))
     run(ops, Phase.OPEN)
     run(ops, Phase.CLOSE_ADMISSION)

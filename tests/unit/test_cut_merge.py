@@ -1,5 +1,5 @@
 """The cut phase merges every engine's answer in one pass, and goes on without an engine that
-cannot answer (rollsafe.checkpoint.participants)."""
+cannot answer (rollsafe.checkpoint.phases.cut_generation)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from rollsafe.checkpoint.participants import ParticipantOptions, Participants, merge_cuts
+from rollsafe.checkpoint.participants import ParticipantOptions, Participants
+from rollsafe.checkpoint.phases.cut_generation import cut_calls, merge_cuts
+from rollsafe.checkpoint.phases.resume import resume_participants
 from rollsafe.dataplane import make_dataplane
 from rollsafe.engine.protocol import (
     CutRefusal,
@@ -152,14 +154,13 @@ def test_a_dead_and_a_hung_engine_degrade_their_calls_to_turn_level_and_do_not_h
     participants = Participants(fleet, engines, loop=loop, options=options)  # type: ignore[arg-type]
     dataplane = make_dataplane("memory")
     try:
-        participants._state("c1").prepared = generating("a", "b")
-        staged = participants.cut("c1", dataplane)
+        staged = cut_calls(participants, generating("a", "b"), dataplane)
         assert staged.staged == {"a": 2}
         [refusal] = staged.refused
         assert refusal.call_id == "b" and refusal.reason == "engine_unavailable"
         assert "engine e" in refusal.detail
         assert load_prefixes(dataplane, ["a"])["a"].tokens == (5, 6)
-        summary = participants.resume("c1")
+        summary = resume_participants(participants, "c1", staged)
     finally:
         loop.run(_set(hung.let_go))
         loop.close()

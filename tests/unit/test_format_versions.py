@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from rollsafe.checkpoint.participants import ParticipantsRecord
+from rollsafe.checkpoint.phases.commit_envs import ParticipantsRecord
 from rollsafe.core.capture import LoaderState
 from rollsafe.dataplane.protocol import DataPlaneManifest
 from rollsafe.engine.protocol import PrefixRecord

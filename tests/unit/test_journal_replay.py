@@ -15,6 +15,7 @@ import fsspec
 import numpy as np
 import pytest
 
+from rollsafe.checkpoint import restore as restore_module
 from rollsafe.checkpoint.controller import Controller
 from rollsafe.core.columns import in_key_order
 from rollsafe.core.config import RunConfig
@@ -328,23 +329,26 @@ def test_a_seal_is_acknowledged_only_once_its_record_is_durable(tmp_path: Path) 
     journal.close()
 
 
-class FailingEnvironments:
-    """Participants whose environments fail the restore after the journal replayed."""
+class Placing:
+    """Participants that only place episodes (the restore's environment step is replaced)."""
 
     def instance_for(self, placement: int) -> str:
         return "w0"
 
-    def restore_snapshot(
-        self, restore_id: str, reader: object, dataplane: object, changed: object
-    ) -> NoReturn:
-        raise LedgerInvariantViolation("w0 restored an episode the run does not own")
+
+def failing_environments(*_: object) -> NoReturn:
+    """The environments fail the restore after the journal replayed."""
+    raise LedgerInvariantViolation("w0 restored an episode the run does not own")
 
 
-def test_a_restore_failing_after_the_replay_writes_nothing(tmp_path: Path) -> None:
+def test_a_restore_failing_after_the_replay_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     run = busy_after_a_checkpoint(tmp_path)
     run.crash()
     listing = sorted((p.name, p.read_bytes()) for p in run.directory.iterdir())
-    controller = Controller(config(), tmp_path, participants=FailingEnvironments())  # type: ignore[arg-type]
+    monkeypatch.setattr(restore_module, "restore_envs", failing_environments)
+    controller = Controller(config(), tmp_path, participants=Placing())  # type: ignore[arg-type]
     with pytest.raises(LedgerInvariantViolation):
         controller.restore(RestoreRequest(run_id=RUN, restore_id="r1"))
     assert controller.status().awaiting_restore

@@ -14,7 +14,7 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +22,20 @@ import pytest
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, InMemoryMetricReader
 
+from rollsafe.checkpoint import restore as restore_module
 from rollsafe.checkpoint.controller import Controller
-from rollsafe.checkpoint.participants import ENVS_DIR, ParticipantsRecord
+from rollsafe.checkpoint.phases import (
+    commit_envs,
+    cut_generation,
+    drain,
+    prepare_envs,
+    resume,
+    retire_dropped,
+)
+from rollsafe.checkpoint.phases.commit_envs import ENVS_DIR
+from rollsafe.checkpoint.restore_envs import EnvsRestored
 from rollsafe.core.config import RunConfig
 from rollsafe.core.ids import EpisodeId, GroupId
-from rollsafe.core.ledger import Retirement
 from rollsafe.core.phases import (
     PHASES,
     Phase,
@@ -35,8 +44,7 @@ from rollsafe.core.phases import (
     RestoreRequest,
     SnapshotSpec,
 )
-from rollsafe.core.run_state import Changed, EnvironmentsRestored
-from rollsafe.dataplane import DataPlane
+from rollsafe.core.run_state import EnvironmentsRestored
 from rollsafe.engine.protocol import CutRefusal
 from rollsafe.engine.staging import StagedCut
 from rollsafe.env.fleet_rules import FleetCommitted, FleetPrepared
@@ -45,7 +53,7 @@ from rollsafe.errors import InjectedFault, InvalidInput
 from rollsafe.evidence.scenario import row_content
 from rollsafe.faults import ENV_VAR, arm, disarm_all
 from rollsafe.observability import metrics
-from rollsafe.snapshot import SnapshotReader, verify_snapshot
+from rollsafe.snapshot import verify_snapshot
 
 READER = InMemoryMetricReader()
 GROUP_SIZE = 2
@@ -220,9 +228,10 @@ def test_an_aborted_checkpoint_records_its_park_once(tmp_path: Path, order: str)
 
 
 class FakeParticipants:
-    """Environments and engines with the real return types: the drain takes a moment, the cut
-    stages two calls and refuses three (two skipped, one failed), the commit exports one file,
-    and the restore brings group 2's unsealed sibling back in its environment."""
+    """Environments and engines with the real return types, in place of the phases' calls to
+    them (:meth:`install`): the drain takes a moment, the cut stages two calls and refuses
+    three (two skipped, one failed), the commit exports one file, and the restore brings group
+    2's unsealed sibling back in its environment."""
 
     DRAIN_S = 0.05
 
@@ -239,44 +248,45 @@ class FakeParticipants:
             handoffs=1,
         )
 
-    def retire(self, retirements: Sequence[Retirement]) -> int:
-        return len(retirements)
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        for module, name, fake in [
+            (retire_dropped, "retire", lambda _, retirements: len(retirements)),
+            (prepare_envs, "park", self.park),
+            (drain, "wait_for_replies", self.wait_for_replies),
+            (cut_generation, "cut_calls", lambda *_: self.cut_result),
+            (commit_envs, "commit", self.commit),
+            (resume, "resume_participants", lambda *_: "1 instance resumed"),
+            (restore_module, "restore_envs", self.restore_envs),
+        ]:
+            monkeypatch.setattr(module, name, fake)
 
-    def prepare(self, checkpoint_id: str) -> FleetPrepared:
+    @staticmethod
+    def park(_: object, checkpoint_id: str) -> FleetPrepared:
         return FleetPrepared(checkpoint_id=checkpoint_id, deadline_ts=time.time(), instances={})
 
-    def drain(self, checkpoint_id: str, *, wait: bool = True) -> list[EpisodeRef]:
+    def wait_for_replies(self, *_: object, wait: bool = True) -> list[EpisodeRef]:
         time.sleep(self.DRAIN_S)
         return []
 
-    def cut(self, checkpoint_id: str, dataplane: DataPlane, *level_of: object) -> StagedCut:
-        return self.cut_result
-
+    @staticmethod
     def commit(
-        self, checkpoint_id: str, snapshot_dir: Path, *level_of: object
-    ) -> ParticipantsRecord:
+        _: object, prepared: FleetPrepared, snapshot_dir: Path, *__: object
+    ) -> FleetCommitted:
         (snapshot_dir / ENVS_DIR).mkdir()
         (snapshot_dir / ENVS_DIR / "w0.json").write_bytes(b'{"episodes": []}' * 10)
-        return ParticipantsRecord(
-            committed=FleetCommitted(checkpoint_id=checkpoint_id, instances={}),
-            staged=dict(self.cut_result.staged),
-            refused={r.call_id: r.reason for r in self.cut_result.refused},
-            stragglers=(),
-        )
+        return FleetCommitted(checkpoint_id=prepared.checkpoint_id, instances={})
 
-    def resume(self, checkpoint_id: str) -> str:
-        return "1 instance resumed"
-
-    def restore_snapshot(
-        self, restore_id: str, reader: SnapshotReader, dataplane: DataPlane, changed: Changed
-    ) -> tuple[EnvironmentsRestored, None]:
+    def restore_envs(self, *_: object) -> EnvsRestored:
         episode = EpisodeId(GroupId(self.run_id, 2).rollout(1), 0)
-        return EnvironmentsRestored({episode: "w0"}), None
+        return EnvsRestored(EnvironmentsRestored({episode: "w0"}), None, 0)
 
 
-def test_participant_phases_record_cuts_drain_and_resumed_rollouts(tmp_path: Path) -> None:
+def test_participant_phases_record_cuts_drain_and_resumed_rollouts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     run_id = new_run()
     fake = FakeParticipants(run_id)
+    fake.install(monkeypatch)
     ops = make_ops(tmp_path, run_id, fake)
     run_phases(ops, run_id)
     assert metrics.cut_outcomes(fake.cut_result) == {

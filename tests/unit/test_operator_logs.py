@@ -18,9 +18,10 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from rollsafe.activities.snapshot import SnapshotActivities
-from rollsafe.checkpoint import participants as participants_module
 from rollsafe.checkpoint.controller import Controller
 from rollsafe.checkpoint.participants import ParticipantOptions, Participants
+from rollsafe.checkpoint.phases import commit_envs, cut_generation, prepare_envs
+from rollsafe.checkpoint.phases.drain import wait_for_replies
 from rollsafe.core.config import RunConfig
 from rollsafe.core.phases import (
     PHASES,
@@ -201,13 +202,12 @@ def test_participants_log_stragglers_lost_cuts_unexported_and_restarts(
     try:
         options = ParticipantOptions(drain_timeout_s=0)
         participants = Participants(None, {}, loop=loop, options=options)  # type: ignore[arg-type]
-        participants._state("c1").prepared = parked("c1", ())
         participants.pending.add(ref, "w0")  # a reply still on the wire: not in the scope
-        assert participants.drain("c1") == [ref]
+        assert wait_for_replies(participants, parked("c1", ())) == [ref]
     finally:
         loop.close()
-    participants_module._log_prepared(parked("c1", (ref,)))
-    participants_module._log_cut(
+    prepare_envs._log_prepared(parked("c1", (ref,)))
+    cut_generation._log_cut(
         "c1",
         StagedCut(
             staged={"a": 3},
@@ -218,7 +218,7 @@ def test_participants_log_stragglers_lost_cuts_unexported_and_restarts(
             handoffs=0,
         ),
     )
-    participants_module._log_committed(
+    commit_envs._log_committed(
         FleetCommitted(
             checkpoint_id="c1",
             instances={

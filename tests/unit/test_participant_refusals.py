@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollsafe.checkpoint.participants import spent_if_resumed
+from rollsafe.checkpoint.phases.context import spent_if_resumed
 from rollsafe.errors import CheckpointSpent, EnvRefused
 
 CID = "run.rollout.00000001"

@@ -17,7 +17,17 @@ from rollsafe.activities.controllers import ControllerClient
 from rollsafe.activities.snapshot import SnapshotActivities
 from rollsafe.checkpoint.phase_ledger import ABORT, PhaseLedger
 from rollsafe.checkpoint.phases import HANDLERS
-from rollsafe.core.phases import PHASES, Phase, PhaseResult, SnapshotSpec
+from rollsafe.core.phases import (
+    FACTS,
+    PARK_WINDOW,
+    PARTICIPANT_PHASES,
+    PHASES,
+    Phase,
+    PhaseResult,
+    SnapshotSpec,
+    abortable,
+    holds_admission,
+)
 from rollsafe.errors import CheckpointRefused, InvalidInput, PhaseConflict
 
 RUN = "ledger"
@@ -83,8 +93,31 @@ def test_old_records_are_forgotten_but_never_the_pinned_one() -> None:
     for seq in range(2, 8):
         ledger.record(spec(seq), pinned=pinned.checkpoint_id)
     assert ledger.get(pinned.checkpoint_id) is not None
-    assert ledger.seqs() == [1, 6, 7]
+    assert ledger.seqs() == [5, 1, 6, 7]  # the highest forgotten first: next_seq skips it
     assert ledger.get(spec(2).checkpoint_id) is None
+
+
+def test_a_late_call_of_a_forgotten_checkpoint_is_refused_not_run_afresh() -> None:
+    """Before, a checkpoint forgotten here (and by the gate, 64 expiries later) got a fresh
+    record: its late open would have opened a draft nobody finishes."""
+    ledger = PhaseLedger(RUN, keep=2)
+    for seq in (1, 2, 3):
+        ledger.record(spec(seq))
+    with pytest.raises(CheckpointRefused, match=r"seq 1 <= 1, forgotten"):
+        ledger.record(spec(1))
+    assert ledger.get(spec(1).checkpoint_id) is None  # nothing made for it
+    assert ledger.record(spec(4)).seq == 4  # a newer one is still welcome
+
+
+def test_each_phase_is_described_once_and_the_derived_sets_follow() -> None:
+    """The park window runs from close_admission to resume; the phases that hold admission
+    are those strictly inside it; abort is possible only before capture."""
+    assert list(FACTS) == list(PHASES)
+    inside = PHASES[PHASES.index(Phase.CLOSE_ADMISSION) : PHASES.index(Phase.RESUME) + 1]
+    assert set(inside) == PARK_WINDOW
+    assert [p for p in PHASES if holds_admission(p)] == list(inside[1:-1])
+    assert [p for p in PHASES if abortable(p)] == list(PHASES[: PHASES.index(Phase.CAPTURE)])
+    assert PARTICIPANT_PHASES <= PARK_WINDOW and abortable(None)
 
 
 def test_a_checkpoint_of_another_run_is_refused() -> None:

@@ -11,7 +11,7 @@ expectation comes from that model, never from the controller's own state:
 2. Sealed stays sealed: a rollout sealed at snapshot time comes back SEALED with the same
    attempt and byte-identical row, and is never listed to regenerate; the unsealed ones are
    exactly those listed (with the ledger's restart rules: a dispatched attempt comes back as
-   attempt + 1, and at prompt_group level a partial group is thrown away whole).
+   attempt + 1, and at prompt_group level a partial group is discarded whole).
 3. Trained once: in the lineage that survives (steps committed after the restored snapshot
    never happened), no group is trained by two steps, and groups claimed by a step that never
    committed come back READY.
@@ -146,7 +146,7 @@ class ExpectedRestore:
     model: RunModel
     released: list[int]
     partial: dict[int, tuple[list[int], list[int]]]  # idx -> (restored, regenerate)
-    dropped_keys: set[str]  # rows of sealed siblings thrown away (prompt_group)
+    dropped_keys: set[str]  # rows of sealed siblings discarded (prompt_group)
     redispatch: list[int]
 
 

@@ -164,6 +164,6 @@ def test_prompt_group_level_regenerates_the_whole_partial_group(
     }
     run = runner.state
     assert run is not None
-    # The sealed half was thrown away: its row is gone and the rollout owes a new attempt.
+    # The sealed half was discarded: its row is gone and the rollout owes a new attempt.
     assert "scenario-13_g0" not in run.dataplane.list("rollouts")
     assert run.ledger.attempt(13, 0) == 1

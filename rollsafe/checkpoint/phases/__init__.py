@@ -19,17 +19,19 @@ from typing import TYPE_CHECKING
 
 from rollsafe.checkpoint.outcomes import log_aborted, log_phase, log_phase_failure
 from rollsafe.checkpoint.phase_ledger import ABORT
-from rollsafe.checkpoint.phases.capture import capture
-from rollsafe.checkpoint.phases.close_admission import close_admission
-from rollsafe.checkpoint.phases.commit_envs import commit_envs
+from rollsafe.checkpoint.phases import (
+    capture,
+    close_admission,
+    commit_envs,
+    cut_generation,
+    drain,
+    prepare_envs,
+    publish,
+    resume,
+    retire_dropped,
+)
+from rollsafe.checkpoint.phases import open as opening
 from rollsafe.checkpoint.phases.context import PhaseContext
-from rollsafe.checkpoint.phases.cut_generation import cut_generation
-from rollsafe.checkpoint.phases.drain import drain
-from rollsafe.checkpoint.phases.open import open_draft
-from rollsafe.checkpoint.phases.prepare_envs import prepare_envs
-from rollsafe.checkpoint.phases.publish import publish
-from rollsafe.checkpoint.phases.resume import abort, resume
-from rollsafe.checkpoint.phases.retire_dropped import retire_dropped
 from rollsafe.core.phases import (
     PHASES,
     Phase,
@@ -51,16 +53,16 @@ Handler = Callable[[PhaseContext], PhaseResult]
 
 HANDLERS: Mapping[Phase, Handler] = MappingProxyType(
     {
-        Phase.OPEN: open_draft,
-        Phase.CLOSE_ADMISSION: close_admission,
-        Phase.RETIRE_DROPPED: retire_dropped,
-        Phase.PREPARE_ENVS: prepare_envs,
-        Phase.DRAIN: drain,
-        Phase.CUT_GENERATION: cut_generation,
-        Phase.COMMIT_ENVS: commit_envs,
-        Phase.CAPTURE: capture,
-        Phase.RESUME: resume,
-        Phase.PUBLISH: publish,
+        Phase.OPEN: opening.open_draft,
+        Phase.CLOSE_ADMISSION: close_admission.close_admission,
+        Phase.RETIRE_DROPPED: retire_dropped.retire_dropped,
+        Phase.PREPARE_ENVS: prepare_envs.prepare_envs,
+        Phase.DRAIN: drain.drain,
+        Phase.CUT_GENERATION: cut_generation.cut_generation,
+        Phase.COMMIT_ENVS: commit_envs.commit_envs,
+        Phase.CAPTURE: capture.capture,
+        Phase.RESUME: resume.resume,
+        Phase.PUBLISH: publish.publish,
     }
 )
 
@@ -85,12 +87,15 @@ def run_once(ctx: PhaseContext) -> PhaseResult:
             return stored
         fault_point(f"phase.{phase}.before")
         started = time.monotonic()
+        ctx.ledger.begin_phase(record)
         try:
             with metrics.timed_phase(spec.run_id, phase):
                 result = run_handler(ctx)
         except Exception as exc:
             log_phase_failure(spec, phase, exc, time.monotonic() - started)
             raise
+        finally:
+            ctx.ledger.end_phase(record)
         log_phase(spec, result, time.monotonic() - started)
         fault_point(f"phase.{phase}.after")
         record.results[phase] = result
@@ -103,7 +108,7 @@ def abort_once(ctx: PhaseContext) -> PhaseResult:
     with record.locks[ABORT]:
         if record.aborted is not None:
             return record.aborted.model_copy(update={"replayed": True})
-        record.aborted = abort(ctx)
+        record.aborted = resume.abort(ctx)
         log_aborted(ctx.spec, record.aborted)
         return record.aborted
 
@@ -112,7 +117,7 @@ def run_handler(ctx: PhaseContext) -> PhaseResult:
     if ctx.phase is not Phase.RESUME:
         check_lease(ctx)
     if holds_admission(ctx.phase):
-        ctx.drafts.require(ctx.spec)
+        ctx.drafts.require(ctx.record)
         if not ctx.gate.renew(ctx.checkpoint_id):  # its lease ran out: check_lease said so
             raise CheckpointRefused(
                 f"checkpoint {ctx.checkpoint_id}: {ctx.phase.value} runs only while the "
@@ -128,9 +133,9 @@ def check_lease(ctx: PhaseContext) -> None:
     lease_s = ctx.gate.expired(ctx.checkpoint_id)
     if lease_s is None:
         return
-    entry = ctx.drafts.entry(ctx.checkpoint_id)
-    if entry is not None:
-        ctx.drafts.abandon(entry)
+    record = ctx.drafts.entry(ctx.checkpoint_id)
+    if record is not None:
+        ctx.drafts.discard(record, "admission lease expired")
     raise AdmissionLeaseExpired(
         f"checkpoint {ctx.checkpoint_id}: admission stayed closed past its {lease_s:g} s "
         "lease with no phase renewing it (no worker left?) and reopened by itself; the "

@@ -10,14 +10,14 @@ from rollsafe.errors import AnchorPassed
 
 
 def capture(ctx: PhaseContext) -> PhaseResult:
-    entry, run = ctx.drafts.require(ctx.spec), ctx.run
-    with entry.lock, run.barrier:
-        entry.check_usable()
-        if entry.capture is None:
+    record, run = ctx.drafts.require(ctx.record), ctx.run
+    with record.draft_lock, run.barrier:
+        record.check_usable()
+        if record.capture is None:
             _check_anchor(ctx.spec, run.state.weight_version)
-            entry.capture = run.state.take_capture()
+            record.capture = run.state.take_capture()
             ctx.effect(True)
-    counts = entry.capture.counts
+        counts = record.capture.counts
     summary = f"captured {counts['groups']} groups, {counts['sealed_rollouts']} sealed rollouts"
     return ctx.result(summary, counts)
 

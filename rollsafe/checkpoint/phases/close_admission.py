@@ -13,7 +13,7 @@ def close_admission(ctx: PhaseContext) -> PhaseResult:
         ctx.ledger.refuse_if_resumed(
             ctx.record, "already resumed: it may not close admission again"
         )
-        ctx.drafts.require(ctx.spec)
+        ctx.drafts.require(ctx.record)
         change = ctx.gate.close(cid, ctx.request.admission_lease_s)
     ctx.effect(change.changed)
     return ctx.result(f"admission {change.detail}")

@@ -8,12 +8,13 @@ from rollsafe.core.phases import PhaseResult
 
 def open_draft(ctx: PhaseContext) -> PhaseResult:
     cid = ctx.checkpoint_id
-    stale = ctx.drafts.open
-    if stale is not None and ctx.gate.expired(stale.spec.checkpoint_id) is not None:
-        ctx.drafts.abandon(stale)  # no phase of it came back to notice: never publishable
-    with ctx.ledger.lock, storage_errors(cid, "opening its draft"):
-        ctx.run.check_fence(f"checkpoint {cid}")
-        # A stray late attempt would hold a draft nobody finishes.
-        ctx.ledger.refuse_if_resumed(ctx.record, "already ended: it may not open again")
-        entry = ctx.drafts.begin(ctx.spec)
-    return ctx.result(f"draft {entry.draft.path.name} open")
+    # A draft that can never be published (no phase of it came back to notice) goes first.
+    ctx.drafts.reclaim(ctx.gate, ctx.record)
+    with storage_errors(cid, "opening its draft"):
+        ctx.store.sweep()  # drafts of crashed writers: deletes, so not under the ledger's lock
+        with ctx.ledger.lock:
+            ctx.run.check_fence(f"checkpoint {cid}")
+            # A stray late attempt would hold a draft nobody finishes.
+            ctx.ledger.refuse_if_resumed(ctx.record, "already ended: it may not open again")
+            record = ctx.drafts.begin(ctx.record, ctx.request.admission_lease_s)
+    return ctx.result(f"draft {record.files.path.name} open")

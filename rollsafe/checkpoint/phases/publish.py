@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from rollsafe.checkpoint.drafts import OpenCheckpoint
 from rollsafe.checkpoint.phases.context import PhaseContext, storage_errors
+from rollsafe.checkpoint.record import CheckpointRecord
 from rollsafe.core.phases import PhaseResult, PublishedSnapshotInfo
 from rollsafe.core.run_state import Capture, Captured
 from rollsafe.errors import CheckpointRefused, SnapshotLost
@@ -23,11 +23,11 @@ log = logging.getLogger(__name__)
 
 def publish(ctx: PhaseContext) -> PhaseResult:
     with storage_errors(ctx.checkpoint_id, "publishing"):
-        entry = ctx.drafts.entry(ctx.checkpoint_id)
-        published = _publish_draft(ctx, entry) if entry is not None else None
+        record = ctx.drafts.entry(ctx.checkpoint_id)
+        published = _publish_draft(ctx, record) if record is not None else None
         if published is None:
             published = _find_published(ctx)
-        if entry is not None:  # this process wrote the draft (also if a failed try renamed it)
+        if record is not None:  # this process wrote the draft (also if a failed try renamed it)
             metrics.record_capture_bytes(ctx.spec.run_id, published.manifest)
             _compact_journal(ctx)
     info = published_info(published)
@@ -49,35 +49,36 @@ def published_info(published: PublishedSnapshot) -> PublishedSnapshotInfo:
     )
 
 
-def _publish_draft(ctx: PhaseContext, entry: OpenCheckpoint) -> PublishedSnapshot | None:
-    """Write and publish ``entry``'s draft; None when an earlier attempt renamed it and
-    failed after (the store then finds it). The entry's lock serialises duplicate attempts."""
+def _publish_draft(ctx: PhaseContext, record: CheckpointRecord) -> PublishedSnapshot | None:
+    """Write and publish ``record``'s draft; None when an earlier attempt renamed it and
+    failed after (the store then finds it). The draft's lock serialises duplicate attempts."""
     spec, published = ctx.spec, None
-    with entry.lock:
-        entry.check_usable()
-        if entry.capture is None:
+    with record.draft_lock:
+        draft = record.files
+        if record.capture is None:
             raise CheckpointRefused(f"checkpoint {spec.checkpoint_id}: publish before capture")
-        done = entry.captured or _write_capture(ctx, entry, entry.capture)
-        if entry.draft.path.exists():
+        done = record.captured or _write_capture(ctx, record, record.capture)
+        if draft.path.exists():
             ctx.run.state.journaled(done)
-            published = state_files.publish(entry.draft, done, spec.anchor_step, spec.anchors)
+            published = state_files.publish(draft, done, spec.anchor_step, spec.anchors)
             ctx.effect(not published.reused)
-    ctx.drafts.closed(entry)
+    ctx.drafts.closed(record)
     return published
 
 
-def _write_capture(ctx: PhaseContext, entry: OpenCheckpoint, capture: Capture) -> Captured:
-    """The capture's files and rows into the draft. A failure throws the draft away (a retry
+def _write_capture(ctx: PhaseContext, record: CheckpointRecord, capture: Capture) -> Captured:
+    """The capture's files and rows into the draft. A failure discards the draft (a retry
     would collide with the files written): the snapshot is taken again, nothing of the run is
-    lost. The caller holds ``entry.lock``."""
+    lost. The caller holds ``record.draft_lock``."""
     try:
-        entry.captured = state_files.write_capture(ctx.run.state, entry.draft, capture)
+        captured = state_files.write_capture(ctx.run.state, record.files, capture)
     except BaseException as exc:
         why = f"writing the capture failed ({type(exc).__name__}: {exc})"
-        ctx.drafts.discard_locked(entry, why)
+        ctx.drafts.discard_locked(record, why)
         raise
-    ctx.drafts.end_capture(entry)
-    return entry.captured
+    record.captured = captured
+    ctx.drafts.end_capture(record)
+    return captured
 
 
 def _compact_journal(ctx: PhaseContext) -> None:
@@ -107,9 +108,9 @@ def _find_published(ctx: PhaseContext) -> PublishedSnapshot:
     spec = ctx.spec
     published = ctx.store.verify_published(spec.seq)
     if published is None:
-        why = ctx.record.thrown_away
+        why = ctx.record.discarded
         where = (
-            f"its draft was thrown away ({why})"
+            f"its draft was discarded ({why})"
             if why is not None
             else "no draft here (the controller restarted?)"
         )
