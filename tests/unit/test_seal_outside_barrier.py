@@ -1,14 +1,17 @@
-"""A seal puts its row into the data plane outside the controller's barrier (reserve, put,
-mark sealed): a seal caught mid-put holds up no other seal, dispatch or read; a different row
-for the same rollout is refused while it is in flight; the same row again seals once."""
+"""The data plane is called outside the controller's barrier. A seal puts its row outside it
+(reserve, put, mark sealed): a seal caught mid-put holds up no other seal, dispatch or read; a
+different row for the same rollout is refused while it is in flight; the same row again seals
+once. A step's read of its rows, and the deletes after commit_step and evict, are outside it
+too (issue 48, defect 2): a remote data plane's call holds up nothing else."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from rollsafe.checkpoint.controller import Controller
@@ -97,3 +100,68 @@ def test_a_group_evicted_while_its_row_was_put_leaves_no_row(
         with pytest.raises(Exception, match="group 0"):
             first.result(WAIT_S)
     assert dataplane.key not in dataplane.list(ROLLOUT_PARTITION)
+
+
+class HeldCallDataPlane(MemoryDataPlane):
+    """Holds its next ``get`` or ``delete`` (the one named by :attr:`holding`) until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holding: str | None = None
+        self.reached = threading.Event()
+        self.release = threading.Event()
+
+    def _hold(self, call: str) -> None:
+        if self.holding == call:
+            self.holding = None
+            self.reached.set()
+            assert self.release.wait(WAIT_S), "the test never released the held call"
+
+    def get(self, partition: str, keys: Iterable[str]) -> dict[str, dict[str, np.ndarray]]:
+        self._hold("get")
+        return super().get(partition, keys)
+
+    def delete(self, partition: str, keys: Iterable[str]) -> None:
+        self._hold("delete")
+        super().delete(partition, keys)
+
+
+def sealed(controller: Controller, *, claimed: bool) -> None:
+    controller.handout([0])
+    for i in (0, 1):
+        controller.dispatch(0, i)
+        controller.seal(0, i, 0, row_content(0, i, 0))
+    if claimed:
+        controller.claim([0], 0)
+
+
+CALLS: dict[str, tuple[str, Callable[[Controller], object]]] = {
+    "rows": ("get", lambda c: c.rows([0])),
+    "commit_step": ("delete", lambda c: c.commit_step([0])),
+    "evict": ("delete", lambda c: c.evict([0])),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_a_data_plane_call_held_mid_flight_does_not_hold_the_barrier(
+    tmp_path: Path, name: str
+) -> None:
+    dataplane = HeldCallDataPlane()
+    config = RunConfig(run_id=RUN, group_size=2, groups_per_step=1)
+    controller = Controller.from_parts(RunState(config, dataplane), SnapshotStore(tmp_path, RUN))
+    sealed(controller, claimed=name != "evict")  # a claimed group is not evicted
+    call, run = CALLS[name]
+    dataplane.holding = call
+    with ThreadPoolExecutor(1) as pool:
+        held_call = pool.submit(run, controller)
+        assert dataplane.reached.wait(WAIT_S)
+        free = controller.barrier.acquire(blocking=False)
+        if free:
+            controller.barrier.release()
+        dataplane.release.set()
+        outcome = held_call.result(WAIT_S)
+    assert free, f"{name} held the barrier across the data plane's {call}"
+    if name == "rows":
+        assert isinstance(outcome, dict) and len(outcome[0]) == 2
+    else:
+        assert dataplane.list(ROLLOUT_PARTITION) == []  # the rows went, after the barrier
