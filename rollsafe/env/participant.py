@@ -24,6 +24,7 @@ import logging
 import os
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
@@ -66,6 +67,10 @@ TOOL_WAIT_S = 5.0
 # A run lease this long past its expiry is forgotten (its dispatcher is long gone; an episode
 # still holding it is refused all the same: an unknown holder is no lease).
 FORGET_LEASE_S = 3600.0
+# Ended checkpoints remembered (refused again, their resume replayed). A late call of one
+# forgotten would find the instance idle and park it for at most its lease: the controller
+# refuses that checkpoint's every later phase (its ledger keeps the highest ended sequence).
+CLOSED_KEPT = 1024
 
 
 class Participant:
@@ -98,7 +103,8 @@ class Participant:
         self._phase: InstancePhase = "idle"
         self._open_id: str | None = None
         self._lease: float | None = None
-        self._closed: set[str] = set()  # resumed, aborted or expired: refused forever
+        # Resumed, aborted or expired: refused from now on (the newest CLOSED_KEPT).
+        self._closed: OrderedDict[str, None] = OrderedDict()
         self._replies: dict[tuple[str, str], BaseModel] = {}
         self._parked: dict[str, wire.ParkedEpisode] = {}  # what the open prepare reported, by key
         self._live: dict[str, Session] = {}
@@ -203,7 +209,7 @@ class Participant:
         """End the open phase: what resume and lease expiry both do."""
         cid = self._open_id
         if cid is not None:
-            self._closed.add(cid)
+            self._mark_closed(cid)
             for op in ("prepare", "commit", "restore"):  # never replayed again: refused
                 self._replies.pop((cid, op), None)
         self._phase, self._open_id, self._lease, self._parked = "idle", None, None, {}
@@ -215,6 +221,13 @@ class Participant:
         if release is not None:
             release.set()
         self._lease_changed.set()
+
+    def _mark_closed(self, cid: str) -> None:
+        self._closed[cid] = None
+        self._closed.move_to_end(cid)
+        while len(self._closed) > CLOSED_KEPT:
+            forgotten, _ = self._closed.popitem(last=False)
+            self._replies.pop((forgotten, "resume"), None)
 
     # -- control operations ---------------------------------------------------------------------
 
@@ -313,7 +326,7 @@ class Participant:
             if stored := self._stored(cid, "resume", wire.ResumeReply):
                 return stored
             if self._open_id != cid:
-                self._closed.add(cid)  # never open here, or expired: refused from now on
+                self._mark_closed(cid)  # never open here, or expired: refused from now on
                 return wire.ResumeReply(phase=self._phase, resumed=False)
             self._close()  # a restore's installed records stay: the next attempt continues them
             reply = wire.ResumeReply(phase="idle", resumed=True)

@@ -79,14 +79,17 @@ class GatewayHooks(EnvironmentHooks):
         record = (
             None if session.restored is None else SessionRecord.model_validate(session.restored)
         )
-        live, outcome = await self._attempt(run.task, session, key, record, seed_name="")
-        fell_back = None
-        if live.diverged is not None:
-            fell_back = str(live.diverged)
-            log.warning("episode %s falls back to a fresh run: %s", key, fell_back)
-            live, outcome = await self._attempt(
-                run.task, session, f"{key}.fresh", None, seed_name=FALLBACK_SEED
-            )
+        try:
+            live, outcome = await self._attempt(run.task, session, key, record, seed_name="")
+            fell_back = None
+            if live.diverged is not None:
+                fell_back = str(live.diverged)
+                log.warning("episode %s falls back to a fresh run: %s", key, fell_back)
+                live, outcome = await self._attempt(
+                    run.task, session, f"{key}.fresh", None, seed_name=FALLBACK_SEED
+                )
+        finally:  # the run is over, finished or failed: nothing exports it any more
+            self._by_episode.pop(key, None)
         assert outcome is not None  # a run without a record cannot diverge
         return self._result(session.episode, live, outcome, fell_back)
 
@@ -156,7 +159,6 @@ class GatewayHooks(EnvironmentHooks):
         }
         if fell_back is not None:
             info["fell_back"] = fell_back
-        self._by_episode.pop(episode.key, None)
         return EpisodeResult(
             episode=episode, reward=outcome.reward, turns=len(calls), restored=False, info=info
         )

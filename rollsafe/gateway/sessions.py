@@ -82,8 +82,9 @@ class LiveSession:
         self.seed_name = seed_name  # "" for an episode's first run; a fallback's samples anew
         self.diverged: ReplayDiverged | None = None
         self.ended = False
-        self._model_lock = asyncio.Lock()
-        self._tool_lock = asyncio.Lock()
+        # One lock for model and tool calls: a session's calls are taken one at a time, in
+        # arrival order (asyncio.Lock is fair), so the record's order is the agent's.
+        self._lock = asyncio.Lock()
 
     @property
     def rollout_id(self) -> str:
@@ -103,7 +104,7 @@ class LiveSession:
         return exc
 
     async def model_call(self, prompt: Prompt, listener: CallListener | None = None) -> Answer:
-        async with self._model_lock:
+        async with self._lock:
             self._check_open()
             index = self.replay.calls_made
             await self.episode.boundary(index)  # held here while a checkpoint parks us
@@ -183,7 +184,7 @@ class LiveSession:
     ) -> ToolRecord:
         """Through the proxy: the call made into this session's tool session (a replayed one
         made again into the freshly seeded one, its reply checked against the record)."""
-        async with self._tool_lock:
+        async with self._lock:
             self._check_open()
             await self.episode.boundary(self.replay.calls_made)  # nothing in flight here
             self._check_open()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import rollsafe.checkpoint.restore as restore_module
 from rollsafe.checkpoint.controller import Controller
 from rollsafe.core.config import RunConfig
 from rollsafe.core.phases import (
@@ -118,6 +119,23 @@ def test_a_failed_restore_leaves_the_fence_up(tmp_path: Path) -> None:
     assert fresh.status().awaiting_restore
     with pytest.raises(AwaitingRestore):
         fresh.handout([0])
+
+
+def test_a_retried_restore_gets_its_plan_and_only_recent_plans_are_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bounded (issue 48, defect 6): a controller restored many times keeps the newest
+    KEEP_PLANS plans, which is what a retried restore activity needs."""
+    publish_one(tmp_path)
+    monkeypatch.setattr(restore_module, "KEEP_PLANS", 2)
+    # Journal off: each restore is of the snapshot alone (the journal a restore starts would
+    # not continue it for the next).
+    fresh = Controller(config().model_copy(update={"journal": False}), tmp_path)
+    ids = ("r-1", "r-2", "r-3")
+    plans = {rid: fresh.restore(RestoreRequest(run_id=RUN, restore_id=rid)) for rid in ids}
+    assert fresh.restore(RestoreRequest(run_id=RUN, restore_id="r-3")) is plans["r-3"]
+    again = fresh.restore(RestoreRequest(run_id=RUN, restore_id="r-1"))
+    assert again is not plans["r-1"] and again.snapshot == plans["r-1"].snapshot  # run afresh
 
 
 # ---- the admission lease -------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from rollsafe import faults
 from rollsafe.engine.protocol import SamplingParams, prompt_digest, seal_prefix
+from rollsafe.env import participant as participant_module
 from rollsafe.env.hooks import EnvironmentHooks, EpisodeSession
 from rollsafe.env.participant import RESTORE_READING, Participant
 from rollsafe.env.protocol import (
@@ -184,6 +185,22 @@ async def test_resumed_id_is_refused_forever(part: Participant, tmp_path: Path) 
     assert not (await part.resume(ResumeRequest(checkpoint_id="ck9"))).resumed
     await refused("checkpoint_resumed", part.prepare(prep("ck9")))
     assert part.status().phase == "idle"
+
+
+async def test_ended_checkpoints_are_remembered_the_newest_closed_kept_deep(
+    part: Participant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bounded (issue 48, defect 6): an instance that lives through many checkpoints does not
+    keep every one's id and resume reply."""
+    monkeypatch.setattr(participant_module, "CLOSED_KEPT", 3)
+    for n in range(5):
+        await part.prepare(prep(f"ck{n}"))
+        assert (await part.resume(ResumeRequest(checkpoint_id=f"ck{n}"))).resumed
+    for n in (2, 3, 4):  # remembered: refused, their resume replayed
+        await refused("checkpoint_resumed", part.prepare(prep(f"ck{n}")))
+        assert (await part.resume(ResumeRequest(checkpoint_id=f"ck{n}"))).resumed
+    assert (await part.prepare(prep("ck0"))).ready  # forgotten: the controller refuses it
+    assert len(part._closed) == 3 and len(part._replies) <= 4
 
 
 async def test_lease_expiry_resumes_by_itself_lazily(toy: Toy) -> None:

@@ -1,21 +1,28 @@
 """A live session's model call on an MoE engine (pure: a stand-in engine and episode session):
 its routes reach the record and the reply's routed_experts, one per token kept (a stop string
 cuts them with the tokens); a listener is told the call's start and given its tokens as they
-come; a replayed call from the record tells it nothing."""
+come; a replayed call from the record tells it nothing. A session's model and tool calls are
+taken one at a time; an episode whose agent failed is no longer exported."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+import asyncio
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from types import MappingProxyType
 from typing import Any
+
+import pytest
 
 from rollsafe.engine.protocol import FinishEvent, GenerateRequest, StreamEvent, TokenEvent
 from rollsafe.engine.text import ChatCodec
 from rollsafe.env.hooks import OnTokens
-from rollsafe.env.protocol import EpisodeRef
+from rollsafe.env.protocol import EpisodeRef, RunEpisode
 from rollsafe.env.session import complete_call, turn_request
+from rollsafe.errors import InvalidInput
+from rollsafe.gateway.agents import FunctionAgent
 from rollsafe.gateway.convert import Prompt, chat_reply
+from rollsafe.gateway.hooks import GatewayHooks
 from rollsafe.gateway.record import Replay
 from rollsafe.gateway.sessions import LiveSession, Served
 
@@ -51,6 +58,10 @@ class Episode:
 
     @asynccontextmanager
     async def generating(self, call_id: str) -> AsyncIterator[None]:
+        yield
+
+    @contextmanager
+    def tool(self) -> Iterator[None]:
         yield
 
     def request(self, turn: int, prompt_tokens: Sequence[int], **sampling: Any) -> GenerateRequest:
@@ -105,3 +116,74 @@ async def test_routes_reach_the_record_and_the_reply_one_per_token_kept(codec: C
     streamed.clear()
     again = await replayed.model_call(_prompt(), quiet)
     assert (started, streamed) == ([], []) and again.routes == answer.routes
+
+
+class HeldEngine(MoeEngine):
+    """Holds each call before its first token until the test releases it."""
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        super().__init__(tokens)
+        self.reached, self.release = asyncio.Event(), asyncio.Event()
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamEvent]:
+        self.reached.set()
+        await self.release.wait()
+        async for event in super().generate(request):
+            yield event
+
+
+class ToolServer:
+    name = "tools"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def forward(
+        self, session: str, method: str, path: str, body: bytes, content_type: str
+    ) -> tuple[int, str, str]:
+        self.calls += 1
+        return 200, "application/json", "{}"
+
+    def forget(self, session: str) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_a_tool_call_waits_for_the_model_call_in_flight_in_its_session(
+    codec: ChatCodec,
+) -> None:
+    engine, tools = HeldEngine(codec.encode(TEXT)), ToolServer()
+    served = Served(engine=engine, codec=codec, model="moe")  # type: ignore[arg-type]
+    replay = Replay(EPISODE.key, EPISODE.rollout_id, None, codec.decode)
+    session = LiveSession(EPISODE.key, Episode(), replay, served, "")  # type: ignore[arg-type]
+    model = asyncio.ensure_future(session.model_call(_prompt()))
+    await engine.reached.wait()
+    made_tool = session.tool_call(tools, "POST", "/step", b"{}", "application/json")
+    tool = asyncio.ensure_future(made_tool)
+    # One turn of the loop: a tool call that took no session lock would finish in it (neither
+    # the boundary nor this tool server suspends); this one waits at the session's lock.
+    await asyncio.sleep(0)
+    assert tools.calls == 0 and not tool.done()
+    engine.release.set()
+    await model
+    made = await tool
+    assert tools.calls == 1 and made.index == 0
+    assert len(session.replay.record.calls) == 1
+
+
+async def test_an_episode_whose_agent_failed_is_no_longer_exported(codec: ChatCodec) -> None:
+    served = Served(engine=MoeEngine(codec.encode(TEXT)), codec=codec, model="moe")  # type: ignore[arg-type]
+    exported: list[dict[str, Any]] = []
+
+    def agent(url: str, task: dict[str, Any]) -> Any:
+        exported.append(hooks.export_episode(EPISODE))  # while it runs: exported
+        raise RuntimeError("the agent crashed")
+
+    hooks = GatewayHooks(served, FunctionAgent(agent, lambda session: ""))
+    with pytest.raises(RuntimeError, match="the agent crashed"):
+        await hooks.run_episode(RunEpisode(episode=EPISODE), Episode())  # type: ignore[arg-type]
+    assert exported and exported[0]["rollout_id"] == EPISODE.rollout_id
+    with pytest.raises(InvalidInput, match="holds no session of episode"):
+        hooks.export_episode(EPISODE)
