@@ -20,6 +20,7 @@
     │   ├── AdmissionLeaseExpired      the park outlived its lease: the snapshot is abandoned
     │   ├── AdmissionClosed            a dispatch waited past its timeout while a snapshot parked
     │   ├── CheckpointSpent            this checkpoint id can no longer park the environments
+    │   ├── CheckpointBusy             another checkpoint's draft is open: open again later
     │   └── InjectedFault              an armed fault point, action ``raise``
     ├── InvariantError                 never retry: state or input is wrong
     │   ├── OwnershipMismatch
@@ -352,6 +353,12 @@ class ControllerUnavailable(TransientError):
 class CheckpointSpent(TransientError):
     """This checkpoint id can no longer park the environments (a failed prepare resumed them,
     and a resumed id is refused forever); a new snapshot can."""
+
+
+class CheckpointBusy(TransientError):
+    """``open`` found another checkpoint's draft open. It publishes, is aborted, or is
+    discarded by a later open once no phase of it has run for its lease (its workflow was
+    terminated): the same open may succeed later, so a supervisor goes on."""
 
 
 class ObjectStoreUnavailable(TransientError):

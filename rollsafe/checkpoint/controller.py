@@ -26,16 +26,19 @@ Locks, in the only order they are taken (a lock is never held while taking one a
 
 1. the phase ledger's per-``(checkpoint, phase)`` lock: a duplicate attempt waits for the
    first; held across the phase's own work;
-2. the open checkpoint's ``lock``: who may write into the draft (capture, commit, publish);
-   held across the draft's own files (and a publish's upload: nothing else wants it then);
+2. the checkpoint record's ``draft_lock`` (rollsafe.checkpoint.record): who may write into
+   the draft (capture, commit, publish); held across the draft's own files (and a publish's
+   upload: nothing else wants it then);
 3. ``RunService.restoring``: a restore, and journal compaction (which deletes segments a
    restore may read); the run's operations never take it;
 4. ``RunService.barrier``: the run's state, for every operation and the capture; held across
    I/O only by a restore, while it replaces the state (never by a seal, whose row is put
-   outside it, a capture, which calls no data plane, or a compaction);
-5. ``PhaseLedger.lock``: the ledger's records, the open checkpoint slot, the fence's checks
-   paired with the gate's changes (close_admission against resume); held across I/O only by
-   ``open``, around making the draft's directory, so a resume cannot slip in between;
+   outside it, a step's read of its rows, the deletes after commit_step, evict and publish,
+   which happen after it is released, a capture, which calls no data plane, or a compaction);
+5. ``PhaseLedger.lock``: the ledger's records, the open draft's slot (``DraftSlot.open``), the
+   fence's checks paired with the gate's changes (close_admission against resume); held
+   across I/O only by ``open``, around making the draft's directory, so a resume cannot slip
+   in between (the sweep of old drafts happens before it is taken);
 6. the admission gate's own lock (rollsafe.core.gate): never across I/O; its expiry hook runs
    once it is released.
 

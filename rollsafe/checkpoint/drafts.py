@@ -17,7 +17,7 @@ from rollsafe.checkpoint.record import CheckpointRecord
 from rollsafe.checkpoint.run_service import RunService
 from rollsafe.core.gate import AdmissionGate
 from rollsafe.engine.staging import drop_staged
-from rollsafe.errors import CheckpointRefused, SnapshotLost
+from rollsafe.errors import CheckpointBusy, SnapshotLost
 from rollsafe.faults import fault_point, register
 from rollsafe.snapshot import FAULT_POINTS, SnapshotStore
 
@@ -89,14 +89,16 @@ class DraftSlot:
 
     def begin(self, record: CheckpointRecord, lease_s: float) -> CheckpointRecord:
         """``record``'s draft begun here if it is not open yet; refused while another
-        checkpoint is open. The caller holds ``ledger.lock`` (so a resume of the same
-        checkpoint cannot slip in between its check and this)."""
+        checkpoint is open (:class:`~rollsafe.errors.CheckpointBusy`: it ends, or lapses and is
+        reclaimed). The caller holds ``ledger.lock`` (so a resume of the same checkpoint
+        cannot slip in between its check and this)."""
         current = self.open
         cid = record.checkpoint_id
         if current is not None and current is not record:
-            raise CheckpointRefused(
+            raise CheckpointBusy(
                 f"checkpoint {cid} cannot open: checkpoint {current.checkpoint_id} "
-                "is still open (publish or abort it first)"
+                f"is still open (it publishes, is aborted, or lapses {current.lease_s:g} s "
+                "after its last phase)"
             )
         if current is None:
             spec = record.spec

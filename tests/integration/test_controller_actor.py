@@ -17,7 +17,7 @@ from rollsafe.checkpoint.actor import (
 from rollsafe.core.config import RunConfig
 from rollsafe.core.phases import PHASES, Phase, PhaseRequest, PhaseResult, SnapshotSpec
 from rollsafe.dataplane import make_dataplane
-from rollsafe.errors import CheckpointRefused, ControllerUnavailable, SnapshotLost, VersionSkew
+from rollsafe.errors import CheckpointBusy, ControllerUnavailable, SnapshotLost, VersionSkew
 from rollsafe.evidence.scenario import row_content
 from rollsafe.faults import ENV_VAR
 from rollsafe.snapshot import SnapshotStore, state_files
@@ -62,7 +62,7 @@ def test_ten_phases_through_the_named_actor(ray_session: Any, tmp_path: Path) ->
         open_request = PhaseRequest(spec=SnapshotSpec(run_id=run_id, seq=2), phase=Phase.OPEN)
         ray.get(first.run_phase.remote(open_request))
         refused = PhaseRequest(spec=SnapshotSpec(run_id=run_id, seq=3), phase=Phase.OPEN)
-        with pytest.raises(CheckpointRefused, match=r"00000003 cannot open.*00000002"):
+        with pytest.raises(CheckpointBusy, match=r"00000003 cannot open.*00000002"):
             ray.get(second.run_phase.remote(refused))
     finally:
         ray.kill(first)

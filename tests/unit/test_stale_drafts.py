@@ -18,7 +18,7 @@ from rollsafe.core.config import RunConfig
 from rollsafe.core.phases import Phase, PhaseRequest, SnapshotSpec
 from rollsafe.core.run_state import RunState
 from rollsafe.dataplane import make_dataplane
-from rollsafe.errors import CheckpointRefused, SnapshotLost
+from rollsafe.errors import CheckpointBusy, SnapshotLost
 from rollsafe.snapshot import SnapshotStore
 from rollsafe.snapshot._fs import TEMP_PREFIX
 
@@ -63,7 +63,7 @@ def test_a_draft_left_before_close_admission_is_discarded_once_its_lease_has_pas
 ) -> None:
     phase(controller, 1, Phase.OPEN)  # its workflow is terminated here
     clock.now += LEASE_S / 2
-    with pytest.raises(CheckpointRefused, match=r"checkpoint .*00000001 is still open"):
+    with pytest.raises(CheckpointBusy, match=r"checkpoint .*00000001 is still open"):
         phase(controller, 2, Phase.OPEN)  # within the lease: it may still come back
     clock.now += LEASE_S
     phase(controller, 2, Phase.OPEN)
@@ -82,7 +82,7 @@ def test_a_checkpoint_holding_admission_closed_keeps_its_draft_past_its_idle_lea
     clock.now += LEASE_S / 2
     assert controller.renew_admission(SnapshotSpec(run_id=RUN, seq=1))
     clock.now += LEASE_S * 0.9  # idle past its lease, but the renewed gate lease has not run out
-    with pytest.raises(CheckpointRefused, match="is still open"):
+    with pytest.raises(CheckpointBusy, match="is still open"):
         phase(controller, 2, Phase.OPEN)
     phase(controller, 1, Phase.PREPARE_ENVS)  # still its draft
 
@@ -93,7 +93,7 @@ def test_a_phase_caught_running_is_not_idle(controller: Controller, clock: HeldC
     assert record is not None
     controller.ledger.begin_phase(record)  # a phase of it is in flight, however long
     clock.now += LEASE_S * 3
-    with pytest.raises(CheckpointRefused, match="is still open"):
+    with pytest.raises(CheckpointBusy, match="is still open"):
         phase(controller, 2, Phase.OPEN)
     controller.ledger.end_phase(record)
 
