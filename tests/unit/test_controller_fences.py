@@ -30,17 +30,10 @@ from rollsafe.errors import (
 )
 from rollsafe.evidence.scenario import busy_run, row_content
 from rollsafe.snapshot import EntryState, SnapshotStore, state_files
+from rollsafe.testing.clock import HeldClock
 
 RUN = "fenced"
 LEASE_S = 10.0
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def run(ops: Controller, phase: Phase, seq: int = 1) -> PhaseResult:
@@ -142,18 +135,18 @@ def test_a_retried_restore_gets_its_plan_and_only_recent_plans_are_kept(
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+def clock() -> HeldClock:
+    return HeldClock(1000.0)
 
 
 @pytest.fixture
-def leased(tmp_path: Path, clock: FakeClock) -> tuple[Controller, SnapshotStore]:
+def leased(tmp_path: Path, clock: HeldClock) -> tuple[Controller, SnapshotStore]:
     store = SnapshotStore(tmp_path, RUN)
     return Controller.from_parts(busy_run(RUN, make_dataplane("memory")), store, clock=clock), store
 
 
 def test_phases_renew_the_lease_while_they_run(
-    leased: tuple[Controller, SnapshotStore], clock: FakeClock
+    leased: tuple[Controller, SnapshotStore], clock: HeldClock
 ) -> None:
     ops, _ = leased
     run(ops, Phase.OPEN)
@@ -188,7 +181,7 @@ def test_a_phase_that_needs_admission_closed_is_refused_when_its_checkpoint_does
 
 
 def test_a_lease_that_runs_out_reopens_admission_and_abandons_the_snapshot(
-    leased: tuple[Controller, SnapshotStore], clock: FakeClock
+    leased: tuple[Controller, SnapshotStore], clock: HeldClock
 ) -> None:
     ops, store = leased
     run(ops, Phase.OPEN)
@@ -215,7 +208,7 @@ def test_a_lease_that_runs_out_reopens_admission_and_abandons_the_snapshot(
 
 
 def test_a_lease_that_runs_out_after_capture_publishes_nothing(
-    leased: tuple[Controller, SnapshotStore], clock: FakeClock
+    leased: tuple[Controller, SnapshotStore], clock: HeldClock
 ) -> None:
     ops, store = leased
     for phase in PHASES[: PHASES.index(Phase.RESUME)]:
@@ -228,7 +221,7 @@ def test_a_lease_that_runs_out_after_capture_publishes_nothing(
 
 
 def test_a_new_checkpoint_opens_over_one_whose_lease_expired_unnoticed(
-    leased: tuple[Controller, SnapshotStore], clock: FakeClock
+    leased: tuple[Controller, SnapshotStore], clock: HeldClock
 ) -> None:
     """No phase of the old checkpoint ever came back (its workflow was terminated): the next
     open discards its draft instead of waiting for it forever."""
@@ -240,7 +233,7 @@ def test_a_new_checkpoint_opens_over_one_whose_lease_expired_unnoticed(
     assert [e.name for e in store.list()] == ["00000002-rollout"]
 
 
-def test_dispatch_is_refused_until_the_lease_runs_out(tmp_path: Path, clock: FakeClock) -> None:
+def test_dispatch_is_refused_until_the_lease_runs_out(tmp_path: Path, clock: HeldClock) -> None:
     service = Controller(config(), tmp_path, clock=clock)
     service.handout([0])
     run(service, Phase.OPEN)
@@ -252,7 +245,7 @@ def test_dispatch_is_refused_until_the_lease_runs_out(tmp_path: Path, clock: Fak
 
 
 def test_controller_restore_is_unaffected_by_an_abandoned_snapshot(
-    leased: tuple[Controller, SnapshotStore], clock: FakeClock, tmp_path: Path
+    leased: tuple[Controller, SnapshotStore], clock: HeldClock, tmp_path: Path
 ) -> None:
     ops, store = leased
     assert [run(ops, phase) for phase in PHASES][-1].published is not None

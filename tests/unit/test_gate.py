@@ -7,6 +7,7 @@ import pytest
 
 from rollsafe.core.gate import AdmissionGate
 from rollsafe.errors import GateHeld, InvalidInput
+from rollsafe.testing.clock import HeldClock
 
 
 def test_close_and_open_are_idempotent_per_checkpoint() -> None:
@@ -96,18 +97,8 @@ def test_invalid_checkpoint_ids_are_refused(bad: Any) -> None:  # not all str: o
         gate.open(bad)
 
 
-class FakeClock:
-    """The gate's clock, moved by the test: a lease expires when the test says so."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_lease_not_renewed_reopens_the_gate_by_itself() -> None:
-    clock, expired = FakeClock(), []
+    clock, expired = HeldClock(100.0), []
     gate = AdmissionGate(clock, on_expired=lambda holder, _: expired.append(holder))
     assert "lease 10 s" in gate.close("ck-1", lease_s=10).detail
     clock.now += 9.9
@@ -120,7 +111,7 @@ def test_a_lease_not_renewed_reopens_the_gate_by_itself() -> None:
 
 
 def test_renewals_keep_the_gate_closed_and_stop_once_it_expired() -> None:
-    clock = FakeClock()
+    clock = HeldClock(100.0)
     gate = AdmissionGate(clock)
     assert not gate.renew("ck-1")  # not closed yet: nothing to renew
     gate.close("ck-1", lease_s=10)
@@ -136,7 +127,7 @@ def test_renewals_keep_the_gate_closed_and_stop_once_it_expired() -> None:
 
 
 def test_after_an_expiry_the_next_checkpoint_closes_the_gate() -> None:
-    clock, expired = FakeClock(), []
+    clock, expired = HeldClock(100.0), []
     gate = AdmissionGate(clock, on_expired=lambda holder, _: expired.append(holder))
     gate.close("ck-1", lease_s=5)
     clock.now += 5
@@ -173,7 +164,7 @@ def test_wait_open_times_out_on_a_held_gate_and_returns_at_once_on_an_open_one()
 
 
 def test_wait_open_sees_the_lease_run_out_without_another_call() -> None:
-    clock = FakeClock()
+    clock = HeldClock(100.0)
     gate = AdmissionGate(clock)
     gate.close("ck-1", lease_s=5)
     clock.now += 6  # the lease is due: the waiter notices it by itself
@@ -184,7 +175,7 @@ def test_wait_open_sees_the_lease_run_out_without_another_call() -> None:
 def test_the_expiry_hook_runs_outside_the_gates_lock_and_is_told_how_long_it_held() -> None:
     """The hook logs and records a metric: it may read the gate (under the lock this would
     deadlock) and never holds up admission."""
-    clock, seen = FakeClock(), []
+    clock, seen = HeldClock(100.0), []
     gate = AdmissionGate(
         clock, on_expired=lambda holder, change: seen.append((holder, change.held_s, gate.is_open))
     )
@@ -197,7 +188,7 @@ def test_the_expiry_hook_runs_outside_the_gates_lock_and_is_told_how_long_it_hel
 
 
 def test_a_reopening_says_how_long_the_gate_was_closed() -> None:
-    clock = FakeClock()
+    clock = HeldClock(100.0)
     gate = AdmissionGate(clock)
     gate.close("ck-1", lease_s=10)
     clock.now += 3.5

@@ -25,6 +25,7 @@ from rollsafe.env.participant import Participant
 from rollsafe.env.router import participant_app
 from rollsafe.errors import CheckpointSpent
 from rollsafe.loop_thread import LoopThread
+from rollsafe.testing.clock import HeldClock
 from rollsafe.testing.envs import Idle
 from rollsafe.testing.waiting import eventually
 
@@ -33,17 +34,6 @@ INSTANCES = ("w0", "w1")
 SPEC = SnapshotSpec(run_id=RUN, seq=1)
 # Short, so a renewal may go out (one per quarter of it) a few milliseconds after the prepare.
 PARK_DEADLINE_S = 0.04
-
-
-class HeldClock:
-    """The instances' clock: it stands where the test puts it (the lease's end is compared
-    with it; the deadlines the controller sends are wall-clock times, always ahead of it)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass

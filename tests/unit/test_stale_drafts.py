@@ -21,23 +21,16 @@ from rollsafe.dataplane import make_dataplane
 from rollsafe.errors import CheckpointBusy, SnapshotLost
 from rollsafe.snapshot import SnapshotStore
 from rollsafe.snapshot._fs import TEMP_PREFIX
+from rollsafe.testing.clock import HeldClock
 
 RUN = "stale"
 LEASE_S = 10.0
 WAIT_S = 30.0
 
 
-class HeldClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def clock() -> HeldClock:
-    return HeldClock()
+    return HeldClock(1000.0)
 
 
 @pytest.fixture

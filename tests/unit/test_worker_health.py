@@ -15,6 +15,7 @@ from typing import Any, cast
 import httpx
 import pytest
 
+from rollsafe.testing.clock import HeldClock
 from rollsafe.workers.checkpoint import HealthState, WorkerHealth, health_app
 from rollsafe.workers.watchdog import (
     CHECK_S,
@@ -132,16 +133,8 @@ async def test_a_port_in_use_is_an_os_error() -> None:
         assert raised.value.errno == errno.EADDRINUSE
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_watch_counts_stuck_time_only_while_the_watchdog_runs() -> None:
-    clock = Clock()
+    clock = HeldClock()
     watch = Watch("event loop", clock)
     for _ in range(3):  # beating: never stuck
         watch.beat()
@@ -159,7 +152,7 @@ def test_a_watch_counts_stuck_time_only_while_the_watchdog_runs() -> None:
 
 
 def test_a_stopped_and_continued_worker_is_not_stuck_if_it_beats_again() -> None:
-    clock = Clock()
+    clock = HeldClock()
     watch = Watch("event loop", clock)
     watch.beat()
     clock.now += 120.0  # stopped between a beat and the next check
@@ -168,7 +161,7 @@ def test_a_stopped_and_continued_worker_is_not_stuck_if_it_beats_again() -> None
 
 
 async def test_a_stuck_worker_answers_stuck_on_both_probes() -> None:
-    clock = Clock()
+    clock = HeldClock()
     health = health_in("serving", FakeWorker(True))
     ray = Watch("channel to Ray", clock)
     health.watches = [Watch("event loop", clock), ray]
@@ -189,7 +182,7 @@ async def test_a_stuck_worker_answers_stuck_on_both_probes() -> None:
 class Ticking(threading.Event):
     """The watchdog's pause: each wait moves the clock on instead of sleeping."""
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: HeldClock) -> None:
         super().__init__()
         self.clock = clock
 
@@ -201,7 +194,7 @@ class Ticking(threading.Event):
 def test_the_watchdog_exits_once_stuck_past_its_limit_logging_the_stack(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    clock = Clock()
+    clock = HeldClock()
     watch = Watch("event loop", clock)
     watch.beat()  # from this thread: its stack is the one logged
     exited: list[int] = []
@@ -217,7 +210,7 @@ def test_the_watchdog_exits_once_stuck_past_its_limit_logging_the_stack(
 class Stopping(Ticking):
     """As Ticking; the third pause lasts ``gap`` seconds, as a process stopped in it."""
 
-    def __init__(self, clock: Clock, gap: float) -> None:
+    def __init__(self, clock: HeldClock, gap: float) -> None:
         super().__init__(clock)
         self.gap, self.pauses = gap, 0
 
@@ -231,7 +224,7 @@ class Stopping(Ticking):
 def test_a_worker_continued_after_a_long_stop_exits_at_once(
     caplog: pytest.LogCaptureFixture, gap: float, exits: bool
 ) -> None:
-    clock = Clock()
+    clock = HeldClock()
     watch = Watch("event loop", clock)
     exited: list[int] = []
     watchdog([watch], EXIT_AFTER_S, Stopping(clock, gap), exited.append, clock)
