@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -132,6 +132,19 @@ class HeldEngine(MoeEngine):
             yield event
 
 
+class ContendedLock(asyncio.Lock):
+    """An asyncio.Lock that sets :attr:`contended` when a caller finds it held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.contended = asyncio.Event()
+
+    async def acquire(self) -> Literal[True]:
+        if self.locked():
+            self.contended.set()
+        return await super().acquire()
+
+
 class ToolServer:
     name = "tools"
 
@@ -158,14 +171,16 @@ async def test_a_tool_call_waits_for_the_model_call_in_flight_in_its_session(
     served = Served(engine=engine, codec=codec, model="moe")  # type: ignore[arg-type]
     replay = Replay(EPISODE.key, EPISODE.rollout_id, None, codec.decode)
     session = LiveSession(EPISODE.key, Episode(), replay, served, "")  # type: ignore[arg-type]
+    session._lock = lock = ContendedLock()  # the session's one lock, telling when it is waited on
     model = asyncio.ensure_future(session.model_call(_prompt()))
     await engine.reached.wait()
     made_tool = session.tool_call(tools, "POST", "/step", b"{}", "application/json")
     tool = asyncio.ensure_future(made_tool)
-    # One turn of the loop: a tool call that took no session lock would finish in it (neither
-    # the boundary nor this tool server suspends); this one waits at the session's lock.
-    await asyncio.sleep(0)
-    assert tools.calls == 0 and not tool.done()
+    waiting = asyncio.ensure_future(lock.contended.wait())
+    # Either the tool call waits for the model call's lock, or it ran beside it (and is done).
+    await asyncio.wait({tool, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    waiting.cancel()
+    assert tools.calls == 0 and not tool.done(), "the tool call ran beside the model call"
     engine.release.set()
     await model
     made = await tool
